@@ -1,0 +1,23 @@
+# The two commands of the README:   make test   (set up + run the tests)   and   make demo   (the main job)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.gradpress-installed
+
+.PHONY: test demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# the CPU build of torch that lies on this kind of machine; a plain `pip install torch` pulls CUDA (GBs)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m gradpress bench ops --compressors default --json out/bench_ops.json
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,70 @@
+"""No compression and plain casts (GRACE Table 1's baseline; fp16 as in PyTorch's ``fp16_compress_hook``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gradpress.compressor import Compressor, register
+from gradpress.packet import Packet
+from gradpress.rng import Context
+
+
+@register("none")
+@dataclass(repr=False)
+class NoCompression(Compressor):
+    """Sends the gradient as it is: the uncompressed baseline (32 bits per fp32 element)."""
+
+    unbiased = True
+    summable = True
+    kept = "values"
+
+    def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return numel * torch.empty((), dtype=dtype).element_size()
+
+    def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
+        return Packet({"values": flat}, flat.shape, flat.dtype)
+
+    def _decompress(self, packet: Packet) -> torch.Tensor:
+        return packet["values"]
+
+
+@dataclass(repr=False)
+class _Cast(Compressor):
+    """Round to a 16-bit float format (round-to-nearest-even, deterministic, so biased by < 1 ulp)."""
+
+    wire_dtype = torch.float16
+    summable = True
+    kept = "values"
+
+    def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return 2 * numel
+
+    def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
+        return Packet({"values": flat.to(self.wire_dtype)}, flat.shape, flat.dtype)
+
+    def _decompress(self, packet: Packet) -> torch.Tensor:
+        return packet["values"]
+
+
+@register("fp16")
+@dataclass(repr=False)
+class FP16(_Cast):
+    """IEEE half precision: 16 bits per element; values beyond ±65504 overflow to Inf and are reported
+    by the runtime's finiteness check, small ones lose precision below 2^-24."""
+
+    wire_dtype = torch.float16
+
+    def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
+        limit = torch.finfo(torch.float16).max
+        if flat.dtype != torch.float16 and bool(flat.abs().max() > limit):
+            raise OverflowError(f"fp16: values beyond ±{limit} cannot be sent in half precision")
+        return super()._compress(flat, ctx)
+
+
+@register("bf16")
+@dataclass(repr=False)
+class BF16(_Cast):
+    """bfloat16: fp32's exponent range with an 8-bit mantissa; 16 bits per element."""
+
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,181 @@
+"""Sparsifiers: top-k (Aji & Heafield 2017; Alistarh et al. 2018) and random-k (Wangni et al. 2018;
+Stich et al. 2018), as in GRACE Table 1.
+
+Both send ``k = max(1, ceil(ratio · d))`` values. Top-k sends the values of largest magnitude and their
+int32 indices (k·(b + 32) bits for b-bit values); random-k sends only values: its indices come from the
+shared random stream (DESIGN invariant 2), so every worker picks the same ones, the receiver regenerates
+them, and packets of different workers can be summed (``summable``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gradpress._numba import as_numpy, jit, use_numba
+from gradpress.compressor import Compressor, register
+from gradpress.packet import Packet
+from gradpress.rng import Context
+
+
+def keep_count(numel: int, ratio: float) -> int:
+    """k = max(1, ceil(ratio · d)), at most d."""
+    return min(numel, max(1, math.ceil(ratio * numel)))
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _check_ratio(name: str, ratio: float) -> None:
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"{name}: ratio must be in (0, 1], got {ratio}")
+
+
+def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """Dense float32 vector of length ``numel`` with ``values`` at ``indices``."""
+    dense = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    dense[indices.long()] = values.float()
+    return dense
+
+
+@register("topk")
+@dataclass(repr=False)
+class TopK(Compressor):
+    """Top-k sparsification: the k entries of largest |x| and their indices.
+
+    On the CPU the selection avoids a full ``torch.topk``: a threshold is estimated from a strided
+    sample, one numba pass collects the candidates above it, and an exact top-k runs on those few
+    (falling back to the full top-k when the estimate leaves fewer than k candidates). The result is
+    the exact top-k either way.
+    """
+
+    ratio: float = 0.01
+    kept = "values"
+    examples = ("topk:ratio=0.1", "topk:ratio=1")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_ratio("topk", self.ratio)
+
+    def kept_numel(self, numel: int) -> int:
+        return keep_count(numel, self.ratio)
+
+    def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return keep_count(numel, self.ratio) * (_element_bytes(dtype) + 4)
+
+    def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
+        k = keep_count(flat.numel(), self.ratio)
+        indices = topk_indices(flat, k)
+        return Packet({"values": flat[indices], "indices": indices.to(torch.int32)}, flat.shape, flat.dtype)
+
+    def _decompress(self, packet: Packet) -> torch.Tensor:
+        return scatter(packet["values"], packet["indices"], packet.numel)
+
+
+def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (int64, ascending) of the k largest |flat|, exact, ties going to the lower index."""
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    magnitudes = (flat if flat.dtype == torch.float32 else flat.float()).abs()
+    if use_numba(flat) and n >= 65536:
+        stride = max(1, n // 65536)
+        sample = magnitudes[::stride]
+        want = min(sample.numel(), math.ceil(1.25 * k / stride + 4 * math.sqrt(k / stride) + 8))
+        threshold = float(torch.topk(sample, want, sorted=False).values.min())
+        if threshold > 0.0:
+            candidates = torch.empty(n, dtype=torch.int64)
+            count = _collect_at_least(as_numpy(magnitudes), threshold, as_numpy(candidates))
+            if count >= k:
+                candidates = candidates[:count]
+                return candidates[_largest(magnitudes[candidates], k)]
+    return _largest(magnitudes, k)
+
+
+def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k largest values, ascending; among equal values the lower positions win."""
+    kth = torch.topk(magnitudes, k, sorted=False).values.min()
+    above = (magnitudes > kth).nonzero().squeeze(1)
+    ties = (magnitudes == kth).nonzero().squeeze(1)[: k - above.numel()]
+    return torch.cat([above, ties]).sort().values
+
+
+@jit
+def _collect_at_least(x, threshold, out):  # pragma: no cover - compiled
+    count = 0
+    for i in range(x.size):
+        if x[i] >= threshold:
+            out[count] = i
+            count += 1
+    return count
+
+
+@register("randomk")
+@dataclass(repr=False)
+class RandomK(Compressor):
+    """Random-k sparsification: k entries chosen uniformly without replacement from the shared stream.
+
+    With ``scale=true`` the kept values are multiplied by d/k, which makes it unbiased (Wangni et al.;
+    the Natural compression paper's S^q, Def. 5, with ω = d/q − 1, Thm 10); GRACE's version does not
+    scale and relies on error feedback.
+    """
+
+    ratio: float = 0.01
+    scale: bool = False
+    summable = True
+    kept = "values"
+    examples = ("randomk:scale=true", "randomk:ratio=0.5,scale=true")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_ratio("randomk", self.ratio)
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.scale
+
+    def kept_numel(self, numel: int) -> int:
+        return keep_count(numel, self.ratio)
+
+    def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return keep_count(numel, self.ratio) * _element_bytes(dtype)
+
+    def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
+        k = keep_count(flat.numel(), self.ratio)
+        indices = random_indices(flat.numel(), k, ctx.shared_generator(flat.device, "randomk"), flat.device)
+        meta = {"seed": ctx.shared_seed("randomk")}
+        return Packet({"values": flat[indices]}, flat.shape, flat.dtype, meta)
+
+    def _decompress(self, packet: Packet) -> torch.Tensor:
+        n = packet.numel
+        k = keep_count(n, self.ratio)
+        generator = torch.Generator(device=packet.device)
+        generator.manual_seed(packet.meta["seed"])
+        values = packet["values"].float()
+        if self.scale:
+            values = values * (n / k)
+        return scatter(values, random_indices(n, k, generator, packet.device), n)
+
+
+def random_indices(n: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A uniformly random k-subset of range(n), sorted (int64).
+
+    For k ≤ n/2, draws with replacement until k distinct values are seen (which is sampling without
+    replacement), costing O(k log k) instead of a permutation of all n.
+    """
+    if k >= n:
+        return torch.arange(n, device=device)
+    if 2 * k > n:
+        return torch.randperm(n, generator=generator, device=device)[:k].sort().values
+    draws = k + 2 * k * k // n + 16
+    distinct = torch.randint(n, (draws,), generator=generator, device=device).unique()
+    while distinct.numel() < k:
+        more = torch.randint(n, (draws,), generator=generator, device=device)
+        distinct = torch.cat([distinct, more]).unique()
+    if distinct.numel() > k:
+        keep = torch.randperm(distinct.numel(), generator=generator, device=device)[:k]
+        distinct = distinct[keep].sort().values
+    return distinct

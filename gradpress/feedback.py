@@ -1,0 +1,98 @@
+"""Error-feedback memory (GRACE Section 3.2, Eq. 5), keyed per tensor.
+
+GRACE writes memory compensation and update as
+
+    φ_t = β·m_t + γ·g_t             (compensate)
+    m_{t+1} = φ_t − C⁻¹(C(φ_t))      (update: what compression dropped)
+
+``none`` leaves gradients alone; ``residual`` is Eq. 5 with β = γ = 1 by default (the error-feedback
+SGD of Seide et al. and Karimireddy et al.). The memory is a ``state_dict()`` that saves and loads like
+an optimizer's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from gradpress.registry import Registry, format_spec
+
+
+class Feedback:
+    """Base class: per-key memory with ``compensate`` before compression and ``update`` after."""
+
+    name: ClassVar[str] = ""
+
+    def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """The tensor to compress in place of ``grad``."""
+        return grad
+
+    def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
+        """Record what compression dropped: ``compensated`` went in, ``transmitted`` came out."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    @property
+    def spec(self) -> str:
+        return format_spec(self)
+
+
+feedback_registry: Registry[Feedback] = Registry("feedback")
+
+
+def make_feedback(spec: str, **overrides: Any) -> Feedback:
+    """Build a feedback memory from a spec: ``"none"``, ``"residual"``, ``"residual:beta=0.9"``."""
+    return feedback_registry.make(spec, **overrides)
+
+
+def feedback_names() -> list[str]:
+    return feedback_registry.names()
+
+
+@feedback_registry.register("none")
+@dataclass
+class NoFeedback(Feedback):
+    """No memory: what compression drops is lost (right for unbiased compressors)."""
+
+
+@feedback_registry.register("residual")
+@dataclass
+class Residual(Feedback):
+    """GRACE Eq. 5: φ = β·m + γ·g; m ← φ − decompress(compress(φ)).
+
+    The memory is kept in float32 whatever the gradient's dtype, so fp16/bf16 residuals don't lose
+    the small values they exist to keep.
+    """
+
+    beta: float = 1.0
+    gamma: float = 1.0
+    _memory: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        memory = self._memory.get(key)
+        scaled = grad if self.gamma == 1.0 else grad * self.gamma
+        if memory is None:
+            return scaled
+        if memory.shape != grad.shape:
+            raise ValueError(f"feedback memory for {key!r} has shape {tuple(memory.shape)}, "
+                             f"the gradient {tuple(grad.shape)}")
+        phi = memory * self.beta if self.beta != 1.0 else memory
+        return phi + scaled  # float32: the memory's dtype wins the promotion
+
+    def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
+        self._memory[key] = compensated.float() - transmitted.float()
+
+    def memory(self, key: str) -> torch.Tensor | None:
+        """The residual stored for ``key`` (None before its first update)."""
+        return self._memory.get(key)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"memory": {key: value.clone() for key, value in self._memory.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._memory = {key: value.clone() for key, value in state.get("memory", {}).items()}

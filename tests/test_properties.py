@@ -1,0 +1,166 @@
+"""Properties every registered compressor keeps (the suite picks up new methods by itself)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradpress
+from gradpress._numba import numba_disabled
+from gradpress.rng import Context
+from specs import SPECS, SUMMABLE, UNBIASED
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def gradient(shape=(37, 29), dtype=torch.float32, seed=1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[-1])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_keeps_shape_dtype_device(spec, dtype):
+    c = gradpress.make(spec)
+    x = gradient(dtype=dtype)
+    y = c.decompress(c.compress(x))
+    assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_non_contiguous_input_equals_contiguous_copy(spec):
+    c = gradpress.make(spec)
+    x = gradient((29, 37)).t()
+    assert not x.is_contiguous()
+    ctx = Context(seed=3, step=1, key="w")
+    y = c.decompress(c.compress(x, ctx))
+    z = c.decompress(c.compress(x.contiguous(), ctx))
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, z, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (1,), (1, 1)], ids=str)
+def test_empty_and_one_element(spec, shape):
+    c = gradpress.make(spec)
+    x = torch.full(shape, -0.75)
+    packet = c.compress(x)
+    y = c.decompress(packet)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if x.numel() == 0:
+        assert packet.nbytes == 0
+    elif c.unbiased:
+        # one element: the estimate keeps its sign and stays within the method's range
+        assert (y <= 0).all()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_zero_input_gives_zero(spec, dtype):
+    c = gradpress.make(spec)
+    x = torch.zeros(1000, dtype=dtype)
+    assert torch.equal(c.decompress(c.compress(x)), x)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("numel", [1, 7, 1000, 4099])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nbytes_is_the_wire_and_the_formula(spec, numel, dtype):
+    c = gradpress.make(spec)
+    packet = c.compress(gradient((numel,), dtype=dtype))
+    wire = sum(t.numel() * t.element_size() for t in packet.wire())
+    assert packet.nbytes == wire
+    expected = c.expected_nbytes(numel, dtype)
+    if expected is not None:
+        assert packet.nbytes == expected
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_wire_rebuild_round_trips(spec):
+    """A receiver rebuilds a packet from the bare wire tensors plus what it knows statically."""
+    c = gradpress.make(spec)
+    packet = c.compress(gradient(), Context(step=2))
+    rebuilt = packet.with_wire([t.clone() for t in packet.wire()])
+    assert torch.equal(c.decompress(rebuilt), c.decompress(packet))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_finite_input_raises(spec, bad, dtype):
+    c = gradpress.make(spec)
+    x = gradient(dtype=dtype)
+    x[5, 7] = bad
+    with pytest.raises(gradpress.NonFiniteError, match="NaN/Inf"):
+        c.compress(x)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.uint8], ids=str)
+def test_wrong_dtype_raises(spec, dtype):
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        gradpress.make(spec).compress(torch.ones(10, dtype=dtype))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_same_context_same_bits_and_global_rng_untouched(spec):
+    c = gradpress.make(spec)
+    x = gradient()
+    ctx = Context(seed=7, step=3, key="layer", rank=1)
+    state = torch.get_rng_state()
+    a = [t.clone() for t in c.compress(x, ctx).wire()]
+    b = list(c.compress(x, ctx).wire())
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_numba_and_torch_paths_agree(spec, dtype):
+    c = gradpress.make(spec)
+    x = gradient((300, 300), dtype=dtype)
+    ctx = Context(seed=5, step=2, key="k", rank=1)
+    fast = c.decompress(c.compress(x, ctx))
+    with numba_disabled():
+        reference = c.decompress(c.compress(x, ctx))
+    torch.testing.assert_close(fast, reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", UNBIASED)
+def test_unbiased_by_monte_carlo(spec):
+    """E[decompress(compress(x))] = x: every element's sample mean within 5 standard errors."""
+    c = gradpress.make(spec)
+    x = gradient((64,), seed=4)
+    samples = 4000
+    total = torch.zeros(64, dtype=torch.float64)
+    total_sq = torch.zeros(64, dtype=torch.float64)
+    for step in range(samples):
+        y = c.decompress(c.compress(x, Context(seed=11, step=step))).double()
+        total += y
+        total_sq += y * y
+    mean = total / samples
+    std = (total_sq / samples - mean**2).clamp_min(0).sqrt()
+    stderr = std / samples**0.5
+    error = (mean - x.double()).abs()
+    assert (error <= 5 * stderr + 1e-6 * x.double().abs()).all(), (error / stderr.clamp_min(1e-30)).max()
+
+
+@pytest.mark.parametrize("spec", SUMMABLE)
+def test_summable_packets_decode_to_the_sum(spec):
+    c = gradpress.make(spec)
+    xs = [gradient(seed=s) for s in range(3)]
+    packets = [c.compress(x, Context(seed=1, step=4, key="b", rank=r)) for r, x in enumerate(xs)]
+    per_tensor = zip(*[list(p.wire()) for p in packets], strict=True)  # (rank 0's, rank 1's, ...) each
+    summed = packets[0].with_wire([sum(t.double() for t in ts).to(ts[0].dtype) for ts in per_tensor])
+    expected = sum(c.decompress(p).double() for p in packets)
+    # the sum is rounded once to the wire's own float format, if it has one
+    eps = max([torch.finfo(t.dtype).eps for t in packets[0].wire() if t.dtype.is_floating_point] + [1e-7])
+    torch.testing.assert_close(c.decompress(summed).double(), expected, rtol=2 * eps, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_spec_round_trips(spec):
+    c = gradpress.make(spec)
+    assert gradpress.make(c.spec).spec == c.spec
+    assert repr(c) == f"gradpress.make({c.spec!r})"
