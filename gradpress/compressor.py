@@ -37,6 +37,9 @@ class Compressor:
     * ``kept``: the wire tensor holding the float values this method keeps, which a composition
       ``A+B`` hands to ``B`` (None when there is no such tensor).
     * ``examples``: further specs the shared property suite runs besides the bare name.
+    * ``default_feedback``: the error-feedback memory the runtime uses unless told otherwise:
+      ``residual`` for biased methods, ``none`` for unbiased ones; a method with its own memory rule
+      (DGC's momentum correction, ScaleCom's low-pass filter) names it.
     """
 
     name: ClassVar[str] = ""
@@ -47,6 +50,10 @@ class Compressor:
 
     def __post_init__(self) -> None:
         self._calls = itertools.count()
+
+    @property
+    def default_feedback(self) -> str:
+        return "none" if self.unbiased else "residual"
 
     # -- public API -------------------------------------------------------------------------------
     def compress(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
