@@ -197,17 +197,26 @@ class Compose(Compressor):
 # -- input checks ---------------------------------------------------------------------------------
 def check_finite(flat: torch.Tensor, where: str) -> None:
     """Raise :class:`NonFiniteError` if ``flat`` holds NaN or Inf (one read-only pass)."""
-    if use_numba(flat) and flat.dtype == torch.float32:
-        bad = _count_nonfinite_f32(as_numpy(flat).view("uint32"))
-    else:
-        bad = int((~torch.isfinite(flat)).sum())
+    bad = count_nonfinite(flat)
     if bad:
         raise NonFiniteError(f"{where}: the gradient holds {bad} NaN/Inf value(s) out of {flat.numel()}")
 
 
+# exponent-field masks: a float is NaN or Inf exactly when its exponent bits are all ones
+_EXPONENT_MASKS = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+
+
+def count_nonfinite(flat: torch.Tensor) -> int:
+    """Number of NaN/Inf entries of a 1-D contiguous float tensor."""
+    if use_numba(flat):
+        bits = as_numpy(flat).view("uint32" if flat.dtype == torch.float32 else "uint16")
+        return int(_count_exponent_all_ones(bits, _EXPONENT_MASKS[flat.dtype]))
+    return int((~torch.isfinite(flat)).sum())
+
+
 @jit
-def _count_nonfinite_f32(bits):  # pragma: no cover - compiled
+def _count_exponent_all_ones(bits, mask):  # pragma: no cover - compiled
     bad = 0
     for i in range(bits.size):
-        bad += (bits[i] & 0x7F800000) == 0x7F800000
+        bad += (bits[i] & mask) == mask
     return bad

@@ -72,6 +72,26 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), params
 
 
+def split_specs(text: str) -> list[str]:
+    """Split a comma-separated list of specs whose own parameters are comma-separated too.
+
+    A piece ``key=value`` without a name continues the spec before it:
+    ``"topk:ratio=0.01,qsgd:levels=16,bucket=512,natural"`` ->
+    ``["topk:ratio=0.01", "qsgd:levels=16,bucket=512", "natural"]``.
+    """
+    specs: list[str] = []
+    for piece in filter(None, (p.strip() for p in text.split(","))):
+        name_part = piece.split("+")[0]
+        continues = "=" in name_part and ":" not in name_part
+        if continues and not specs:
+            raise ValueError(f"{text!r}: {piece!r} is a parameter without a compressor name before it")
+        if continues:
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
 def spec_fields(cls: type) -> dict[str, Any]:
     """Spec keys of a registered dataclass and their types (fields whose name starts with _ are not keys)."""
     hints = typing.get_type_hints(cls)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradpress.compressor import Compressor, register
+from gradpress.compressor import Compressor, count_nonfinite, register
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -56,10 +56,12 @@ class FP16(_Cast):
     wire_dtype = torch.float16
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
-        limit = torch.finfo(torch.float16).max
-        if flat.dtype != torch.float16 and bool(flat.abs().max() > limit):
-            raise OverflowError(f"fp16: values beyond ±{limit} cannot be sent in half precision")
-        return super()._compress(flat, ctx)
+        packet = super()._compress(flat, ctx)
+        overflowed = count_nonfinite(packet["values"])  # the input is finite: any Inf is an overflow
+        if overflowed:
+            limit = torch.finfo(torch.float16).max
+            raise OverflowError(f"fp16: {overflowed} value(s) beyond ±{limit:g} cannot be sent in half precision")
+        return packet
 
 
 @register("bf16")

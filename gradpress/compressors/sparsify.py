@@ -80,19 +80,38 @@ def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     n = flat.numel()
     if k >= n:
         return torch.arange(n, device=flat.device)
-    magnitudes = (flat if flat.dtype == torch.float32 else flat.float()).abs()
     if use_numba(flat) and n >= 65536:
-        stride = max(1, n // 65536)
-        sample = magnitudes[::stride]
-        want = min(sample.numel(), math.ceil(1.25 * k / stride + 4 * math.sqrt(k / stride) + 8))
+        values = flat if flat.dtype == torch.float32 else flat.float()
+        indices = _topk_by_sampled_threshold(values, k)
+        if indices is not None:
+            return indices
+    return _largest(flat.float().abs(), k)
+
+
+def _topk_by_sampled_threshold(values: torch.Tensor, k: int) -> torch.Tensor | None:
+    """CPU top-k without a full sort: estimate the k-th magnitude from a strided sample of ~65k values,
+    collect the candidates at or above it in one numba pass, then take the exact top-k among them.
+
+    The estimate keeps ~3 standard deviations of margin, so it almost always leaves at least k
+    candidates; if not, a threshold with twice the margin is tried, and None sends the caller to the
+    full top-k. Either way the result is exact.
+    """
+    n = values.numel()
+    stride = max(1, n // 65536)
+    sample = values[::stride].abs()
+    expected = k / stride
+    candidates = torch.empty(n, dtype=torch.int64)  # pages are only touched up to the count found
+    for margin in (3.0, 6.0):
+        want = min(sample.numel(), math.ceil(1.05 * expected + margin * math.sqrt(expected) + 8))
         threshold = float(torch.topk(sample, want, sorted=False).values.min())
-        if threshold > 0.0:
-            candidates = torch.empty(n, dtype=torch.int64)
-            count = _collect_at_least(as_numpy(magnitudes), threshold, as_numpy(candidates))
-            if count >= k:
-                candidates = candidates[:count]
-                return candidates[_largest(magnitudes[candidates], k)]
-    return _largest(magnitudes, k)
+        if threshold <= 0.0:
+            return None
+        count = _collect_at_least(as_numpy(values), threshold, as_numpy(candidates))
+        if count >= k:
+            chosen = torch.empty(k, dtype=torch.int64)
+            _keep_largest(as_numpy(values), as_numpy(candidates[:count]), k, as_numpy(chosen))
+            return chosen
+    return None
 
 
 def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -107,10 +126,31 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
 def _collect_at_least(x, threshold, out):  # pragma: no cover - compiled
     count = 0
     for i in range(x.size):
-        if x[i] >= threshold:
+        if abs(x[i]) >= threshold:
             out[count] = i
             count += 1
     return count
+
+
+@jit
+def _keep_largest(x, candidates, k, out):  # pragma: no cover - compiled
+    """The k candidates (ascending positions) of largest |x|, ties to the lower position, written to out."""
+    magnitudes = np.empty(candidates.size, np.float32)
+    for j in range(candidates.size):
+        magnitudes[j] = abs(x[candidates[j]])
+    kth = np.partition(magnitudes, candidates.size - k)[candidates.size - k]
+    above = 0
+    for j in range(candidates.size):
+        above += magnitudes[j] > kth
+    ties_left = k - above
+    filled = 0
+    for j in range(candidates.size):
+        m = magnitudes[j]
+        if m > kth or (m == kth and ties_left > 0):
+            if m == kth:
+                ties_left -= 1
+            out[filled] = candidates[j]
+            filled += 1
 
 
 @register("randomk")

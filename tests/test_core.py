@@ -1,0 +1,172 @@
+"""The core pieces under the compressors: registry and specs, bit packing, randomness, feedback, CLI."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import gradpress
+from gradpress._numba import numba_disabled
+from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.cli import main as cli
+from gradpress.registry import split_specs
+from gradpress.rng import Context, mix32_torch, uniform24_torch
+
+
+# -- registry and specs ---------------------------------------------------------------------------
+def test_make_reads_typed_parameters():
+    c = gradpress.make("topk:ratio=1/64")
+    assert c.ratio == pytest.approx(1 / 64) and c.spec == "topk:ratio=0.015625"
+    assert gradpress.make("randomk:scale=true", ratio=0.5).spec == "randomk:ratio=0.5,scale=true"
+
+
+def test_unknown_name_lists_what_exists():
+    with pytest.raises(ValueError, match=r"unknown compressor 'nope'; known: .*topk"):
+        gradpress.make("nope")
+
+
+def test_unknown_key_lists_the_parameters():
+    with pytest.raises(ValueError, match=r"'topk' has no parameter 'k'; its parameters: ratio"):
+        gradpress.make("topk:k=3")
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=abc", "topk:ratio", "randomk:scale=maybe", ":ratio=1"])
+def test_malformed_specs_raise(spec):
+    with pytest.raises(ValueError):
+        gradpress.make(spec)
+
+
+def test_parameter_validation():
+    with pytest.raises(ValueError, match="ratio must be in"):
+        gradpress.make("topk:ratio=0")
+
+
+def test_composition_needs_kept_values():
+    c = gradpress.make("topk:ratio=0.5+fp16")
+    assert isinstance(c, gradpress.Compose) and c.spec == "topk:ratio=0.5+fp16"
+    with pytest.raises(ValueError, match="ambiguous"):
+        gradpress.make("topk+fp16", ratio=0.1)
+
+
+def test_split_specs():
+    assert split_specs("topk:ratio=0.01,randomk:ratio=0.1,scale=true,none") == [
+        "topk:ratio=0.01", "randomk:ratio=0.1,scale=true", "none"]
+    assert split_specs("topk:ratio=0.1+fp16,bf16") == ["topk:ratio=0.1+fp16", "bf16"]
+    with pytest.raises(ValueError, match="without a compressor name"):
+        split_specs("ratio=0.1,topk")
+
+
+def test_every_registered_compressor_declares_its_facts():
+    for name in gradpress.compressor_names():
+        c = gradpress.make(name)
+        assert c.name == name and c.__doc__ and isinstance(c.unbiased, bool) and isinstance(c.summable, bool)
+        assert c.default_feedback in gradpress.feedback_names()
+
+
+# -- bit packing ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
+def test_pack_round_trip_and_size(bits, n):
+    codes = torch.randint(0, 2**bits, (n,), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.numel() == packed_nbytes(n, bits) == math.ceil(n * bits / 8)
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+    with numba_disabled():
+        assert torch.equal(pack_bits(codes, bits), packed)
+        assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+def test_pack_layout_is_little_endian_bit_stream():
+    # codes 1, 2, 3 in 3 bits: stream bits 100 010 110 -> byte0 = 0b11010001, byte1 = 0b0
+    packed = pack_bits(torch.tensor([1, 2, 3], dtype=torch.uint8), 3)
+    assert packed.tolist() == [0b11010001, 0]
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError):
+        pack_bits(torch.zeros(3, dtype=torch.uint8), 9)
+    with pytest.raises(TypeError):
+        pack_bits(torch.zeros(3, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 100)
+
+
+# -- randomness -----------------------------------------------------------------------------------
+def test_shared_streams_ignore_rank_private_streams_do_not():
+    a, b = Context(seed=1, step=2, key="w", rank=0), Context(seed=1, step=2, key="w", rank=3)
+    assert a.shared_seed() == b.shared_seed()
+    assert a.private_seed() != b.private_seed()
+    assert a.shared_seed() != Context(seed=1, step=3, key="w").shared_seed()
+    assert a.shared_seed() != a.with_key("v").shared_seed()
+
+
+def test_hash_uniforms_are_uniform():
+    u = uniform24_torch(1 << 20, seed=12345, device="cpu")
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    hist = torch.histc(u, bins=64, min=0, max=1)
+    expected = u.numel() / 64
+    chi2 = float(((hist - expected) ** 2 / expected).sum())
+    assert chi2 < 120  # 63 degrees of freedom: p < 1e-5 beyond ~120
+    # neighbouring elements and neighbouring seeds are uncorrelated
+    v = uniform24_torch(1 << 20, seed=12346, device="cpu")
+    assert abs(float(torch.corrcoef(torch.stack([u[1:], u[:-1]]))[0, 1])) < 0.005
+    assert abs(float(torch.corrcoef(torch.stack([u, v]))[0, 1])) < 0.005
+    assert int(mix32_torch(torch.tensor([0]), 0)) == 0  # fmix32(0) = 0 is the hash's fixed point
+
+
+# -- feedback -------------------------------------------------------------------------------------
+def test_residual_feedback_telescopes():
+    """GRACE Eq. 5 with β = γ = 1: what was transmitted plus the final memory equals what came in."""
+    c, fb = gradpress.make("topk:ratio=0.05"), gradpress.make_feedback("residual")
+    grads = [torch.randn(500) for _ in range(6)]
+    sent = torch.zeros(500)
+    for step, g in enumerate(grads):
+        phi = fb.compensate("w", g)
+        out = c.decompress(c.compress(phi, Context(step=step)))
+        fb.update("w", phi, out)
+        sent += out
+    torch.testing.assert_close(sent + fb.memory("w"), sum(grads), rtol=1e-5, atol=1e-5)
+
+
+def test_residual_beta_gamma_and_state_dict():
+    fb = gradpress.make_feedback("residual:beta=0.5,gamma=2")
+    g = torch.ones(4, dtype=torch.bfloat16)
+    fb.update("w", torch.full((4,), 3.0), torch.ones(4))  # memory = 2
+    phi = fb.compensate("w", g)
+    assert phi.dtype == torch.float32 and phi.tolist() == [3.0] * 4  # 0.5 * 2 + 2 * 1
+    restored = gradpress.make_feedback("residual:beta=0.5,gamma=2")
+    restored.load_state_dict(fb.state_dict())
+    assert torch.equal(restored.compensate("w", g), phi)
+    with pytest.raises(ValueError, match="shape"):
+        fb.compensate("w", torch.ones(5))
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+def test_bench_ops_writes_records(tmp_path, capsys):
+    out = tmp_path / "ops.json"
+    assert cli(["bench", "ops", "--compressors", "topk:ratio=0.1,randomk:ratio=0.1,scale=true,none",
+                "--sizes", "1000,2^12", "--repeats", "1", "--workers", "3", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["spec"], r["numel"]) for r in records] == [
+        ("topk:ratio=0.1", 1000), ("topk:ratio=0.1", 4096), ("randomk:ratio=0.1,scale=true", 1000),
+        ("randomk:ratio=0.1,scale=true", 4096), ("none", 1000), ("none", 4096)]
+    fields = {"name", "spec", "numel", "bits_per_element", "nmse", "nmse_avg_n", "workers",
+              "compress_ms", "decompress_ms", "copy_ms"}
+    assert all(set(r) == fields for r in records)
+    none = records[-1]
+    assert none["bits_per_element"] == 32 and none["nmse"] == 0 and none["workers"] == 3
+    topk = records[1]
+    assert topk["bits_per_element"] == pytest.approx(math.ceil(0.1 * 4096) * 64 / 4096)
+    assert 0 < topk["nmse"] < 1
+    rk = records[3]
+    # random-k draws its indices from the shared stream: n workers sending the same vector send the same
+    # values, so averaging them removes nothing (private-noise methods are checked in their own tests)
+    assert rk["nmse_avg_n"] == pytest.approx(rk["nmse"], rel=1e-6)
+
+
+def test_cli_list(capsys):
+    assert cli(["list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in gradpress.compressor_names())
