@@ -11,6 +11,7 @@ import sys
 
 SUBCOMMANDS = [
     "gradpress.bench.ops",
+    "gradpress.testbed.data",
 ]
 
 

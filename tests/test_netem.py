@@ -1,0 +1,85 @@
+"""The emulated network: built, rate-limited, and always deleted (needs root; skipped otherwise)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gradpress.testbed import netem
+
+root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
+
+
+def test_rate_parsing():
+    assert netem.rate_bits_per_second("100mbit") == 1e8
+    assert netem.rate_bits_per_second("1gbit") == 1e9
+    assert netem.rate_bits_per_second("2.5 Mbit") == 2.5e6
+    with pytest.raises(ValueError, match="100mbit"):
+        netem.rate_bits_per_second("100 megabits")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="checks the message a non-root user gets")
+def test_not_root_gives_a_clear_error():
+    with pytest.raises(netem.NetworkUnavailable, match="needs root"):
+        netem.check_available()
+
+
+RECEIVER = """
+import socket, sys, time
+s = socket.socket(); s.bind((sys.argv[1], 5001)); s.listen(1); s.settimeout(20)
+c, _ = s.accept(); c.settimeout(20); n = 0; start = None
+while True:
+    data = c.recv(1 << 20)
+    if not data: break
+    start = start or time.perf_counter(); n += len(data)
+print(n * 8 / (time.perf_counter() - start))
+"""
+SENDER = """
+import socket, sys, time
+for _ in range(100):
+    try: s = socket.create_connection((sys.argv[1], 5001), timeout=20); break
+    except OSError: time.sleep(0.05)
+block = b"x" * (1 << 20)
+for _ in range(int(sys.argv[2])): s.sendall(block)
+s.close()
+"""
+
+
+@root
+def test_star_limits_rate_and_is_deleted():
+    with netem.emulated_star(2, "100mbit") as star:
+        assert set(netem.namespaces_of(os.getpid())) == {star.bridge, *star.namespaces}
+        receiver = subprocess.Popen(star.command(1, [sys.executable, "-c", RECEIVER, star.addresses[1]]),
+                                    stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+        subprocess.run(star.command(0, [sys.executable, "-c", SENDER, star.addresses[1], "12"]),
+                       check=True, timeout=60)
+        bits_per_second = float(receiver.communicate(timeout=60)[0])
+        # a 100 Mbit/s token bucket: well below loopback's tens of Gbit/s, close to the configured rate
+        assert 60e6 < bits_per_second < 130e6
+        assert star.environment(0)["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert netem.namespaces_of(os.getpid()) == []
+
+
+@root
+def test_star_is_deleted_when_the_block_raises():
+    with pytest.raises(RuntimeError, match="worker failed"):
+        with netem.emulated_star(3, "1gbit"):
+            raise RuntimeError("worker failed")
+    assert netem.namespaces_of(os.getpid()) == []
+
+
+@root
+def test_stale_namespaces_of_dead_processes_are_cleaned():
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(child.stdout)
+    name = f"gp{dead_pid}-w0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in netem.cleanup_stale()
+    finally:
+        netem.delete([name])
+    assert netem.namespaces_of(dead_pid) == []
