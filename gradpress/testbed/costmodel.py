@@ -1,0 +1,241 @@
+"""An α–β cost model of a training step: predicted step time from measured compute and compression.
+
+Hockney's model prices one message of m bytes between two nodes at α + m/β (α: latency per message,
+β: bandwidth). Thakur, Rabenseifner & Gropp (2005, "Optimization of collective communication operations
+in MPICH") give the costs of the collectives built from such messages; GRACE (Xu et al.) Section 3 names
+the strategies a compressor needs: all-reduce for summable packets, all-gather (or broadcast) for the rest,
+and a parameter server as the alternative to collectives. With B = bytes each worker contributes and
+n workers (the reduction's arithmetic, Thakur's γ term, is left out):
+
+====================  ===========  =====================  ==============================================
+strategy              α terms      bytes, critical path   algorithm
+====================  ===========  =====================  ==============================================
+``allreduce``         2(n−1)       2(n−1)/n · B           ring: reduce-scatter, then all-gather
+``allreduce-rh``      2⌈log₂n⌉     2(n−1)/n · B           Rabenseifner: recursive halving, then doubling
+                                                          (n a power of two)
+``allgather``         n−1          (n−1) · B              ring: everyone receives every other packet
+``allgather-rd``      ⌈log₂n⌉      (n−1) · B              recursive doubling
+``broadcast``         ⌈log₂n⌉      ⌈log₂n⌉ · B            binomial tree (CLT-k's leader indices)
+``ps``                2            (n−1) · (B + B↓)       parameter server on one of the workers
+``ps-dedicated``      2            n · (B + B↓)           parameter server on its own node
+``gather-broadcast``  1 + ⌈log₂n⌉  (n−1)·B + ⌈log₂n⌉·B↓   gradpress's ``ps``/``switch`` modes on Gloo:
+                                                          gather at the root, binomial-tree broadcast
+====================  ===========  =====================  ==============================================
+
+The network is the testbed's emulated star (:mod:`gradpress.testbed.netem`): every worker has its own
+link to a bridge, rate-limited to the same β in each direction (full duplex: sending and receiving do
+not compete). So in a ring every step costs one message on every link at once, while a parameter
+server's link is the star's bottleneck: the other workers' pushes arrive through it one after the other
+(B each), and the pull sends the aggregate (B↓ bytes, default B; THC sends 8-bit sums for 4-bit
+indices) back through it to each of them. With n = 1 nothing is sent, except to a dedicated server.
+The testbed's own parameter-server modes (:mod:`gradpress.strategy`) gather at rank 0 and send the
+result back with ``torch.distributed.broadcast``, which Gloo runs as a binomial tree: there the root's
+link carries ⌈log₂n⌉ copies of the result, not n−1 (``gather-broadcast``).
+
+**Units**: ``bandwidth`` is in *bits* per second (tc's ``100mbit`` = 1e8, as
+:func:`~gradpress.testbed.netem.rate_bits_per_second` reads it; a tc rate string is accepted too) and
+``nbytes`` in *bytes*: the time of m bytes is 8·m / bandwidth.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+from scipy.optimize import nnls
+
+from gradpress.testbed.netem import rate_bits_per_second
+from gradpress.testbed.results import Run
+
+#: per-message latency α (s) used when none is given: an order-of-magnitude guess for TCP between local
+#: processes; fit the testbed's with :func:`fit_latency` or :func:`fit_alpha_beta` on measured runs
+DEFAULT_LATENCY = 1e-4
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A collective's α–β cost: time = ``messages`` · α + 8 · ``nbytes`` / bandwidth (bits/s)."""
+
+    messages: float
+    nbytes: float
+
+    def seconds(self, bandwidth: float | str, latency: float = DEFAULT_LATENCY) -> float:
+        return self.messages * _check_latency(latency) + 8.0 * self.nbytes / _bits_per_second(bandwidth)
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.messages + other.messages, self.nbytes + other.nbytes)
+
+
+def _log2_ceil(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+STRATEGIES: dict[str, Callable[[int, float, float], Cost]] = {
+    # (n, B, B_down) -> Cost; the table in the module doc
+    "allreduce": lambda n, b, down: Cost(2 * (n - 1), 2 * (n - 1) / n * b),
+    "allreduce-rh": lambda n, b, down: Cost(2 * _log2_ceil(n), 2 * (n - 1) / n * b),
+    "allgather": lambda n, b, down: Cost(n - 1, (n - 1) * b),
+    "allgather-rd": lambda n, b, down: Cost(_log2_ceil(n), (n - 1) * b),
+    "broadcast": lambda n, b, down: Cost(_log2_ceil(n), _log2_ceil(n) * b),
+    "ps": lambda n, b, down: Cost(2 if n > 1 else 0, (n - 1) * (b + down)),
+    "ps-dedicated": lambda n, b, down: Cost(2, n * (b + down)),
+    "gather-broadcast": lambda n, b, down: Cost(1 + _log2_ceil(n) if n > 1 else 0,
+                                                (n - 1) * b + _log2_ceil(n) * down),
+}
+#: strategies whose result comes back with its own size (``Phase.nbytes_down``)
+TWO_WAY = ("ps", "ps-dedicated", "gather-broadcast")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One exchange of a step: ``strategy`` (:data:`STRATEGIES`) on ``nbytes`` per worker; for a parameter
+    server, ``nbytes_down`` bytes come back (default ``nbytes``). CLT-k's step is two phases:
+    ``Phase("broadcast", index bytes), Phase("allreduce", value bytes)``."""
+
+    strategy: str
+    nbytes: float
+    nbytes_down: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGIES)}")
+        for name in ("nbytes", "nbytes_down"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"Phase.{name} must be a finite number of bytes ≥ 0, got {value}")
+        if self.nbytes_down is not None and self.strategy not in TWO_WAY:
+            raise ValueError(f"nbytes_down is for a parameter server ({', '.join(TWO_WAY)}), "
+                             f"not {self.strategy!r}")
+
+    def cost(self, n: int) -> Cost:
+        """The α–β cost of this phase among ``n`` workers."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"the number of workers must be an integer ≥ 1, got {n!r}")
+        if self.strategy == "allreduce-rh" and n & (n - 1):
+            raise ValueError(f"recursive halving needs a power-of-two number of workers, got {n}")
+        down = self.nbytes if self.nbytes_down is None else self.nbytes_down
+        return STRATEGIES[self.strategy](n, float(self.nbytes), float(down))
+
+
+def communication_cost(phases: Phase | Sequence[Phase], n: int) -> Cost:
+    """The summed cost of a step's phases (they run one after the other)."""
+    phases = [phases] if isinstance(phases, Phase) else list(phases)
+    total = Cost(0.0, 0.0)
+    for phase in phases:
+        total = total + phase.cost(n)
+    return total
+
+
+def communication_time(phases: Phase | Sequence[Phase], n: int, bandwidth: float | str,
+                       latency: float = DEFAULT_LATENCY) -> float:
+    """Seconds a step's exchange takes among ``n`` workers at ``bandwidth`` bits/s per link."""
+    return communication_cost(phases, n).seconds(bandwidth, latency)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where a step's time goes (seconds): ``total`` follows the overlap rule of :func:`predict_step_time`."""
+
+    compute: float
+    compression: float
+    communication: float
+    total: float
+
+    def samples_per_s(self, samples_per_step: float) -> float:
+        """Throughput at ``samples_per_step`` global samples per step."""
+        return samples_per_step / self.total
+
+
+def predict_step_time(compute_s: float, compress_s: float, phases: Phase | Sequence[Phase], *, n: int,
+                      bandwidth: float | str, latency: float = DEFAULT_LATENCY,
+                      overlap: bool = False) -> Breakdown:
+    """Predicted step time from measured compute and compression times and the α–β exchange cost.
+
+    ``overlap=False``: compute, compression and communication run one after the other (sum).
+    ``overlap=True``: DDP starts a bucket's exchange while backward is still running, so at best the
+    exchange hides behind computation: total = max(compute, communication) + compression (compression
+    stays on the critical path). The truth lies between the two; they bound it.
+    """
+    for name, value in (("compute_s", compute_s), ("compress_s", compress_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number of seconds ≥ 0, got {value}")
+    comm = communication_time(phases, n, bandwidth, latency)
+    total = max(compute_s, comm) + compress_s if overlap else compute_s + compress_s + comm
+    return Breakdown(compute_s, compress_s, comm, total)
+
+
+def predict_from_run(run: Run, *, bandwidth: float | str, n: int, strategy: str,
+                     latency: float = DEFAULT_LATENCY, overlap: bool = False,
+                     nbytes_down: float | None = None) -> Breakdown:
+    """Predict the step time of ``run``'s compressor at another ``bandwidth`` and ``n``.
+
+    Uses the run's steady-state mean compute and compression times and its mean bytes per step
+    (GRACE's data volume: the input size of the collectives, one worker's B) — per-worker batch and
+    packet size do not depend on n. A multi-phase method's bytes are priced as one ``strategy``.
+    """
+    phase = Phase(strategy, run.bytes_per_step, nbytes_down)
+    return predict_step_time(run.mean_compute_s, run.mean_compress_s, phase, n=n, bandwidth=bandwidth,
+                             latency=latency, overlap=overlap)
+
+
+def measured_breakdown(run: Run) -> Breakdown:
+    """The run's own steady-state means, in the same shape as a prediction (total = mean step time)."""
+    return Breakdown(run.mean_compute_s, run.mean_compress_s, run.mean_comm_s, run.mean_step_s)
+
+
+# -------------------------------------------------------------------------------------------------
+# Fitting α (and β) to measured communication times
+# -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Observation:
+    """A measured exchange: ``seconds`` spent on ``phases`` among ``n`` workers."""
+
+    phases: Phase | Sequence[Phase]
+    n: int
+    seconds: float
+
+
+def fit_latency(observations: Sequence[Observation], bandwidth: float | str) -> float:
+    """Least-squares α ≥ 0 given a known bandwidth: minimizes Σ (messages·α + bytes term − seconds)².
+
+    Observations without messages (n = 1) carry no information about α and are ignored.
+    """
+    bits_per_second = _bits_per_second(bandwidth)
+    costs = [(communication_cost(o.phases, o.n), o.seconds) for o in observations]
+    num = sum(c.messages * (s - 8.0 * c.nbytes / bits_per_second) for c, s in costs)
+    den = sum(c.messages ** 2 for c, _ in costs)
+    if den == 0:
+        raise ValueError("fit_latency needs at least one observation with messages (n > 1)")
+    return max(0.0, num / den)
+
+
+def fit_alpha_beta(observations: Sequence[Observation]) -> tuple[float, float]:
+    """Non-negative least squares for (α, bandwidth in bits/s) over observations of different sizes.
+
+    time = α·messages + (1/bandwidth)·(8·bytes) is linear in (α, 1/bandwidth); scipy's ``nnls`` keeps
+    both ≥ 0. Needs observations that differ in bytes per message, or the two are not identifiable.
+    """
+    costs = [communication_cost(o.phases, o.n) for o in observations]
+    a = np.array([[c.messages, 8.0 * c.nbytes] for c in costs], dtype=float)
+    b = np.array([o.seconds for o in observations], dtype=float)
+    if len(costs) < 2 or np.linalg.matrix_rank(a) < 2:
+        raise ValueError("fit_alpha_beta needs at least two observations whose message counts and bytes "
+                         "are not proportional (vary the bytes)")
+    (alpha, seconds_per_bit), _ = nnls(a, b)
+    if seconds_per_bit <= 0:
+        raise ValueError("the fitted bandwidth is unbounded: the measured times do not grow with bytes")
+    return float(alpha), float(1.0 / seconds_per_bit)
+
+
+def _bits_per_second(bandwidth: float | str) -> float:
+    value = rate_bits_per_second(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"bandwidth must be a positive number of bits/s (or a tc rate), got {bandwidth!r}")
+    return value
+
+
+def _check_latency(latency: float) -> float:
+    if not (math.isfinite(latency) and latency >= 0):
+        raise ValueError(f"latency must be a finite number of seconds ≥ 0, got {latency}")
+    return float(latency)

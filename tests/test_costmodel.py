@@ -1,0 +1,160 @@
+"""The α–β cost model: closed forms on small cases, units, monotonicity, overlap, fitting, predictions
+from a measured run."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gradpress.testbed import costmodel as C
+from gradpress.testbed.results import Run, Step
+
+MB = 1e6  # bytes
+MBYTE_PER_S = 8e6  # bits/s: one megabyte per second
+
+
+def seconds(strategy: str, n: int, nbytes: float, bandwidth: float = MBYTE_PER_S, latency: float = 0.0,
+            **kw) -> float:
+    return C.communication_time(C.Phase(strategy, nbytes, **kw), n, bandwidth, latency)
+
+
+@pytest.mark.parametrize("strategy, n, messages, nbytes", [
+    ("allreduce", 4, 6, 1.5 * MB),            # 2(n−1) steps of B/n: 2·3/4·B
+    ("allreduce", 2, 2, 1.0 * MB),
+    ("allreduce-rh", 8, 6, 1.75 * MB),        # 2·log2(8) messages, 2·7/8·B
+    ("allgather", 4, 3, 3.0 * MB),            # (n−1) packets of B received by everyone
+    ("allgather-rd", 8, 3, 7.0 * MB),
+    ("broadcast", 5, 3, 3.0 * MB),            # ⌈log2 5⌉ = 3 rounds of B
+    ("ps", 4, 2, 6.0 * MB),                   # 3 pushes of B in, 3 pulls of B out of the server's link
+    ("ps-dedicated", 4, 2, 8.0 * MB),
+    ("gather-broadcast", 5, 4, 7.0 * MB),     # 4 gathered into the root + 3 binomial rounds back
+])
+def test_closed_form_costs(strategy, n, messages, nbytes):
+    cost = C.Phase(strategy, MB).cost(n)
+    assert cost.messages == messages
+    assert cost.nbytes == pytest.approx(nbytes)
+    # 1 MB/s links, α = 1 ms: bytes in MB are seconds
+    assert seconds(strategy, n, MB, latency=1e-3) == pytest.approx(nbytes / MB + messages * 1e-3)
+
+
+def test_parameter_server_prices_the_down_direction_separately():
+    # THC: 4-bit indices up, 8-bit sums down -> down is twice up
+    assert seconds("ps", 4, MB, nbytes_down=2 * MB) == pytest.approx(3 * (1 + 2))
+    assert seconds("gather-broadcast", 8, MB, nbytes_down=2 * MB) == pytest.approx(7 * 1 + 3 * 2)
+    with pytest.raises(ValueError, match="parameter server"):
+        C.Phase("allreduce", MB, nbytes_down=MB)
+
+
+def test_one_worker_sends_nothing_except_to_a_dedicated_server():
+    for strategy in ("allreduce", "allreduce-rh", "allgather", "allgather-rd", "broadcast", "ps",
+                     "gather-broadcast"):
+        assert seconds(strategy, 1, MB, latency=1.0) == 0.0, strategy
+    assert seconds("ps-dedicated", 1, MB) == pytest.approx(2.0)
+
+
+def test_units_are_bits_per_second_and_bytes():
+    # 1 MB over 100 Mbit/s takes 0.08 s: 8e6 bits / 1e8 bits/s (not 0.01 s, not 0.64 s)
+    assert C.Cost(0, MB).seconds(1e8, latency=0.0) == pytest.approx(0.08)
+    assert C.Cost(0, MB).seconds("100mbit", latency=0.0) == pytest.approx(0.08)
+    assert C.Cost(0, MB).seconds("1gbit", latency=0.0) == pytest.approx(0.008)
+    assert C.Cost(3, 0).seconds("1gbit", latency=2e-4) == pytest.approx(6e-4)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "allgather", "allgather-rd", "broadcast", "ps",
+                                      "ps-dedicated", "gather-broadcast"])
+def test_monotonic_in_workers_and_bandwidth(strategy):
+    times = [seconds(strategy, n, MB, latency=1e-4) for n in range(1, 65)]
+    assert all(b >= a for a, b in zip(times, times[1:])), strategy
+    assert times[-1] > times[1]
+    by_rate = [seconds(strategy, 8, MB, bandwidth=r, latency=1e-4) for r in (1e7, 1e8, 1e9, 1e10)]
+    assert all(b < a for a, b in zip(by_rate, by_rate[1:])), strategy
+    # latency only ever adds
+    assert seconds(strategy, 8, MB, latency=1e-3) > seconds(strategy, 8, MB, latency=0.0)
+
+
+def test_allgather_grows_with_workers_while_allreduce_saturates():
+    allreduce = [C.Phase("allreduce", MB).cost(n).nbytes for n in (2, 8, 64, 1024)]
+    allgather = [C.Phase("allgather", MB).cost(n).nbytes for n in (2, 8, 64, 1024)]
+    assert all(b > a for a, b in zip(allreduce, allreduce[1:]))
+    assert all(x < 2 * MB for x in allreduce) and allreduce[-1] == pytest.approx(2 * MB, rel=1e-3)
+    assert allgather == pytest.approx([(n - 1) * MB for n in (2, 8, 64, 1024)])
+    # at 1024 workers, gathering 1/32-size packets moves ~16× more than all-reducing the full gradient
+    gathered = C.Phase("allgather", MB / 32).cost(1024).nbytes
+    assert gathered / allreduce[-1] == pytest.approx(1023 / 64, rel=1e-3)
+
+
+def test_phases_add_up():
+    clt_k = [C.Phase("broadcast", 0.1 * MB), C.Phase("allreduce", MB)]
+    assert C.communication_time(clt_k, 4, MBYTE_PER_S, 1e-3) == pytest.approx(
+        seconds("broadcast", 4, 0.1 * MB, latency=1e-3) + seconds("allreduce", 4, MB, latency=1e-3))
+    assert C.communication_cost(clt_k, 4) == C.Cost(2 + 6, 0.2 * MB + 1.5 * MB)
+
+
+def test_overlap_rule():
+    comm_fast = C.Phase("allreduce", 0.2 * MB)  # n = 2: 2·1/2·B -> 0.2 s at 1 MB/s
+    sequential = C.predict_step_time(0.3, 0.05, comm_fast, n=2, bandwidth=MBYTE_PER_S, latency=0.0)
+    overlapped = C.predict_step_time(0.3, 0.05, comm_fast, n=2, bandwidth=MBYTE_PER_S, latency=0.0,
+                                     overlap=True)
+    assert sequential == C.Breakdown(0.3, 0.05, pytest.approx(0.2), pytest.approx(0.55))
+    assert overlapped.total == pytest.approx(0.35)  # communication hidden behind compute
+    comm_slow = C.Phase("allreduce", 0.5 * MB)
+    slow = C.predict_step_time(0.3, 0.05, comm_slow, n=2, bandwidth=MBYTE_PER_S, latency=0.0, overlap=True)
+    assert slow.total == pytest.approx(0.55)  # communication-bound: compute hidden instead
+    assert sequential.samples_per_s(110) == pytest.approx(200.0)
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="unknown strategy"):
+        C.Phase("butterfly", MB)
+    with pytest.raises(ValueError, match="bytes"):
+        C.Phase("allreduce", -1)
+    with pytest.raises(ValueError, match="workers"):
+        C.Phase("allreduce", MB).cost(0)
+    with pytest.raises(ValueError, match="power-of-two"):
+        C.Phase("allreduce-rh", MB).cost(6)
+    with pytest.raises(ValueError, match="bandwidth"):
+        seconds("allreduce", 4, MB, bandwidth=0.0)
+    with pytest.raises(ValueError, match="100mbit"):
+        seconds("allreduce", 4, MB, bandwidth="100 megabit")
+    with pytest.raises(ValueError, match="latency"):
+        seconds("allreduce", 4, MB, latency=-1.0)
+    with pytest.raises(ValueError, match="compute_s"):
+        C.predict_step_time(math.nan, 0.0, C.Phase("allreduce", MB), n=2, bandwidth=1e8)
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    alpha, rate = 3e-4, 2e8
+    observations = [
+        C.Observation(C.Phase(strategy, nbytes), n, C.Phase(strategy, nbytes).cost(n).seconds(rate, alpha))
+        for strategy in ("allreduce", "allgather") for n in (2, 4, 8) for nbytes in (1e3, 1e5, 1e7)
+    ]
+    assert C.fit_latency(observations, rate) == pytest.approx(alpha, rel=1e-9)
+    fitted_alpha, fitted_rate = C.fit_alpha_beta(observations)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fitted_rate == pytest.approx(rate, rel=1e-6)
+    with pytest.raises(ValueError, match="vary the bytes"):
+        C.fit_alpha_beta(observations[:1])
+    with pytest.raises(ValueError, match="n > 1"):
+        C.fit_latency([C.Observation(C.Phase("allreduce", MB), 1, 0.0)], rate)
+
+
+def _run(steps: list[tuple[float, float, float, int]]) -> Run:
+    """A run from (step seconds, compute_s, compress_s, bytes) per step, 32 samples each."""
+    wall, out = 0.0, []
+    for i, (dt, compute, compress, nbytes) in enumerate(steps, start=1):
+        wall += dt
+        out.append(Step(i, 0, wall, compute, compress, dt - compute - compress, nbytes, 32))
+    return Run("topk:ratio=0.01", "mlp", "fashion-mnist", 2, "100mbit", 0, tuple(out))
+
+
+def test_predict_from_run_uses_steady_state_means():
+    # the first step (warm-up: compilation, connection set-up) is slow and must not count
+    run = _run([(5.0, 4.0, 0.9, 2_000_000)] + [(0.4, 0.1, 0.02, 1_000_000)] * 9)
+    assert run.mean_compute_s == pytest.approx(0.1) and run.mean_compress_s == pytest.approx(0.02)
+    # bytes: the mean over all steps (11e6 / 10)
+    predicted = C.predict_from_run(run, bandwidth="10mbit", n=4, strategy="allgather", latency=0.0)
+    assert predicted.compute == pytest.approx(0.1) and predicted.compression == pytest.approx(0.02)
+    assert predicted.communication == pytest.approx(3 * 1.1e6 * 8 / 1e7)
+    assert predicted.total == pytest.approx(0.12 + 3 * 1.1e6 * 8 / 1e7)
+    measured = C.measured_breakdown(run)
+    assert measured.total == pytest.approx(0.4) and measured.communication == pytest.approx(0.28)
