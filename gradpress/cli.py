@@ -12,6 +12,8 @@ import sys
 SUBCOMMANDS = [
     "gradpress.bench.ops",
     "gradpress.testbed.data",
+    "gradpress.testbed.train",
+    "gradpress.testbed.compare",
 ]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -24,6 +24,31 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 class NonFiniteError(ValueError):
     """A gradient holds NaN or Inf: reported instead of spread into every worker (DESIGN invariant 5)."""
+
+
+PreliminaryOp = Literal["sum", "max", "min", "broadcast"]
+
+
+@dataclass
+class Preliminary:
+    """What one worker contributes to a preliminary exchange before compressing (runtime hook).
+
+    ``values`` (a small 1-D tensor) is combined over the workers with ``op``: ``"max"``, ``"min"`` or
+    ``"sum"`` element-wise (THC Algorithm 1 lines 1-4: the global min and max; Algorithm 3 lines 6-8:
+    the largest L2 norm; a min travels as the max of its negation), or ``"broadcast"``: every worker
+    receives rank ``src``'s values (ScaleCom's CLT-k: the leader t mod n sends its top-k indices). For
+    ``"broadcast"`` every rank returns a tensor of the same shape and dtype; only ``src``'s are read.
+    Whether :meth:`Compressor.prepare` returns one, and its shape and dtype, may depend on the tensor's
+    shape, the step and the world size, never on the values or the rank.
+    """
+
+    values: torch.Tensor
+    op: PreliminaryOp
+    src: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in ("sum", "max", "min", "broadcast"):
+            raise ValueError(f"preliminary op must be sum, max, min or broadcast, got {self.op!r}")
 
 
 class Compressor:
@@ -40,6 +65,21 @@ class Compressor:
     * ``default_feedback``: the error-feedback memory the runtime uses unless told otherwise:
       ``residual`` for biased methods, ``none`` for unbiased ones; a method with its own memory rule
       (DGC's momentum correction, ScaleCom's low-pass filter) names it.
+
+    Runtime hooks (all optional, with defaults that fit single-round methods; see gradpress.strategy):
+
+    * :attr:`exchange`: ``"allreduce"`` (summable) or ``"allgather"``: how the packets meet.
+    * :meth:`prepare`: a preliminary exchange of a few values before compressing (THC's max norm,
+      uniform THC's min/max, CLT-k's leader indices, PowerSGD's P); its result reaches
+      ``_compress(flat, ctx, prepared)``.
+    * :meth:`summands` / :meth:`decode_sum` / :attr:`max_summand`: what an aggregator adds element-wise
+      (THC: the table values T[z], not the packed indices) and how the sum decodes; integer summands
+      declare their largest magnitude so sums never wrap (DESIGN invariant 4).
+    * :meth:`state_dict` / :meth:`load_state_dict`: per-key state of the method itself (warm starts).
+    * :attr:`linear` (summable methods): decoding the sum equals summing the decodes, so the all-reduce
+      gives exactly the mean of what each worker sent (THC's homomorphism, random-k with shared
+      indices). S2's count sketches are summable but not linear: the median over rows and the bitmap
+      mask make the decoded sum an estimate of the summed gradient, not the sum of the estimates.
     """
 
     name: ClassVar[str] = ""
@@ -47,6 +87,8 @@ class Compressor:
     summable: ClassVar[bool] = False
     kept: ClassVar[str | None] = None
     examples: ClassVar[tuple[str, ...]] = ()
+    max_summand: ClassVar[int | None] = None
+    linear: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self._calls = itertools.count()
@@ -56,8 +98,12 @@ class Compressor:
         return "none" if self.unbiased else "residual"
 
     # -- public API -------------------------------------------------------------------------------
-    def compress(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        """Compress ``x`` (fp32, fp16 or bf16, any shape, contiguous or not) into a :class:`Packet`."""
+    def compress(self, x: torch.Tensor, ctx: Context | None = None, *, prepared: torch.Tensor | None = None) -> Packet:
+        """Compress ``x`` (fp32, fp16 or bf16, any shape, contiguous or not) into a :class:`Packet`.
+
+        ``prepared``: the combined result of the preliminary exchange, for a method that has one
+        (:meth:`prepare`); without it the method prepares alone, as a world of one worker.
+        """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.spec}: expected a tensor, got {type(x).__name__}")
         if x.dtype not in FLOAT_DTYPES:
@@ -70,7 +116,15 @@ class Compressor:
         if flat.numel() == 0:
             return Packet({}, x.shape, x.dtype)
         check_finite(flat, self.spec)
-        packet = self._compress(flat, ctx)
+        if self.prepares:
+            if prepared is None:
+                own = self.prepare(flat.view(x.shape), ctx, 1)
+                prepared = None if own is None else own.values
+            packet = self._compress(flat, ctx, prepared)  # type: ignore[call-arg]
+        else:
+            if prepared is not None:
+                raise TypeError(f"{self.spec}: has no preliminary exchange, but got prepared values")
+            packet = self._compress(flat, ctx)
         packet.shape, packet.dtype = x.shape, x.dtype
         return packet
 
@@ -96,8 +150,66 @@ class Compressor:
         return (total / len(packets)).to(first.dtype).view(first.shape)
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
-        """The paper's wire cost in bytes for a tensor of ``numel`` elements (None if data-dependent)."""
+        """The paper's wire cost in bytes for a tensor of ``numel`` elements (None if data-dependent).
+
+        The runtime reads a non-None answer as "the wire layout depends only on numel and dtype" and
+        all-gathers such packets without first exchanging their sizes.
+        """
         return None
+
+    # -- runtime hooks ------------------------------------------------------------------------------
+    @property
+    def exchange(self) -> str:
+        """How packets meet (GRACE Algorithm 1 lines 7-14): ``"allreduce"`` sums :meth:`summands` and
+        decodes once; ``"allgather"`` decodes every worker's packet and combines them with :meth:`aggregate`.
+        A summable method may still choose ``"allgather"`` (e.g. when its summands are much wider than
+        its packet); parameter-server and switch modes use the summands of any summable method."""
+        return "allreduce" if self.summable else "allgather"
+
+    @property
+    def prepares(self) -> bool:
+        """Whether this method has a preliminary exchange (overrides :meth:`prepare`)."""
+        return type(self).prepare is not Compressor.prepare
+
+    def prepare(self, x: torch.Tensor, ctx: Context, world_size: int) -> Preliminary | None:
+        """Values to combine over the workers before compressing ``x`` (the tensor being compressed,
+        with its own shape: contiguous, finite, non-empty; ``x.reshape(-1)`` is what ``_compress`` gets).
+
+        A method that overrides this implements ``_compress(flat, ctx, prepared)``, where ``prepared``
+        is the combined ``values``, in the shape ``values`` had (THC Algorithm 1 "Preliminary stage";
+        ScaleCom's leader broadcast; PowerSGD's P = M Q, all-reduced before Q = Mᵀ P̂ is computed).
+        It may run on one thread while another decodes an earlier tensor: keep state per key.
+        """
+        return None
+
+    def summands(self, packet: Packet) -> list[torch.Tensor]:
+        """The tensors an aggregator adds element-wise over the workers (default: the wire tensors).
+
+        Integer summands (THC's table values, natural compression's fixed-point integers) require
+        :attr:`max_summand`; the runtime then sums them in a dtype that holds ``max_summand · n``.
+        Bool summands add as a logical or (torch.distributed's SUM on bool), which never wraps.
+        """
+        return list(packet.wire())
+
+    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
+        """The mean over ``count`` workers from the element-wise sum of their :meth:`summands`.
+
+        ``packet`` is this worker's own packet (its structure and metadata); integer sums may arrive
+        in a wider dtype than :meth:`summands` produced. The summed tensors belong to the runtime: this
+        may overwrite them. Default: decompress the summed packet and divide by ``count`` in float32
+        (GRACE Algorithm 1 line 9: g = Q⁻¹(Allreduce(g̃)) / n), in place where the dtype allows.
+        """
+        if packet.numel == 0:
+            return self.decompress(packet)
+        flat = self._decompress(packet.with_wire(summed)).float()
+        return flat.div_(count).to(packet.dtype).view(packet.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-key state of the method itself (e.g. PowerSGD's warm-start Q), saved with the runtime's."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
     @property
     def spec(self) -> str:

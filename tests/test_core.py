@@ -116,6 +116,28 @@ def test_hash_uniforms_are_uniform():
     assert int(mix32_torch(torch.tensor([0]), 0)) == 0  # fmix32(0) = 0 is the hash's fixed point
 
 
+def test_numba_hash_is_the_torch_hash():
+    import numpy as np
+    from numba import njit
+
+    from gradpress._numba import mix32, uniform24
+
+    @njit
+    def hashes(n, seed):
+        out = np.empty(n, np.uint32)
+        uniforms = np.empty(n, np.float32)
+        for i in range(n):
+            out[i] = mix32(i, seed)
+            uniforms[i] = uniform24(i, seed)
+        return out, uniforms
+
+    for seed in (0, 7, 0xDEADBEEF):
+        bits, uniforms = hashes(1 << 16, np.uint32(seed))
+        index = torch.arange(1 << 16)
+        assert torch.equal(torch.from_numpy(bits.astype(np.int64)), mix32_torch(index, seed))
+        assert torch.equal(torch.from_numpy(uniforms), uniform24_torch(1 << 16, seed, "cpu"))
+
+
 # -- feedback -------------------------------------------------------------------------------------
 def test_residual_feedback_telescopes():
     """GRACE Eq. 5 with β = γ = 1: what was transmitted plus the final memory equals what came in."""

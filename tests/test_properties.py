@@ -129,34 +129,75 @@ def test_numba_and_torch_paths_agree(spec, dtype):
 
 @pytest.mark.parametrize("spec", UNBIASED)
 def test_unbiased_by_monte_carlo(spec):
-    """E[decompress(compress(x))] = x: every element's sample mean within 5 standard errors."""
+    """E[decompress(compress(x))] = x: every element's sample mean within 5 standard errors.
+
+    An outcome of probability ~1/samples may never occur in the draws, leaving a sample variance of 0
+    and an error of about its probability times its size; each element is therefore also allowed
+    7 · Δ / samples, the 99.9 % Poisson bound on that error, with Δ the element's largest outcome, or
+    the largest of the whole tensor for an element never seen away from 0 (0.2 % of Δ: a real bias,
+    like rounding always down, is far beyond it; each method's own tests probe its rare cases)."""
     c = gradpress.make(spec)
     x = gradient((64,), seed=4)
     samples = 4000
     total = torch.zeros(64, dtype=torch.float64)
     total_sq = torch.zeros(64, dtype=torch.float64)
+    largest = torch.zeros(64, dtype=torch.float64)
     for step in range(samples):
         y = c.decompress(c.compress(x, Context(seed=11, step=step))).double()
         total += y
         total_sq += y * y
+        largest = torch.maximum(largest, y.abs())
     mean = total / samples
     std = (total_sq / samples - mean**2).clamp_min(0).sqrt()
     stderr = std / samples**0.5
     error = (mean - x.double()).abs()
-    assert (error <= 5 * stderr + 1e-6 * x.double().abs()).all(), (error / stderr.clamp_min(1e-30)).max()
+    outcome = torch.where(largest > 0, largest, largest.max())
+    allowed = 5 * stderr + 7 * outcome / samples + 1e-6 * x.double().abs()
+    assert (error <= allowed).all(), (error / allowed).max()
 
 
 @pytest.mark.parametrize("spec", SUMMABLE)
 def test_summable_packets_decode_to_the_sum(spec):
+    """An aggregator adds the workers' summands element-wise and decodes once (all-reduce, PS, switch).
+
+    For linear methods that gives the mean of what each worker sent; for the others (count sketches)
+    it must at least decode to a finite tensor of the right shape and dtype (their own tests check the
+    estimate)."""
     c = gradpress.make(spec)
     xs = [gradient(seed=s) for s in range(3)]
-    packets = [c.compress(x, Context(seed=1, step=4, key="b", rank=r)) for r, x in enumerate(xs)]
-    per_tensor = zip(*[list(p.wire()) for p in packets], strict=True)  # (rank 0's, rank 1's, ...) each
-    summed = packets[0].with_wire([sum(t.double() for t in ts).to(ts[0].dtype) for ts in per_tensor])
-    expected = sum(c.decompress(p).double() for p in packets)
-    # the sum is rounded once to the wire's own float format, if it has one
-    eps = max([torch.finfo(t.dtype).eps for t in packets[0].wire() if t.dtype.is_floating_point] + [1e-7])
-    torch.testing.assert_close(c.decompress(summed).double(), expected, rtol=2 * eps, atol=1e-5)
+    ctxs = [Context(seed=1, step=4, key="b", rank=r) for r in range(len(xs))]
+    packets = [c.compress(x, ctx, **_prepared(c, xs, ctxs)) for x, ctx in zip(xs, ctxs)]
+    summed = [_sum(ts) for ts in zip(*[c.summands(p) for p in packets], strict=True)]
+    mean = c.decode_sum(packets[0], summed, len(packets))
+    assert mean.shape == xs[0].shape and mean.dtype == xs[0].dtype and torch.isfinite(mean).all()
+    if c.linear:
+        expected = sum(c.decompress(p).double() for p in packets) / len(packets)
+        # a float sum is rounded once to the summands' own float format, if they have one
+        eps = max([torch.finfo(t.dtype).eps for t in summed if t.dtype.is_floating_point] + [1e-7])
+        torch.testing.assert_close(mean.double(), expected, rtol=4 * eps, atol=1e-5)
+
+
+def _prepared(c, xs, ctxs) -> dict:
+    """The combined preliminary values every worker compresses with, as the runtime's preliminary
+    exchange gives them (``{}`` for a method without one: each compresses alone)."""
+    if not c.prepares:
+        return {}
+    prelims = [c.prepare(x, ctx, len(xs)) for x, ctx in zip(xs, ctxs)]
+    first = prelims[0]
+    if first is None:
+        return {"prepared": None}
+    values = torch.stack([pre.values for pre in prelims])
+    combine = {"sum": lambda v: v.sum(dim=0), "max": lambda v: v.amax(dim=0), "min": lambda v: v.amin(dim=0),
+               "broadcast": lambda v: v[first.src]}
+    return {"prepared": combine[first.op](values)}
+
+
+def _sum(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if tensors[0].dtype == torch.bool:
+        return torch.stack(tensors).any(dim=0)
+    if not tensors[0].dtype.is_floating_point:
+        return torch.stack([t.long() for t in tensors]).sum(dim=0)
+    return torch.stack([t.double() for t in tensors]).sum(dim=0).to(tensors[0].dtype)
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -1,0 +1,142 @@
+"""Step time of DDP with the gradpress hook against DDP's built-in all-reduce, same model and data.
+
+    python -m gradpress.bench.ddp_overhead --workers 2 --rounds 5 --steps 5
+
+Spawns ``--workers`` CPU processes in one Gloo group. Each builds one DDP model per variant (built-in
+all-reduce; PyTorch's own ``allreduce_hook``, the same all-reduce driven from Python, for reference;
+the gradpress hook with each ``--specs`` entry, ``none`` by default) from the same
+weights, and times training steps (forward, backward with the exchange, SGD step) on the same batches,
+variants interleaved round by round so drift in machine load hits all alike. Reports each variant's
+median step time and its ratio to the built-in one (issue 3's target for ``none``: at most 1.1×).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _model(width: int, depth: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(args["threads"])
+    torch.set_num_threads(args["threads"])
+    import torch.distributed as dist
+
+    import gradpress
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    base = _model(args["width"], args["depth"])
+    variants: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    for name in ["ddp", "torch-hook", *args["specs"]]:
+        model = _model(args["width"], args["depth"])
+        model.load_state_dict(base.state_dict())
+        ddp = nn.parallel.DistributedDataParallel(model)
+        if name == "torch-hook":  # the same all-reduce through a Python hook, for reference
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            ddp.register_comm_hook(None, allreduce_hook)
+        elif name != "ddp":
+            gradpress.register(ddp, name)
+        variants[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4))
+    g = torch.Generator().manual_seed(rank)
+    batch = torch.randn(args["batch"], args["width"], generator=g)
+
+    def step(ddp: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=False)
+        ddp(batch).square().mean().backward()
+        optimizer.step()
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for name, (ddp, optimizer) in variants.items():  # warm-up: DDP's bucket rebuild, numba, allocator
+        for _ in range(2):
+            step(ddp, optimizer)
+    for _ in range(args["rounds"]):
+        for name, (ddp, optimizer) in variants.items():
+            dist.barrier()
+            for _ in range(args["steps"]):
+                start = time.perf_counter()
+                step(ddp, optimizer)
+                times[name].append(time.perf_counter() - start)
+    torch.save(times, out)
+    dist.destroy_process_group()
+
+
+def run(specs: list[str], workers: int = 2, width: int = 1024, depth: int = 4, batch: int = 32,
+        rounds: int = 5, steps: int = 5, threads: int = 1) -> dict[str, dict[str, float]]:
+    """Median step time (seconds, rank 0) per variant and its ratio to DDP's built-in all-reduce."""
+    import torch.multiprocessing as mp
+
+    args = dict(specs=specs, width=width, depth=depth, batch=batch, rounds=rounds, steps=steps, threads=threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = str(Path(tmp) / "store"), str(Path(tmp) / "times")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, workers, store, f"{out}{r}", args)) for r in range(workers)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"benchmark workers failed: exit codes {[p.exitcode for p in procs]}")
+        times = torch.load(f"{out}0")
+    baseline = statistics.median(times["ddp"])
+    return {name: {"median_s": statistics.median(t), "ratio": statistics.median(t) / baseline}
+            for name, t in times.items()}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--specs", default="none", help="comma-separated gradpress specs to time (default: none)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1024, help="width of the MLP's square layers")
+    parser.add_argument("--depth", type=int, default=4, help="number of linear layers")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--json", help="write the figures to this file")
+
+
+def main(args: argparse.Namespace) -> int:
+    specs = [s for s in args.specs.split(",") if s]
+    result = run(specs, args.workers, args.width, args.depth, args.batch, args.rounds, args.steps, args.threads)
+    params = args.depth * (args.width * args.width + args.width)
+    print(f"{args.workers} Gloo workers, MLP {args.depth}×{args.width} ({params / 1e6:.1f} M parameters), "
+          f"batch {args.batch}, {args.threads} thread(s); median of {args.rounds}×{args.steps} steps")
+    for name, figures in result.items():
+        label = {"ddp": "DDP built-in all-reduce", "torch-hook": "torch's allreduce_hook (Python)"}.get(
+            name, f"gradpress hook, {name}")
+        print(f"  {label:32s} {1e3 * figures['median_s']:8.1f} ms   {figures['ratio']:.3f}×")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": vars(args), "result": result}, indent=2, default=str))
+    return 0
+
+
+def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``gradpress bench ddp`` under the ``bench`` subcommand's subparsers."""
+    parser = bench_subparsers.add_parser("ddp", help="DDP step time: gradpress hook vs built-in all-reduce",
+                                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=main)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,85 @@
+"""Compressed gradient averaging for custom training loops (no DDP): the same pipeline as the hook.
+
+    comm = gradpress.Communicator("topk:ratio=0.01", seed=0)
+    loss.backward()
+    comm.reduce_gradients(model)          # every p.grad becomes the workers' average
+    optimizer.step()
+
+``reduce(tensor, key)`` averages one tensor; ``reduce_many({key: tensor})`` averages many at once,
+packing their packets into as few collectives as the strategy allows. Every call is collective: all
+ranks call it with the same keys, shapes and dtypes, in the same order.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from gradpress.compressor import Compressor
+from gradpress.runtime import Driver, Options, Pipeline
+from gradpress.strategy import ProcessGroupExecutor, process_group as resolve_group
+
+
+class Communicator:
+    """Averages tensors over ``process_group`` (default: the default group) with ``spec``'s compression.
+
+    Options: see :class:`gradpress.runtime.Options` (``feedback``, ``min_numel``, ``exclude``,
+    ``warmup_steps``, ``seed``, ``timeout``, ``mode``, ``master``, ``root``, ``overflow``,
+    ``deterministic``). Keys name the tensors: feedback memory, step counters and random streams
+    follow them, and ``exclude`` matches them.
+    """
+
+    def __init__(self, spec: str | Compressor, process_group: Any = None, **options: Any) -> None:
+        self.options = Options.of(**options)
+        executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout))
+        self.rank, self.world_size = executor.rank, executor.world_size
+        self._pipeline = Pipeline(spec, self.options, self.rank, self.world_size)
+        self._driver = Driver(executor, self._pipeline.stats)
+
+    @property
+    def compressor(self) -> Compressor:
+        return self._pipeline.compressor
+
+    def reduce(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
+        """The average of every rank's ``tensor`` (same shape, dtype and device); ``tensor`` is left as is."""
+        return self.reduce_many({key: tensor})[key]
+
+    def reduce_many(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The averages of many tensors in one exchange (their packets flattened into shared buffers)."""
+        items = list(tensors.items())
+        self._driver.check()
+        devices = sorted({t.device for _, t in items if t.device.type != "cpu"}, key=str) or None
+        started = [(g.members, self._driver.start(g.protocol, g.step, devices))
+                   for g in self._pipeline.groups(items)]
+        self._driver.advance()
+        out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
+        for members, future in started:
+            for i, averaged in zip(members, future.wait()):
+                out[i] = averaged
+        return {key: averaged for (key, _), averaged in zip(items, out)}
+
+    def reduce_gradients(self, parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+        """Replace the gradient of every parameter that requires one by the ranks' average, in one
+        exchange. A parameter without a gradient (unused this step) counts as zeros, so every rank
+        ends with the same gradients; parameters with ``requires_grad=False`` are left out."""
+        named = parameters.named_parameters() if isinstance(parameters, torch.nn.Module) else parameters
+        chosen = [(name, p) for name, p in named if p.requires_grad]
+        grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in chosen}
+        averaged = self.reduce_many(grads)
+        for name, p in chosen:
+            if p.grad is None:
+                p.grad = averaged[name]
+            else:
+                p.grad.copy_(averaged[name])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Feedback memory, per-key step counters and the compressor's own state (warm starts)."""
+        return self._pipeline.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pipeline.load_state_dict(state)
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.runtime.Stats`)."""
+        return self._pipeline.report()
+

@@ -1,0 +1,191 @@
+"""1-bit SGD (Seide et al., INTERSPEECH 2014), and the exact group means its descendants share.
+
+GRACE §3.1: every element below a threshold τ (0 by default) is quantized to '0', every other to '1';
+Q⁻¹ decodes '0' and '1' to the mean of the local values below τ and of those at or above τ. The method
+comes with its memory, m_k = g_k − Q⁻¹(Q(g_k + m_k)) (GRACE Table 1: EF on), which is the ``residual``
+feedback. Seide et al. quantize column by column of a weight matrix; GRACE, and this module, use one pair
+of means per tensor.
+
+**Exact group means.** Adaptive threshold SGD (one mean per side), SketchML (one mean per bucket) and
+EF-signSGD (the mean magnitude) also send means of groups of elements. A float sum depends on the order
+of its additions, so a numba loop and a torch reduction would send different bits. Here every element is
+turned into a fixed-point integer, ``trunc(x · 2^s)`` with ``2^s`` chosen from the largest magnitude so
+that no sum can overflow an int64; integer sums do not depend on the order, so every path and device
+gets the same means (to about 2^-39 of the largest magnitude for 2^22 elements).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from numba import njit
+
+from gradpress._numba import as_numpy, jit, use_numba
+from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.compressor import Compressor, register
+from gradpress.packet import Packet
+from gradpress.rng import Context
+
+
+# -- exact group means (shared with sign.py, adaptive.py, sketchml.py) -----------------------------
+def as_float32(flat: torch.Tensor) -> torch.Tensor:
+    """The float32 tensor the kernels work on (fp16/bf16 values convert exactly)."""
+    return flat if flat.dtype == torch.float32 else flat.float()
+
+
+def extreme(x: torch.Tensor) -> float:
+    """The element of ``x`` (float32) of largest magnitude, with its sign (a positive one wins a tie)."""
+    return extreme_and_nonzeros(x)[0]
+
+
+def extreme_and_nonzeros(x: torch.Tensor) -> tuple[float, int]:
+    """:func:`extreme`, and the number of non-zero elements, in one pass."""
+    if use_numba(x):
+        top, top_abs, nonzeros = _max_bits(as_numpy(x).view(np.int32))
+        value = float(np.array([top_abs], dtype=np.int32).view(np.float32)[0])
+        return (value if top == top_abs else -value), int(nonzeros)
+    low, high = (float(v) for v in torch.aminmax(x))
+    return (high if high >= -low else low), int(torch.count_nonzero(x))
+
+
+def fixed_point_scale(bound: float, count: int) -> float:
+    """2^s such that ``count`` values of magnitude at most ``bound``, each times 2^s and truncated to an
+    integer, sum to less than 2^62 in magnitude."""
+    if bound == 0.0:
+        return 1.0
+    exponent = math.frexp(bound)[1]  # bound < 2^exponent
+    return math.ldexp(1.0, 62 - max(count, 1).bit_length() - exponent)
+
+
+def to_fixed(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``trunc(x · scale)`` as int64 (torch path; the kernels compute the same per element)."""
+    return (x.double() * scale).to(torch.int64)
+
+
+def mean_of(total: int, count: int, scale: float) -> float:
+    """A group's mean from its fixed-point sum (0 for an empty group)."""
+    return float(total) / scale / count if count else 0.0
+
+
+@jit
+def _max_bits(bits):  # pragma: no cover - compiled
+    """Largest float32 bit pattern as int32, the largest magnitude's pattern, and the count of non-zero
+    magnitudes (integer reductions vectorize)."""
+    top = np.int32(-(2**31))
+    top_abs = np.int32(0)
+    nonzeros = 0
+    for i in range(bits.size):
+        b = bits[i]
+        magnitude = b & np.int32(0x7FFFFFFF)
+        top = max(top, b)
+        top_abs = max(top_abs, magnitude)
+        nonzeros += magnitude != 0
+    return top, top_abs, nonzeros
+
+
+# -- 1-bit SGD ------------------------------------------------------------------------------------
+@register("onebit")
+@dataclass(repr=False)
+class OneBit(Compressor):
+    """1-bit SGD (Seide et al. 2014; GRACE §3.1): bit = [x ≥ τ], decoded to the mean of its side.
+
+    Wire: the bits packed (ceil(d/8) bytes) and the two means as float32 (mean below τ, mean at or
+    above τ): d + 64 bits. Deterministic and biased; used with residual error feedback, as in the paper.
+    """
+
+    tau: float = 0.0
+    examples = ("onebit:tau=0.5",)
+
+    def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return packed_nbytes(numel, 1) + 8
+
+    def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
+        x = as_float32(flat)
+        n = x.numel()
+        scale = fixed_point_scale(abs(extreme(x)), n)
+        tau = np.float32(self.tau)
+        if use_numba(x):
+            bits = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
+            high_sum, low_sum, high_count = _encode(as_numpy(x), tau, scale, as_numpy(bits))
+        else:
+            high = x >= torch.tensor(tau, device=x.device)
+            fixed = to_fixed(x, scale)
+            high_sum, low_sum = int(fixed[high].sum()), int(fixed[~high].sum())
+            high_count = int(high.sum())
+            bits = pack_mask(high)
+        means = [mean_of(low_sum, n - high_count, scale), mean_of(high_sum, high_count, scale)]
+        return Packet({"bits": bits, "means": torch.tensor(means, dtype=torch.float32, device=x.device)},
+                      flat.shape, flat.dtype)
+
+    def _decompress(self, packet: Packet) -> torch.Tensor:
+        return decode_two_levels(packet["bits"], packet["means"], packet.numel)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as packed bits (the :func:`gradpress.bits.pack_bits` layout)."""
+    return pack_bits(mask.to(torch.uint8), 1)
+
+
+def decode_two_levels(bits: torch.Tensor, levels: torch.Tensor, n: int) -> torch.Tensor:
+    """``levels[bit]`` for each of the ``n`` packed bits (float32)."""
+    if use_numba(bits):
+        out = torch.empty(n, dtype=torch.float32)
+        _decode(as_numpy(bits), float(levels[0]), float(levels[1]), as_numpy(out))
+        return out
+    mask = unpack_bits(bits, 1, n).bool()
+    return torch.where(mask, levels[1], levels[0])
+
+
+@jit
+def _encode(x, tau, scale, out):  # pragma: no cover - compiled
+    """Pack bit i = [x_i ≥ τ] (byte i//8, position i%8); return the fixed-point sums of each side and
+    the count at or above τ."""
+    n = x.size
+    full = n // 8
+    total = high_sum = high_count = np.int64(0)
+    for j in range(full):
+        out[j], t, h, c = _encode_byte(x, 8 * j, 8, tau, scale)
+        total += t
+        high_sum += h
+        high_count += c
+    if n > 8 * full:
+        out[full], t, h, c = _encode_byte(x, 8 * full, n - 8 * full, tau, scale)
+        total += t
+        high_sum += h
+        high_count += c
+    return high_sum, total - high_sum, high_count
+
+
+@njit(cache=True, inline="always")
+def _encode_byte(x, start, count, tau, scale):  # pragma: no cover - compiled
+    byte = np.uint8(0)
+    total = high_sum = high_count = np.int64(0)
+    for k in range(count):
+        v = x[start + k]
+        q = np.int64(np.float64(v) * scale)
+        high = v >= tau
+        byte |= np.uint8(high) << np.uint8(k)
+        total += q
+        high_sum += q * np.int64(high)
+        high_count += np.int64(high)
+    return byte, total, high_sum, high_count
+
+
+@jit
+def _decode(bits, low, high, out):  # pragma: no cover - compiled
+    """out_i = high if bit i is set else low."""
+    n = out.size
+    full = n // 8
+    for j in range(full):
+        _decode_byte(bits[j], np.float32(low), np.float32(high), out, 8 * j, 8)
+    if n > 8 * full:
+        _decode_byte(bits[full], np.float32(low), np.float32(high), out, 8 * full, n - 8 * full)
+
+
+@njit(cache=True, inline="always")
+def _decode_byte(byte, low, high, out, start, count):  # pragma: no cover - compiled
+    byte = np.uint32(byte)
+    for k in range(count):
+        out[start + k] = high if (byte >> np.uint32(k)) & np.uint32(1) else low

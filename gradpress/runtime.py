@@ -1,0 +1,403 @@
+"""The pipeline every integration drives (GRACE Algorithm 1; DESIGN.md "What flows through it"):
+
+    feedback.compensate → compressor.prepare (+ preliminary exchange) → compressor.compress
+    → feedback.update → strategy.exchange → decode → averaged gradient (same shape, dtype, device)
+
+The unit of compression is one tensor (a parameter's gradient), keyed by a stable name: its feedback
+memory, step counter and random streams follow the name, so they survive DDP's bucket rebuild and a
+restart into a fresh DDP, and methods that need a tensor's shape (PowerSGD's matrices, S2's rows) get
+it. The unit of communication is a group of tensors (a DDP bucket, or the tensors handed to one
+``Communicator.reduce_many`` call): their packets travel together, in as few collectives as the
+strategy allows.
+
+The :class:`Driver` issues the rounds of many groups' protocols so that every rank issues the same
+collectives in the same order (DESIGN invariant 3), also with several DDP buckets in flight: a final
+round (the last collectives of a group) completes asynchronously, and its continuation only decodes;
+a non-final round is waited for and its protocol resumed only in :meth:`Driver.advance`, which the
+integrations call at points that are the same on every rank (before starting the next bucket, after
+the last one). PyTorch's own PowerSGD hook issues its second all-reduce from a completion callback,
+whose timing differs between ranks, so with several buckets the ranks' collectives can interleave in
+different orders; Gloo matches messages by order and aborts.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from gradpress.compressor import Compressor, NonFiniteError, check_finite, make
+from gradpress.feedback import Feedback, make_feedback
+from gradpress.rng import Context
+from gradpress.strategy import MODES, OVERFLOW, Protocol, Strategy
+
+FORMAT = 1
+
+
+# -- options ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Options:
+    """Options shared by the DDP hook, the Communicator and ``simulate`` (keyword arguments).
+
+    * ``feedback``: error-feedback memory spec (default: the compressor's ``default_feedback``:
+      ``residual`` for biased methods, ``none`` for unbiased ones).
+    * ``min_numel``: tensors with fewer elements go uncompressed.
+    * ``exclude``: name patterns (``fnmatch``, e.g. ``"conv1.*"``, ``"*.bias"``) left uncompressed.
+    * ``warmup_steps``: the first steps of each tensor go uncompressed.
+    * ``seed``: seed of the shared and private random streams (DESIGN invariant 2).
+    * ``timeout``: seconds (or a timedelta) after which a stuck collective raises; gradpress then
+      talks on its own process group with that timeout. Default: the process group's own.
+    * ``mode``: ``"collective"`` (all-reduce / all-gather), ``"ps"`` (parameter server at ``root``) or
+      ``"switch"`` (integer-only aggregation at ``root``, as a programmable switch).
+    * ``master``: spec of the master compressor C_M re-compressing the aggregate in ``ps`` mode
+      (bidirectional compression, Natural compression paper Algorithm 1).
+    * ``root``: rank of the parameter server / switch.
+    * ``overflow``: ``"widen"`` integer sums to a dtype that holds them, or ``"raise"``; never wrap.
+    * ``deterministic``: float sums over 3+ workers in rank order (bit-reproducible, equal to
+      ``simulate``); ``False`` uses the backend's all-reduce, whose order depends on the algorithm.
+    """
+
+    feedback: str | None = None
+    min_numel: int = 0
+    exclude: tuple[str, ...] = ()
+    warmup_steps: int = 0
+    seed: int = 0
+    timeout: float | None = None
+    mode: str = "collective"
+    master: str | None = None
+    root: int = 0
+    overflow: str = "widen"
+    deterministic: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.exclude, str):
+            object.__setattr__(self, "exclude", (self.exclude,))
+        else:
+            object.__setattr__(self, "exclude", tuple(self.exclude))
+        if isinstance(self.timeout, timedelta):
+            object.__setattr__(self, "timeout", self.timeout.total_seconds())
+        for name in ("min_numel", "warmup_steps", "root", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"option {name} must be an integer >= 0, got {value!r}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"option timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"option mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.overflow not in OVERFLOW:
+            raise ValueError(f"option overflow must be 'widen' or 'raise', got {self.overflow!r}")
+        if self.feedback is not None:
+            make_feedback(self.feedback)  # unknown names raise here, listing the known ones
+
+    @classmethod
+    def of(cls, **options: Any) -> Options:
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are: {', '.join(known)}")
+        return cls(**options)
+
+
+# -- statistics ----------------------------------------------------------------------------------------
+COUNTERS = ("raw_bytes", "packet_bytes", "sent_bytes", "received_bytes", "collectives",
+            "compress_s", "decompress_s", "comm_s")
+
+
+class Stats:
+    """Per-step and cumulative figures of one rank (thread-safe: decoding runs on backend threads).
+
+    * ``raw_bytes``: bytes of the gradients handed in; ``packet_bytes``: ``Packet.nbytes`` of this
+      rank's packets (the compressor's output, GRACE's "data volume").
+    * ``sent_bytes`` / ``received_bytes``: what the strategy's collectives move for this rank, from
+      their traffic pattern (:func:`gradpress.strategy.traffic`): headers, widened integer sums and
+      the downstream direction included.
+    * ``compress_s`` (compensate, prepare, compress, feedback update), ``decompress_s`` (decoding and
+      aggregation), ``comm_s`` (from issuing each round of collectives to its completion; rounds of
+      different buckets overlap, so this is not wall time).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = dict.fromkeys(COUNTERS, 0)
+        self._steps: dict[int, dict[str, float]] = {}
+
+    def add(self, step: int, **values: float) -> None:
+        with self._lock:
+            current = self._steps.setdefault(step, dict.fromkeys(COUNTERS, 0))
+            for name, value in values.items():
+                current[name] += value
+                self._total[name] += value
+            while len(self._steps) > 2:
+                del self._steps[min(self._steps)]
+
+    @contextmanager
+    def timer(self, step: int, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(step, **{name: time.perf_counter() - start})
+
+    def report(self, pattern: str = "") -> dict[str, Any]:
+        """``{"pattern": traffic pattern, "steps": count, "step": index of the latest step, "last": its
+        figures, "total": cumulative figures}``."""
+        with self._lock:
+            latest = max(self._steps) if self._steps else None
+            return {
+                "pattern": pattern,
+                "steps": 0 if latest is None else latest + 1,
+                "step": latest,
+                "last": dict(self._steps[latest]) if latest is not None else dict.fromkeys(COUNTERS, 0),
+                "total": dict(self._total),
+            }
+
+
+# -- the pipeline ----------------------------------------------------------------------------------------
+def compressor_of(spec: str | Compressor) -> Compressor:
+    """A fresh compressor: from a spec string, or a copy of an instance (each rank, simulated or not,
+    owns its compressor's state)."""
+    if isinstance(spec, str):
+        return make(spec)
+    if not isinstance(spec, Compressor):
+        raise TypeError(f"expected a spec string or a Compressor, got {type(spec).__name__}")
+    try:
+        made = make(spec.spec)
+    except ValueError:
+        made = None
+    if type(made) is type(spec):
+        return made  # type: ignore[return-value]
+    return dataclasses.replace(spec) if dataclasses.is_dataclass(spec) else copy.deepcopy(spec)
+
+
+@dataclass
+class Group:
+    """Some of a group's items (their positions), the protocol exchanging them, and its step."""
+
+    members: list[int]
+    protocol: Protocol
+    step: int
+
+
+class Pipeline:
+    """One worker's side of the exchange: its compressor, feedback memory, per-key step counters and
+    statistics, and the protocol that takes a group of gradients to their averages."""
+
+    def __init__(self, spec: str | Compressor, options: Options, rank: int, world_size: int) -> None:
+        self.options, self.rank, self.world_size = options, rank, world_size
+        self.compressor = compressor_of(spec)
+        self.feedback = make_feedback(options.feedback or self.compressor.default_feedback)
+        self.master = compressor_of(options.master) if options.master else None
+        common = dict(rank=rank, world_size=world_size, root=options.root, overflow=options.overflow,
+                      deterministic=options.deterministic)
+        self.strategy = Strategy(self.compressor, mode=options.mode, master=self.master, **common)
+        # uncompressed tensors meet like the rest, but a switch cannot add floats: the server does
+        self.plain = Strategy(make("none"), mode="collective" if options.mode == "collective" else "ps", **common)
+        self.no_feedback = make_feedback("none")
+        self.steps: dict[str, int] = {}
+        self.stats = Stats()
+
+    def compresses(self, key: str, tensor: torch.Tensor) -> bool:
+        """Whether ``key``'s next step is compressed (not excluded, not too small, past warm-up)."""
+        o = self.options
+        if tensor.numel() < o.min_numel or self.steps.get(key, 0) < o.warmup_steps:
+            return False
+        return not any(fnmatch.fnmatchcase(key, pattern) for pattern in o.exclude)
+
+    def groups(self, items: Sequence[tuple[str, torch.Tensor]], writable: bool = False) -> list[Group]:
+        """The protocols exchanging ``items`` (key, gradient): the compressed ones, then the plain ones.
+
+        Starts the items' steps. ``writable``: the gradients may be overwritten (a DDP bucket).
+        """
+        keys = [key for key, _ in items]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"duplicate keys in one exchange: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+        for key, tensor in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{key!r}: expected a tensor, got {type(tensor).__name__}")
+        flags = [self.compresses(key, tensor) for key, tensor in items]
+        steps = [self.steps.get(key, 0) for key in keys]
+        for key, step in zip(keys, steps):
+            self.steps[key] = step + 1
+        groups = []
+        for compressed in (True, False):
+            members = [i for i, flag in enumerate(flags) if flag == compressed]
+            if members:
+                chosen = [items[i] for i in members]
+                protocol = self._protocol(chosen, [steps[i] for i in members], compressed, writable)
+                groups.append(Group(members, protocol, max(steps[i] for i in members)))
+        return groups
+
+    def _protocol(self, items, steps, compressed: bool, writable: bool) -> Protocol:
+        """GRACE Algorithm 1 lines 4-14 for a group of tensors, THC's preliminary stage included."""
+        strategy = self.strategy if compressed else self.plain
+        feedback = self.feedback if compressed else self.no_feedback
+        compressor, stats, step = strategy.compressor, self.stats, max(steps)
+        ctxs = [Context(self.options.seed, s, key, self.rank) for (key, _), s in zip(items, steps)]
+        grads = [grad.detach() for _, grad in items]
+        start = time.perf_counter()
+        xs = [feedback.compensate(key, grad) for (key, _), grad in zip(items, grads)]
+        inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads)]
+        prepared: list[torch.Tensor | None] = [None] * len(items)
+        if compressor.prepares:
+            prelims = []
+            for (key, _), x, ctx in zip(items, inputs, ctxs):
+                flat = x.reshape(-1).contiguous()
+                if flat.numel() == 0:
+                    prelims.append(None)
+                    continue
+                _check_finite(flat, key, compressor)
+                prelims.append(compressor.prepare(flat.view(x.shape), ctx, self.world_size))
+            stats.add(step, compress_s=time.perf_counter() - start)
+            prepared = yield from strategy.preliminary(prelims)
+            start = time.perf_counter()
+        updates = type(feedback).update is not Feedback.update
+        packets = []
+        for (key, _), x, given, ctx, ready in zip(items, xs, inputs, ctxs, prepared):
+            try:
+                packet = (compressor.compress(given, ctx, prepared=ready) if compressor.prepares
+                          else compressor.compress(given, ctx))
+            except NonFiniteError as error:
+                raise NonFiniteError(f"gradient {key!r}: {error}") from None
+            if updates:
+                feedback.update(key, x, compressor.decompress(packet))
+            packets.append(packet)
+        stats.add(step, compress_s=time.perf_counter() - start,
+                  raw_bytes=sum(g.numel() * g.element_size() for g in grads),
+                  packet_bytes=sum(p.nbytes for p in packets))
+        overwrite = {g.untyped_storage().data_ptr() for g in grads} if writable else set()
+        return (yield from strategy.exchange(packets, ctxs, overwrite, lambda: stats.timer(step, "decompress_s")))
+
+    def report(self) -> dict[str, Any]:
+        """This worker's statistics (see :class:`Stats`), with the strategy's traffic pattern."""
+        return self.stats.report(self.strategy.pattern)
+
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Feedback memory, per-key step counters, the compressors' own state (warm starts)."""
+        state = {"format": FORMAT, "spec": self.compressor.spec, "steps": dict(self.steps),
+                 "feedback": self.feedback.state_dict(), "compressor": self.compressor.state_dict()}
+        if self.master is not None:
+            state["master"] = self.master.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != FORMAT:
+            raise ValueError(f"not a gradpress runtime state (format {state.get('format')!r}, expected {FORMAT})")
+        if state["spec"] != self.compressor.spec:
+            raise ValueError(f"the state was saved by {state['spec']!r}; this runtime runs {self.compressor.spec!r}")
+        self.steps = dict(state["steps"])
+        self.feedback.load_state_dict(state["feedback"])
+        self.compressor.load_state_dict(state["compressor"])
+        if self.master is not None and "master" in state:
+            self.master.load_state_dict(state["master"])
+
+
+def _check_finite(flat: torch.Tensor, key: str, compressor: Compressor) -> None:
+    try:
+        check_finite(flat, compressor.spec)
+    except NonFiniteError as error:
+        raise NonFiniteError(f"gradient {key!r}: {error}") from None
+
+
+# -- the driver --------------------------------------------------------------------------------------------
+class ExchangeFailed(RuntimeError):
+    """An earlier exchange failed, so the ranks may be out of step: no further exchange is attempted."""
+
+
+@dataclass
+class _Run:
+    protocol: Protocol
+    future: torch.futures.Future
+    step: int
+    handle: Any = None
+
+
+class Driver:
+    """Runs protocols on an executor in the order DESIGN invariant 3 needs (see the module docstring)."""
+
+    def __init__(self, executor: Any, stats: Stats) -> None:
+        self.executor, self.stats = executor, stats
+        self._pending: deque[_Run] = deque()
+        self.failure: BaseException | None = None
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise ExchangeFailed(f"gradpress: an earlier exchange failed ({type(self.failure).__name__}: "
+                                 f"{self.failure}); the ranks may be out of step") from self.failure
+
+    def start(self, protocol: Protocol, step: int, devices: list[torch.device] | None = None) -> torch.futures.Future:
+        """Run ``protocol`` up to its first round and issue it; a future of the protocol's result."""
+        self.check()
+        run = _Run(protocol, torch.futures.Future(devices=devices) if devices else torch.futures.Future(), step)
+        self._continue(run, None)
+        if run.handle is not None:
+            self._pending.append(run)
+        return run.future
+
+    def advance(self) -> None:
+        """Wait for every pending non-final round, in start order, and issue what follows it."""
+        while self._pending:
+            run = self._pending.popleft()
+            while run.handle is not None:
+                handle, run.handle = run.handle, None
+                try:
+                    results = handle.wait()
+                except BaseException as error:
+                    self._fail(run, error)
+                    raise
+                self._continue(run, results)
+
+    def run(self, protocol: Protocol, step: int) -> Any:
+        """Run ``protocol`` to its end (blocking) and return its result."""
+        future = self.start(protocol, step)
+        self.advance()
+        return future.wait()
+
+    def _continue(self, run: _Run, results: list | None) -> None:
+        try:
+            round_ = run.protocol.send(results)
+        except StopIteration as stop:
+            run.future.set_result(stop.value)
+            return
+        except BaseException as error:
+            self._fail(run, error)
+            raise
+        step = run.step
+        handle = self.executor.issue(
+            round_,
+            lambda sent, received: self.stats.add(step, sent_bytes=sent, received_bytes=received, collectives=1),
+            lambda seconds: self.stats.add(step, comm_s=seconds))
+        if round_.final:
+            handle.future().then(lambda done: self._finish(run, done))
+        else:
+            run.handle = handle
+
+    def _finish(self, run: _Run, done: torch.futures.Future) -> None:
+        """Continuation of a final round (on a backend thread): decode, complete the run's future."""
+        try:
+            results = done.value()
+            try:
+                run.protocol.send(results)
+            except StopIteration as stop:
+                run.future.set_result(stop.value)
+                return
+            raise RuntimeError("a protocol issued collectives after its final round")
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+            self.failure = self.failure or error
+            if not run.future.done():
+                run.future.set_exception(error)
+
+    def _fail(self, run: _Run, error: BaseException) -> None:
+        self.failure = self.failure or error
+        for other in [run, *self._pending]:
+            if not other.future.done():
+                other.future.set_exception(error)
+        self._pending.clear()

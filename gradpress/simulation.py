@@ -1,0 +1,190 @@
+"""Many workers in one process: the runtime's own protocols, run in lockstep without a process group.
+
+Each simulated worker has its own :class:`~gradpress.runtime.Pipeline` (compressor, feedback memory,
+step counters, rank-specific private randomness), exactly as a real rank has. At every round the
+workers' collective requests are checked to match (a mismatch would hang or corrupt a real run) and
+carried out with the same order-defined meaning the process-group executor gives them: sums of two
+values, integer sums, max, min, broadcasts and gathers are exact in any order, and float sums over
+three or more workers go through a rank-order reduce-scatter in both. So ``simulate`` returns, bit
+for bit, what a real run returns for the same seeds.
+
+After a final round every rank decodes the same received bytes in the same order (DESIGN invariant
+1), so the simulation decodes once, on worker 0, and copies worker 0's compressor state (e.g. warm
+starts) to the others; that keeps n = 1024 workers affordable.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from gradpress.compressor import Compressor
+from gradpress.runtime import Options, Pipeline
+from gradpress.strategy import AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round, fold_sum, traffic
+
+WorkerGrads = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+class Simulator:
+    """``workers`` simulated ranks sharing one spec and options; :meth:`step` exchanges one step's
+    gradients and keeps feedback memory, step counters and warm starts for the next."""
+
+    def __init__(self, spec: str | Compressor, workers: int, **options: Any) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        self.options = Options.of(**options)
+        self.world_size = workers
+        self.pipelines = [Pipeline(spec, self.options, rank, workers) for rank in range(workers)]
+
+    def step(self, worker_grads: Sequence[WorkerGrads]) -> WorkerGrads:
+        """Exchange one step: ``worker_grads[r]`` is rank r's gradients (a tensor, a list of tensors or a
+        dict name -> tensor; keys ``"0"``, ``"1"``, … for a list, ``""`` for a tensor). Returns what every
+        rank receives (the same on all), in the same structure, shapes and dtypes."""
+        if len(worker_grads) != self.world_size:
+            raise ValueError(f"expected the gradients of {self.world_size} workers, got {len(worker_grads)}")
+        items = [_items(grads) for grads in worker_grads]
+        for rank, mine in enumerate(items[1:], start=1):
+            if [(k, t.shape, t.dtype) for k, t in mine] != [(k, t.shape, t.dtype) for k, t in items[0]]:
+                raise ValueError(f"worker {rank}'s gradients differ in keys, shapes or dtypes from worker 0's")
+        groups = [p.groups(mine) for p, mine in zip(self.pipelines, items)]
+        out: list[torch.Tensor] = [None] * len(items[0])  # type: ignore[list-item]
+        for g, first in enumerate(groups[0]):
+            results = self._lockstep([worker_groups[g] for worker_groups in groups])
+            for i, result in zip(first.members, results):
+                out[i] = result
+        self._share_compressor_state()
+        return _restore(worker_grads[0], out)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every worker's :class:`~gradpress.runtime.Stats` report, by rank."""
+        return [p.report() for p in self.pipelines]
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [p.state_dict() for p in self.pipelines]
+
+    def load_state_dict(self, state: Sequence[dict[str, Any]]) -> None:
+        if len(state) != self.world_size:
+            raise ValueError(f"a state of {len(state)} workers cannot load into {self.world_size}")
+        for pipeline, mine in zip(self.pipelines, state):
+            pipeline.load_state_dict(mine)
+
+    # -- lockstep ------------------------------------------------------------------------------------
+    def _lockstep(self, groups) -> Any:
+        """Drive every worker's protocol for one group; worker 0's result."""
+        protocols = [g.protocol for g in groups]
+        rounds = _send_all(protocols, [None] * self.world_size)
+        while isinstance(rounds[0], Round):
+            _check_same(rounds)
+            for rank, round_ in enumerate(rounds):
+                stats = self.pipelines[rank].stats
+                for request in round_.requests:
+                    sent, received = traffic(request, rank, self.world_size)
+                    stats.add(groups[rank].step, sent_bytes=sent, received_bytes=received, collectives=1)
+            if rounds[0].final:
+                replies = _results([r.requests for r in rounds], self.world_size, only=0)
+                try:
+                    protocols[0].send(replies)
+                except StopIteration as stop:
+                    for other in protocols[1:]:
+                        other.close()
+                    return stop.value
+                raise RuntimeError("a protocol issued collectives after its final round")
+            replies = _results([r.requests for r in rounds], self.world_size, only=None)
+            rounds = _send_all(protocols, replies)
+        return rounds[0]
+
+    def _share_compressor_state(self) -> None:
+        state = self.pipelines[0].compressor.state_dict()
+        if state:
+            for pipeline in self.pipelines[1:]:
+                pipeline.compressor.load_state_dict(state)
+
+
+def simulate(spec: str | Compressor, worker_grads: Sequence[WorkerGrads], **options: Any) -> WorkerGrads:
+    """One step of ``len(worker_grads)`` workers exchanging their gradients under ``spec``: what every
+    worker receives. The same pipeline as the DDP hook and the Communicator, in one process (n up to
+    1024 and more); for several steps with feedback carried over, use :class:`Simulator`."""
+    return Simulator(spec, len(worker_grads), **options).step(worker_grads)
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def _items(grads: WorkerGrads) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(grads, torch.Tensor):
+        return [("", grads)]
+    if isinstance(grads, Mapping):
+        return [(str(k), v) for k, v in grads.items()]
+    return [(str(i), t) for i, t in enumerate(grads)]
+
+
+def _restore(like: WorkerGrads, out: list[torch.Tensor]) -> WorkerGrads:
+    if isinstance(like, torch.Tensor):
+        return out[0]
+    if isinstance(like, Mapping):
+        return dict(zip(like.keys(), out))
+    return list(out)
+
+
+def _send_all(protocols, replies) -> list:
+    """Resume every worker's protocol; their next rounds, or their results if all finished."""
+    rounds, finished = [], []
+    for rank, (protocol, reply) in enumerate(zip(protocols, replies)):
+        try:
+            rounds.append(protocol.send(reply))
+            finished.append(False)
+        except StopIteration as stop:
+            rounds.append(stop.value)
+            finished.append(True)
+    if any(finished) and not all(finished):
+        raise RuntimeError("workers diverged: some finished their exchange while others issued collectives")
+    return rounds
+
+
+def _describe(request: Collective) -> tuple:
+    t = request.tensor
+    return (type(request).__name__, tuple(t.shape), t.dtype, getattr(request, "op", None),
+            getattr(request, "src", None), getattr(request, "dst", None))
+
+
+def _check_same(rounds: list[Round]) -> None:
+    first = [_describe(r) for r in rounds[0].requests], rounds[0].final
+    for rank, round_ in enumerate(rounds[1:], start=1):
+        mine = [_describe(r) for r in round_.requests], round_.final
+        if mine != first:
+            raise RuntimeError(f"workers issued different collectives: worker 0 {first}, worker {rank} {mine}")
+
+
+def _results(requests: list[list[Collective]], n: int, only: int | None) -> list:
+    """Carry out one round: per worker, the list of its requests' results (``only``: just that worker's,
+    the others' are not needed)."""
+    ranks = range(n) if only is None else [only]
+    replies: list[list] = [[] for _ in range(n)]
+    for k in range(len(requests[0])):
+        column = [requests[r][k] for r in range(n)]
+        first = column[0]
+        if isinstance(first, AllReduce):
+            tensors = [c.tensor for c in column]
+            if first.op == "sum":
+                total = fold_sum(tensors)
+            else:
+                combine = torch.maximum if first.op == "max" else torch.minimum
+                total = tensors[0].clone()
+                for t in tensors[1:]:
+                    total = combine(total, t)
+            shared = [total if r == ranks[0] else total.clone() for r in ranks]
+        elif isinstance(first, ReduceScatter):
+            total = fold_sum([c.tensor for c in column])  # (n, chunk): row r is rank r's sum
+            shared = [total[r] for r in ranks]
+        elif isinstance(first, AllGather):
+            stack = torch.stack([c.tensor for c in column])
+            shared = [stack for _ in ranks]
+        elif isinstance(first, Broadcast):
+            source = column[first.src].tensor
+            shared = [source.clone() for _ in ranks]
+        elif isinstance(first, Gather):
+            stack = torch.stack([c.tensor for c in column])
+            shared = [stack if r == first.dst else None for r in ranks]
+        else:
+            raise TypeError(f"unknown collective {first!r}")
+        for r, value in zip(ranks, shared):
+            replies[r].append(value)
+    return replies if only is None else replies[only]

@@ -1,0 +1,660 @@
+"""Strategies: how the packets of the workers meet (GRACE Section 4.1, Algorithm 1 lines 7-14; the
+Natural compression paper's Algorithm 1 in App. D.1; THC Algorithms 1-3). The only module that calls
+``torch.distributed``.
+
+An exchange is written once, as a *protocol*: a generator that yields rounds (:class:`Round`) of collective
+requests (:class:`AllReduce`, :class:`ReduceScatter`, :class:`AllGather`, :class:`Broadcast`,
+:class:`Gather`) and receives their results. A :class:`ProcessGroupExecutor` runs the rounds on a
+process group; ``gradpress.simulate`` runs the very same protocols for n workers inside one process.
+Every request has an exact, order-defined meaning, so a simulated run equals a real one bit for bit:
+float sums over three or more ranks go through :class:`ReduceScatter`, which adds the ranks' values in
+rank order (an all-to-all plus a local sum), because a ring all-reduce adds them in an order that
+depends on each element's position (measured on Gloo with 3 ranks: 14 % of 10⁵ heavy-tailed fp32 sums
+differ from the rank-order sum). Sums of two values, integer sums, max and min are exact in any order
+and use the backend's all-reduce.
+
+The :class:`Strategy` is chosen from the compressor's facts (DESIGN.md, "Strategy"):
+
+* ``collective`` mode: summable → all-reduce of :meth:`Compressor.summands`, decoded once
+  (:meth:`Compressor.decode_sum`); otherwise → all-gather of every worker's packet (variable sizes
+  included), each decoded, combined by :meth:`Compressor.aggregate` (the mean, or e.g. a majority vote).
+* ``ps`` mode: packets gathered at one rank (the parameter server), combined there, optionally
+  re-compressed by a master compressor C_M (bidirectional compression, Natural paper Algorithm 1),
+  and broadcast.
+* ``switch`` mode: like ``ps``, but the aggregator only adds integers (a programmable switch: THC
+  Section 6, Natural paper App. C.6) and sends the sums back; workers decode.
+* a preliminary exchange before compressing (:meth:`Compressor.prepare`): THC's largest norm (max),
+  uniform THC's global min/max, ScaleCom's leader indices (broadcast), PowerSGD's P (sum).
+
+Integer sums never wrap (DESIGN invariant 4): the strategy knows the largest summand
+(:attr:`Compressor.max_summand`) and the number of workers, and sums in a dtype that holds their
+product, widening the summands or raising :class:`OverflowError` (``overflow="raise"``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, ContextManager, Generator, Sequence
+
+import torch
+
+from gradpress.compressor import Compressor, Preliminary
+from gradpress.packet import Packet
+from gradpress.rng import Context
+
+MODES = ("collective", "ps", "switch")
+OVERFLOW = ("widen", "raise")
+
+
+# -- collective requests ---------------------------------------------------------------------------
+@dataclass
+class AllReduce:
+    """Every rank receives the element-wise ``op`` (sum, max or min) of all ranks' ``tensor``."""
+
+    tensor: torch.Tensor
+    op: str = "sum"
+
+
+@dataclass
+class ReduceScatter:
+    """``tensor`` has shape (n, chunk); rank r receives ((x_0[r] + x_1[r]) + x_2[r]) + …, summed in rank
+    order, bit-reproducible (an all-to-all, then a local sum)."""
+
+    tensor: torch.Tensor
+
+
+@dataclass
+class AllGather:
+    """Every rank receives the (n, *shape) stack of all ranks' ``tensor`` (equal shapes)."""
+
+    tensor: torch.Tensor
+
+
+@dataclass
+class Broadcast:
+    """Every rank receives rank ``src``'s ``tensor`` (the others pass a buffer of the same shape)."""
+
+    tensor: torch.Tensor
+    src: int
+
+
+@dataclass
+class Gather:
+    """Rank ``dst`` receives the (n, *shape) stack of all ranks' ``tensor``; the others receive None."""
+
+    tensor: torch.Tensor
+    dst: int
+
+
+Collective = AllReduce | ReduceScatter | AllGather | Broadcast | Gather
+
+
+@dataclass
+class Round:
+    """Collectives issued together, in order. After a ``final`` round the protocol only computes (it
+    decodes) and returns; the runtime may run that continuation asynchronously."""
+
+    requests: list[Collective]
+    final: bool = False
+
+
+Protocol = Generator[Round, list, Any]
+
+
+def traffic(request: Collective, rank: int, world_size: int) -> tuple[int, int]:
+    """Bytes (sent, received) by ``rank`` for one collective, as the textbook algorithms move them:
+    ring all-reduce 2(n−1)/n·S each way, ring reduce-scatter (n−1)/n·S, ring all-gather (n−1)·S, and
+    star-shaped broadcast and gather (the parameter-server pattern: the root sends or receives
+    (n−1)·S, every other rank S)."""
+    n = world_size
+    size = request.tensor.numel() * request.tensor.element_size()
+    if n == 1:
+        return 0, 0
+    if isinstance(request, AllReduce):
+        both = 2 * (n - 1) * size // n
+        return both, both
+    if isinstance(request, ReduceScatter):
+        both = (n - 1) * size // n
+        return both, both
+    if isinstance(request, AllGather):
+        return (n - 1) * size, (n - 1) * size
+    if isinstance(request, Broadcast):
+        return ((n - 1) * size, 0) if rank == request.src else (0, size)
+    if isinstance(request, Gather):
+        return (0, (n - 1) * size) if rank == request.dst else (size, 0)
+    raise TypeError(f"unknown collective {request!r}")
+
+
+# -- protocol building blocks -----------------------------------------------------------------------
+def reduce_tensor(tensor: torch.Tensor, op: str, world_size: int, deterministic: bool, final: bool) -> Protocol:
+    """The element-wise ``op`` of ``tensor`` over the workers; float sums over 3+ workers in rank order
+    (reduce-scatter, then all-gather) unless ``deterministic`` is off."""
+    n = world_size
+    if op == "sum" and tensor.is_floating_point() and n > 2 and deterministic:
+        numel = tensor.numel()
+        chunk = -(-numel // n)
+        flat = tensor.reshape(-1)
+        if n * chunk != numel:
+            flat = torch.cat([flat, flat.new_zeros(n * chunk - numel)])
+        (mine,) = yield Round([ReduceScatter(flat.view(n, chunk))])
+        (every,) = yield Round([AllGather(mine)], final)
+        return every.reshape(-1)[:numel].view(tensor.shape)
+    (reduced,) = yield Round([AllReduce(tensor, op)], final)
+    return reduced
+
+
+def parallel(protocols: Sequence[Protocol]) -> Protocol:
+    """Run several protocols side by side: their k-th rounds are issued together (in list order), so
+    the merged protocol issues the same collectives in the same order on every rank. Returns their
+    results in order. A merged round is final only when every protocol still running is final."""
+    results: list[Any] = [None] * len(protocols)
+    current: dict[int, Round] = {}
+    for i, protocol in enumerate(protocols):
+        try:
+            current[i] = next(protocol)
+        except StopIteration as stop:
+            results[i] = stop.value
+    while current:
+        order = sorted(current)
+        merged = Round([r for i in order for r in current[i].requests], all(current[i].final for i in order))
+        replies = yield merged
+        position = 0
+        for i in order:
+            count = len(current[i].requests)
+            mine, position = replies[position:position + count], position + count
+            try:
+                current[i] = protocols[i].send(mine)
+            except StopIteration as stop:
+                results[i] = stop.value
+                del current[i]
+    return results
+
+
+def fold_sum(rows: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """((rows[0] + rows[1]) + rows[2]) + … in the rows' own dtype: the rank-order sum every strategy
+    uses (bool rows add as a logical or, as torch.distributed's SUM does)."""
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row
+    return total
+
+
+def sum_dtype(dtype: torch.dtype, limit: int, overflow: str, where: str) -> torch.dtype:
+    """The integer dtype in which sums up to ``limit`` in magnitude are formed (DESIGN invariant 4).
+
+    Collective backends add uint8, int8, int32 and int64 (neither Gloo nor NCCL has int16); the
+    summands keep their dtype if it is one of those and holds ``limit``. Otherwise they are widened
+    to the narrowest one that does, with the same signedness; with ``overflow="raise"``, a dtype too
+    narrow for ``limit`` raises instead. No dtype wider than int64 exists: beyond it, always raise.
+    """
+    ladder = [torch.int8, torch.int32, torch.int64] if dtype.is_signed else [torch.uint8, torch.int32, torch.int64]
+    if dtype in ladder and torch.iinfo(dtype).max >= limit:
+        return dtype
+    if overflow == "raise" and torch.iinfo(dtype).max < limit:
+        raise OverflowError(f"{where}: sums of up to {limit} do not fit {dtype}, and overflow='raise'")
+    for candidate in ladder:
+        if torch.iinfo(candidate).max >= limit:
+            return candidate
+    raise OverflowError(f"{where}: sums of up to {limit} do not fit any integer dtype (int64 at most)")
+
+
+_ALIGN = 8
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def pack(tensors: Sequence[torch.Tensor], device: torch.device, size: int | None = None) -> torch.Tensor:
+    """Concatenate the bytes of ``tensors`` into one uint8 buffer, each starting at a multiple of 8
+    bytes (so every slice views back as its dtype), zero-padded to ``size`` bytes if given."""
+    total = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+    buffer = torch.zeros(max(total, size or 0), dtype=torch.uint8, device=device)
+    offset = 0
+    for t in tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[offset:offset + raw.numel()] = raw
+        offset += _aligned(raw.numel())
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, layout: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """Views of ``buffer`` as the tensors :func:`pack` put there (``layout``: dtype and shape of each)."""
+    tensors, offset = [], 0
+    for dtype, shape in layout:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        tensors.append(buffer[offset:offset + nbytes].view(dtype).view(shape))
+        offset += _aligned(nbytes)
+    return tensors
+
+
+def packed_sizes(numels: torch.Tensor, element_sizes: Sequence[int]) -> torch.Tensor:
+    """Bytes :func:`pack` needs for each row of ``numels`` (one row per rank, one column per tensor)."""
+    sizes = numels.to(torch.int64) * torch.tensor(element_sizes, dtype=torch.int64, device=numels.device)
+    return ((sizes + _ALIGN - 1) // _ALIGN * _ALIGN).sum(dim=1)
+
+
+def received_layout(numels: Sequence[int], local: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """Layout of another rank's wire tensors: the local dtypes, the local shapes where the sizes agree,
+    1-D where a variable-size tensor differs."""
+    layout = []
+    for numel, mine in zip(numels, local, strict=True):
+        if numel == mine.numel():
+            layout.append((mine.dtype, tuple(mine.shape)))
+        elif mine.dim() == 1:
+            layout.append((mine.dtype, (int(numel),)))
+        else:
+            raise ValueError(f"a wire tensor of shape {tuple(mine.shape)} changes size between workers; "
+                             "variable-size wire tensors must be 1-D")
+    return layout
+
+
+def concat(tensors: Sequence[torch.Tensor], writable: set[int]) -> torch.Tensor:
+    """One flat tensor holding ``tensors`` in order. Tensors that already lie back to back in one
+    storage the caller allows to overwrite (``writable``: storage pointers) are viewed, not copied:
+    a DDP bucket's uncompressed gradients are all-reduced in place, as DDP itself does."""
+    flat = [t.reshape(-1) for t in tensors]
+    first = flat[0]
+    storage = first.untyped_storage()
+    if storage.data_ptr() in writable and all(t.is_contiguous() for t in tensors):
+        position, adjacent = first.data_ptr(), True
+        for t in flat:
+            adjacent = adjacent and t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() == position
+            position += t.numel() * t.element_size()
+        if adjacent:
+            total = sum(t.numel() for t in flat)
+            return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
+    return torch.cat(flat)
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1)
+
+
+# -- strategies -----------------------------------------------------------------------------------
+Timer = Callable[[], ContextManager]
+
+
+@dataclass
+class Strategy:
+    """How this worker's packets meet the others' (see the module docstring). Pure: it yields collective
+    requests and never touches a process group itself."""
+
+    compressor: Compressor
+    rank: int
+    world_size: int
+    mode: str = "collective"
+    root: int = 0
+    master: Compressor | None = None
+    overflow: str = "widen"
+    deterministic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.overflow not in OVERFLOW:
+            raise ValueError(f"overflow must be 'widen' or 'raise', got {self.overflow!r}")
+        if not 0 <= self.root < self.world_size:
+            raise ValueError(f"root {self.root} is not a rank of a world of {self.world_size}")
+        if self.compressor.exchange not in ("allreduce", "allgather"):
+            raise ValueError(f"{self.compressor.spec}: unknown exchange {self.compressor.exchange!r}")
+        if self.compressor.exchange == "allreduce" and not self.compressor.summable:
+            raise ValueError(f"{self.compressor.spec}: exchange 'allreduce' needs a summable compressor")
+        if self.master is not None and self.mode == "collective":
+            raise ValueError("a master compressor (bidirectional compression) needs mode='ps'")
+        if self.mode == "switch":
+            if not self.compressor.summable:
+                raise ValueError(f"switch mode adds integers only; {self.compressor.spec} is not summable")
+            if self.master is not None:
+                raise ValueError("switch mode cannot re-compress at the switch: drop master, or use mode='ps'")
+
+    @property
+    def pattern(self) -> str:
+        """The traffic pattern in words (for stats and reports)."""
+        if self.mode == "collective":
+            return self.compressor.exchange
+        return self.mode + ("+master" if self.master is not None else "")
+
+    # -- preliminary exchange ---------------------------------------------------------------------
+    def preliminary(self, prelims: Sequence[Preliminary | None]) -> Protocol:
+        """Combine every item's :class:`Preliminary` over the workers; values of the same op, source and
+        dtype travel in one collective. Returns each item's combined values (None where none)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, pre in enumerate(prelims):
+            if pre is not None:
+                src = pre.src if pre.op == "broadcast" else -1
+                if pre.op == "broadcast" and not 0 <= src < self.world_size:
+                    raise ValueError(f"preliminary broadcast from rank {src} in a world of {self.world_size}")
+                groups.setdefault((pre.op, src, pre.values.dtype, pre.values.device), []).append(i)
+        protocols = []
+        for (op, src, _, _), members in groups.items():
+            flat = torch.cat([_flat(prelims[i].values) for i in members])  # type: ignore[union-attr]
+            if op == "broadcast":
+                protocols.append(_single(Broadcast(flat, src), final=False))
+            else:
+                protocols.append(reduce_tensor(flat, op, self.world_size, self.deterministic, final=False))
+        combined = yield from parallel(protocols)
+        out: list[torch.Tensor | None] = [None] * len(prelims)
+        for members, flat in zip(groups.values(), combined):
+            for i, values in zip(members, _split(flat, [prelims[i].values for i in members])):  # type: ignore[union-attr]
+                out[i] = values
+        return out
+
+    # -- main exchange ------------------------------------------------------------------------------
+    def exchange(self, packets: Sequence[Packet], ctxs: Sequence[Context], writable: set[int] = frozenset(),
+                 timer: Timer = nullcontext) -> Protocol:
+        """The averaged tensor of every item (its packet's shape and dtype), the same bits on every rank.
+
+        ``writable``: storage pointers of tensors the collectives may overwrite in place; ``timer``: a
+        context manager factory timing the decoding.
+        """
+        if all(p.numel == 0 for p in packets):
+            return [self.compressor.decompress(p) for p in packets]
+        if self.mode == "collective":
+            if self.compressor.exchange == "allreduce":
+                return (yield from self._allreduce(packets, writable, timer))
+            return (yield from self._allgather(packets, timer))
+        if self.compressor.summable:
+            return (yield from self._server_sum(packets, ctxs, timer))
+        return (yield from self._server_gather(packets, ctxs, timer))
+
+    def _summands(self, packet: Packet) -> list[torch.Tensor]:
+        """The packet's summands, integers widened so that n of them add without wrapping."""
+        summands = self.compressor.summands(packet)
+        out = []
+        for t in summands:
+            if self.mode == "switch" and (t.is_floating_point() or t.is_complex()):
+                raise ValueError(f"switch mode adds integers only; {self.compressor.spec} sends {t.dtype} summands")
+            if t.is_floating_point() or t.dtype == torch.bool:
+                out.append(t)
+                continue
+            bound = self.compressor.max_summand
+            if bound is None:
+                raise ValueError(f"{self.compressor.spec}: integer summands need max_summand, the largest "
+                                 "magnitude one worker sends, so that sums cannot wrap")
+            dtype = sum_dtype(t.dtype, bound * self.world_size, self.overflow, self.compressor.spec)
+            out.append(t if dtype == t.dtype else t.to(dtype))
+        return out
+
+    def _by_dtype(self, packets: Sequence[Packet], writable: set[int]):
+        """Every packet's summands, grouped by dtype and flattened: (flats, members, summands)."""
+        summands = [self._summands(p) for p in packets]
+        groups: dict[tuple, list[tuple[int, int]]] = {}
+        for i, tensors in enumerate(summands):
+            for j, t in enumerate(tensors):
+                groups.setdefault((t.dtype, t.device), []).append((i, j))
+        flats = [concat([summands[i][j] for i, j in members], writable) for members in groups.values()]
+        return flats, list(groups.values()), summands
+
+    @staticmethod
+    def _unflatten(sums, members, summands) -> list[list[torch.Tensor]]:
+        per_item: list[list[torch.Tensor]] = [[None] * len(s) for s in summands]  # type: ignore[list-item]
+        for flat, group in zip(sums, members):
+            for (i, j), part in zip(group, _split(flat, [summands[i][j] for i, j in group])):
+                per_item[i][j] = part
+        return per_item
+
+    def _allreduce(self, packets, writable, timer) -> Protocol:
+        """GRACE Algorithm 1 lines 7-9: g = Q⁻¹(Allreduce(g̃)) / n."""
+        flats, members, summands = self._by_dtype(packets, writable)
+        sums = yield from parallel([reduce_tensor(f, "sum", self.world_size, self.deterministic, final=True)
+                                    for f in flats])
+        per_item = self._unflatten(sums, members, summands)
+        with timer():
+            return [self.compressor.decode_sum(p, s, self.world_size) for p, s in zip(packets, per_item)]
+
+    def _allgather(self, packets, timer) -> Protocol:
+        """GRACE Algorithm 1 lines 10-13: every packet to every worker, decoded, then Agg (mean or rule)."""
+        local, rows = yield from self._collect(packets, AllGather, final=True)
+        with timer():
+            return [self.compressor.aggregate(item) for item in self._per_item(packets, local, rows)]
+
+    def _collect(self, packets, request: type, final: bool) -> Protocol:
+        """All-gather (or gather at the root) every worker's packets as one byte buffer per worker.
+
+        Packets whose size the compressor fixes (``expected_nbytes`` is not None) go in one round; others
+        first exchange their wire tensors' sizes. Returns (this rank's wire tensors, per-rank unpacked
+        wire tensors or None where not received).
+        """
+        c = self.compressor
+        local = [t for p in packets for t in p.wire()]
+        device = _device(packets)
+        fixed = all(c.expected_nbytes(p.numel, p.dtype) is not None for p in packets)
+        gather = (lambda t: Gather(t, self.root)) if request is Gather else AllGather
+        if fixed:
+            (stack,) = yield Round([gather(pack(local, device))], final)
+            layouts = [[(t.dtype, tuple(t.shape)) for t in local]] * self.world_size
+        else:
+            header = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
+            (headers,) = yield Round([AllGather(header)])
+            sizes = packed_sizes(headers, [t.element_size() for t in local])
+            (stack,) = yield Round([gather(pack(local, device, int(sizes.max())))], final)
+            layouts = [received_layout(row, local) for row in headers.tolist()] if stack is not None else []
+        if stack is None:
+            return local, None
+        return local, [unpack(stack[j], layouts[j]) for j in range(self.world_size)]
+
+    def _server_sum(self, packets, ctxs, timer) -> Protocol:
+        """Parameter server / switch for summable packets: gather the summands at the root, add them in
+        rank order (integers only in switch mode), broadcast the sums (or C_M of the mean) back."""
+        flats, members, summands = self._by_dtype(packets, set())
+        gathered = yield Round([Gather(f, self.root) for f in flats])
+        is_root = self.rank == self.root
+        totals = [fold_sum(rows) if is_root else torch.empty_like(f) for rows, f in zip(gathered, flats)]
+        if self.master is None:
+            sums = yield Round([Broadcast(t, self.root) for t in totals], final=True)
+            per_item = self._unflatten(sums, members, summands)
+            with timer():
+                return [self.compressor.decode_sum(p, s, self.world_size) for p, s in zip(packets, per_item)]
+        means = None
+        if is_root:
+            per_item = self._unflatten(totals, members, summands)
+            with timer():
+                means = [self.compressor.decode_sum(p, s, self.world_size) for p, s in zip(packets, per_item)]
+        return (yield from self._master_broadcast(means, packets, ctxs, timer))
+
+    def _server_gather(self, packets, ctxs, timer) -> Protocol:
+        """Parameter server for other packets: gather them at the root, decode and aggregate there, send
+        back the dense mean or its C_M packet (Natural paper Algorithm 1, master side)."""
+        local, rows = yield from self._collect(packets, Gather, final=False)
+        means = None
+        if rows is not None:
+            with timer():
+                means = [self.compressor.aggregate(p) for p in self._per_item(packets, local, rows)]
+        if self.master is not None:
+            return (yield from self._master_broadcast(means, packets, ctxs, timer))
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(packets):
+            groups.setdefault((p.dtype, p.device), []).append(i)
+        buffers = []
+        for (dtype, device), items in groups.items():
+            if means is not None:
+                buffers.append(torch.cat([_flat(means[i]) for i in items]))
+            else:
+                buffers.append(torch.empty(sum(packets[i].numel for i in items), dtype=dtype, device=device))
+        received = yield Round([Broadcast(b, self.root) for b in buffers], final=True)
+        out: list[torch.Tensor] = [None] * len(packets)  # type: ignore[list-item]
+        for items, flat in zip(groups.values(), received):
+            offset = 0
+            for i in items:
+                out[i] = flat[offset:offset + packets[i].numel].view(packets[i].shape)
+                offset += packets[i].numel
+        return out
+
+    def _master_broadcast(self, means, packets, ctxs, timer) -> Protocol:
+        """The root compresses each mean with C_M and broadcasts the packets; every rank (the root too)
+        decodes the broadcast bytes, so all end with the same bits. Non-roots learn the packets'
+        structure from C_M applied to zeros with the same context (structure and metadata depend on the
+        context and the size, never on the values), their sizes from a header."""
+        master = self.master
+        assert master is not None
+        device = _device(packets)
+        contexts = [ctx.with_key(ctx.key + "/master") for ctx in ctxs]
+        sources = means if means is not None else [torch.zeros(p.shape, dtype=p.dtype, device=device) for p in packets]
+        mpackets = [master.compress(x, ctx) for x, ctx in zip(sources, contexts)]
+        local = [t for p in mpackets for t in p.wire()]
+        header = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
+        (header,) = yield Round([Broadcast(header, self.root)])
+        numels = header.tolist()
+        layout = received_layout(numels, local)
+        size = int(packed_sizes(header.view(1, -1), [t.element_size() for t in local])[0])
+        buffer = pack(local, device, size) if means is not None else torch.empty(size, dtype=torch.uint8, device=device)
+        (buffer,) = yield Round([Broadcast(buffer, self.root)], final=True)
+        wire = iter(unpack(buffer, layout))
+        with timer():
+            out = []
+            for mp, p in zip(mpackets, packets):
+                received = mp.with_wire([next(wire) for _ in mp.wire()])
+                out.append(master.decompress(received).to(p.dtype).view(p.shape))
+            return out
+
+    def _per_item(self, packets, local, rows) -> list[list[Packet]]:
+        """For each item, its packet from every rank in rank order (this rank's own packet as it is)."""
+        result, start = [], 0
+        for packet in packets:
+            count = sum(1 for _ in packet.wire())
+            item = []
+            for j in range(self.world_size):
+                item.append(packet if j == self.rank else packet.with_wire(rows[j][start:start + count]))
+            result.append(item)
+            start += count
+        return result
+
+
+def _single(request: Collective, final: bool) -> Protocol:
+    (result,) = yield Round([request], final)
+    return result
+
+
+def _device(packets: Sequence[Packet]) -> torch.device:
+    for p in packets:
+        for t in p.wire():
+            return t.device
+    return torch.device("cpu")
+
+
+# -- running protocols on a process group -----------------------------------------------------------
+class Handle:
+    """The collectives of one round, in flight."""
+
+    def __init__(self, works: list, results: Callable[[], list], done: Callable[[float], None]) -> None:
+        self._works, self._results, self._done = works, results, done
+        self._started = time.perf_counter()
+
+    def wait(self) -> list:
+        """Block until the round completes; its results (raises if a collective failed or timed out)."""
+        for work in self._works:
+            work.wait()
+        return self._finish()
+
+    def future(self) -> torch.futures.Future:
+        """A future of the round's results, completed by the backend's own threads."""
+        if not self._works:
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(self._finish())
+            return future
+
+        def finish(every: torch.futures.Future) -> list:
+            for sub in every.value() if len(self._works) > 1 else [every]:
+                sub.value()  # re-raises the error of a failed collective
+            return self._finish()
+
+        if len(self._works) == 1:
+            return self._works[0].get_future().then(finish)
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(finish)
+
+    def _finish(self) -> list:
+        results = self._results()
+        self._done(time.perf_counter() - self._started)
+        return results
+
+
+class ProcessGroupExecutor:
+    """Issues a protocol's rounds on a ``torch.distributed`` process group (Gloo, NCCL, …), async."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def issue(self, round_: Round, sent: Callable[[int, int], None], done: Callable[[float], None]) -> Handle:
+        """Start every collective of ``round_`` in order; ``sent(bytes_sent, bytes_received)`` is called
+        per collective, ``done(seconds)`` when the round completes."""
+        works, builders = [], []
+        for request in round_.requests:
+            sent(*traffic(request, self.rank, self.world_size))
+            work, build = self._start(request)
+            if work is not None:
+                works.append(work)
+            builders.append(build)
+        return Handle(works, lambda: [build() for build in builders], done)
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else self._dist.get_global_rank(self.group, rank)
+
+    def _start(self, request: Collective) -> tuple[Any, Callable[[], Any]]:
+        dist, group, n = self._dist, self.group, self.world_size
+        t = request.tensor
+        if not t.is_contiguous():
+            raise ValueError("collective requests take contiguous tensors")
+        if isinstance(request, AllReduce):
+            if n == 1:
+                return None, lambda: t
+            return dist.all_reduce(t, op=self._ops[request.op], group=group, async_op=True), lambda: t
+        if isinstance(request, ReduceScatter):
+            if n == 1:
+                return None, lambda: t[0].clone()
+            out = torch.empty_like(t)
+            return dist.all_to_all_single(out, t, group=group, async_op=True), lambda: fold_sum(out)
+        if isinstance(request, AllGather):
+            if n == 1:
+                return None, lambda: t.unsqueeze(0)
+            out = torch.empty((n * t.numel(),), dtype=t.dtype, device=t.device)
+            work = self._all_gather(out, t.reshape(-1), group=group, async_op=True)
+            return work, lambda: out.view(n, *t.shape)
+        if isinstance(request, Broadcast):
+            if n == 1:
+                return None, lambda: t
+            return dist.broadcast(t, src=self._global(request.src), group=group, async_op=True), lambda: t
+        if isinstance(request, Gather):
+            if n == 1:
+                return None, lambda: t.unsqueeze(0)
+            mine = self.rank == request.dst
+            out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device) if mine else None
+            work = dist.gather(t, list(out.unbind(0)) if mine else None, dst=self._global(request.dst),
+                               group=group, async_op=True)
+            return work, lambda: out
+        raise TypeError(f"unknown collective {request!r}")
+
+
+def process_group(group: Any = None, timeout: float | timedelta | None = None) -> Any:
+    """The process group gradpress talks on: ``group`` (default: the default group), or, with a
+    ``timeout``, a new group over the same ranks whose collectives raise after ``timeout`` instead of
+    waiting for the default's (30 minutes). Called by every member of ``group``."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+    if timeout is None:
+        return group
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks=ranks, timeout=timeout, backend=dist.get_backend(group),
+                          use_local_synchronization=True)

@@ -1,0 +1,440 @@
+"""``gradpress train``: one model trained by N local worker processes with DDP and a gradient hook.
+
+The launcher fetches the data once, optionally builds the emulated network (:mod:`.netem`), starts one
+process per worker (``python -m gradpress.testbed.train --worker``), and returns rank 0's
+:class:`~gradpress.testbed.results.Run`. If any worker fails the others are stopped and the error
+says which rank failed and why; the network is deleted in every case.
+
+The worker is a plain DDP training loop. The hook is the gradpress compressor named by the spec, or one
+of the reference rows (GRACE Section 5's baselines): ``noop`` (no communication: the compute-only upper
+bound), ``torch-allreduce`` (PyTorch's all-reduce hook), ``torch-fp16`` (``fp16_compress_hook``),
+``torch-powersgd`` (``powerSGD_hook``, Vogels et al. 2019, rank 1).
+
+Per step it records wall-clock (evaluation excluded), compute time, compression time, communication
+time and the bytes this rank handed to collectives (``Packet.nbytes``; for the reference rows, the
+sizes of the tensors their hooks communicate). Compression runs inside the backward pass, so compute
+time is the step's time minus compression time; communication overlaps the backward pass and is
+reported as measured from issue to completion.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gradpress.testbed import netem
+from gradpress.testbed.results import REFERENCES, Eval, Run, Step
+
+PORT = 29511
+
+
+class TrainFailed(RuntimeError):
+    """A worker process failed; the message carries its exit status and the end of its output."""
+
+
+@dataclass
+class TrainConfig:
+    """What ``gradpress train`` runs (also what the launcher hands every worker, as JSON)."""
+
+    model: str = "mlp"
+    data: str = "fashion-mnist"
+    workers: int = 2
+    compressor: str = "none"
+    bandwidth: str | None = None
+    epochs: int | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    seed: int = 0
+    eval_every: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    timeout: float = 300.0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if (self.epochs is None) == (self.steps is None):
+            if self.epochs is None and self.steps is None:
+                self.epochs = 1
+            else:
+                raise ValueError("give --epochs or --steps, not both")
+        if self.bandwidth is not None:
+            netem.rate_bits_per_second(self.bandwidth)
+        if self.compressor not in REFERENCES:
+            import gradpress
+
+            gradpress.make(self.compressor)  # unknown specs fail here, in the launcher
+
+
+# -- the launcher --------------------------------------------------------------------------------------
+def train(config: TrainConfig, json_path: str | Path | None = None, progress: bool = True) -> Run:
+    """Run ``config`` on local worker processes and return rank 0's record (also saved to ``json_path``)."""
+    from gradpress.testbed import data
+
+    data.fetch(config.data)  # once, here: workers only load
+    with tempfile.TemporaryDirectory(prefix="gradpress-train-") as scratch:
+        result = Path(scratch) / "run.json"
+        if config.bandwidth is None:
+            _launch(config, result, progress, address="127.0.0.1", port=_free_port(), star=None)
+        else:
+            with netem.emulated_star(config.workers, config.bandwidth) as star:
+                _launch(config, result, progress, address=star.addresses[0], port=PORT, star=star)
+        run = Run.from_json(result.read_text())
+    if json_path is not None:
+        run.save(json_path)
+    return run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config: TrainConfig, result: Path, progress: bool, address: str, port: int,
+            star: netem.Star | None) -> None:
+    payload = json.dumps(asdict(config))
+    processes = []
+    for rank in range(config.workers):
+        argv = [sys.executable, "-m", "gradpress.testbed.train", "--worker", payload, str(rank), address,
+                str(port), str(result)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(config.threads), "GRADPRESS_PROGRESS": str(int(progress))}
+        if star is not None:
+            argv = star.command(rank, argv)
+            env.update(star.environment(rank))
+        else:
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        stderr = None if rank == 0 else subprocess.PIPE
+        processes.append(subprocess.Popen(argv, env=env, stderr=stderr, stdin=subprocess.DEVNULL))
+    try:
+        _wait(processes, deadline=time.monotonic() + 24 * 3600)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def _wait(processes: list[subprocess.Popen], deadline: float) -> None:
+    """Wait for every worker; the first failure stops the others and raises :class:`TrainFailed`."""
+    while True:
+        codes = [p.poll() for p in processes]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            for p in processes:
+                if p.poll() is None:
+                    p.terminate()
+            tail = ""
+            if processes[rank].stderr is not None:
+                tail = processes[rank].stderr.read().decode(errors="replace")[-3000:]
+            raise TrainFailed(f"worker {rank} exited with status {code}" + (f":\n{tail}" if tail else ""))
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            raise TrainFailed("training did not finish in time")
+        time.sleep(0.05)
+
+
+# -- the worker -----------------------------------------------------------------------------------------
+def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradpress.testbed import data as datasets
+    from gradpress.testbed.models import QUALITY, criterion, evaluate, model_config
+
+    torch.set_num_threads(config.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
+                            world_size=config.workers, timeout=timedelta(seconds=config.timeout))
+    try:
+        dataset = datasets.load(config.data)
+        shard = dataset.shard(rank, config.workers, seed=config.seed)
+        settings = model_config(config.model, dataset)
+        torch.manual_seed(config.seed)  # the same initial model on every rank (DDP also broadcasts rank 0's)
+        model = settings.build()
+        ddp = DistributedDataParallel(model)
+        meter = _install_hook(ddp, config)
+        lr = config.lr if config.lr is not None else settings.lr
+        optimizer = _optimizer(settings.optimizer, model.parameters(), lr)
+        loss_fn = criterion(dataset)
+        batch_size = config.batch_size or settings.batch_size
+        metric, higher_is_better = QUALITY[dataset.task]
+
+        steps: list[Step] = []
+        evals: list[Eval] = []
+        clock = _Clock()
+        bytes_total = 0
+
+        def measure(epoch: int, step: int) -> None:
+            with clock.paused():
+                if rank == 0:
+                    quality = evaluate(model, dataset)
+                    evals.append(Eval(epoch=epoch, step=step, wall_s=clock.elapsed(), bytes_total=bytes_total,
+                                      metric=metric, value=quality[metric], higher_is_better=higher_is_better,
+                                      loss=quality["loss"]))
+                dist.barrier()
+
+        per_epoch = len(shard.train) // batch_size
+        if per_epoch == 0:
+            raise ValueError(f"a shard of {len(shard.train)} samples holds no batch of {batch_size}")
+        total = config.steps if config.steps is not None else per_epoch * config.epochs
+        eval_every = config.eval_every or per_epoch
+        bar = _progress_bar(total, rank, config)
+        step, epoch = 0, 0
+        measure(0, 0)
+        clock.start()
+        while step < total:
+            generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch * 1009 + rank)
+            for x, y in shard.training_set(generator).batches(batch_size, generator, drop_last=True):
+                started = time.perf_counter()
+                before = meter.snapshot()
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(ddp(x), y)
+                loss.backward()
+                if settings.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+                optimizer.step()
+                elapsed = time.perf_counter() - started
+                spent = meter.snapshot() - before
+                bytes_total += int(spent.bytes)
+                step += 1
+                steps.append(Step(step=step, epoch=epoch, wall_s=clock.elapsed(),
+                                  compute_s=max(0.0, elapsed - spent.compress_s), compress_s=spent.compress_s,
+                                  comm_s=spent.comm_s, bytes_sent=int(spent.bytes),
+                                  samples=len(y) * config.workers))
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+                if step % eval_every == 0 or step == total:
+                    measure(epoch, step)
+                if step == total:
+                    break
+            epoch += 1
+        if bar is not None:
+            bar.close()
+        if rank == 0:
+            run = Run(compressor=config.compressor, model=config.model, data=config.data, workers=config.workers,
+                      bandwidth=config.bandwidth, seed=config.seed, steps=tuple(steps), evals=tuple(evals),
+                      info={"batch_size": batch_size, "lr": lr, "optimizer": settings.optimizer,
+                            "torch": torch.__version__, "options": config.options,
+                            "threads": config.threads})
+            run.save(result)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Clock:
+    """Training wall-clock that stops while the model is evaluated."""
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._paused = 0.0
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return 0.0 if self._start is None else time.perf_counter() - self._start - self._paused
+
+    def paused(self):  # noqa: ANN201
+        import contextlib
+
+        @contextlib.contextmanager
+        def pause():
+            began = time.perf_counter()
+            try:
+                yield
+            finally:
+                if self._start is not None:
+                    self._paused += time.perf_counter() - began
+
+        return pause()
+
+
+def _optimizer(name: str, parameters: Any, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(parameters, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r} (sgd, adam)")
+
+
+def _progress_bar(total: int, rank: int, config: TrainConfig):  # noqa: ANN202
+    if rank != 0 or os.environ.get("GRADPRESS_PROGRESS", "1") == "0":
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"{config.compressor} · {config.model} · {config.workers} workers",
+                unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+# -- hooks and what they cost -------------------------------------------------------------------------
+@dataclass
+class Spent:
+    compress_s: float = 0.0
+    comm_s: float = 0.0
+    bytes: float = 0.0
+
+    def __sub__(self, other: Spent) -> Spent:
+        return Spent(self.compress_s - other.compress_s, self.comm_s - other.comm_s, self.bytes - other.bytes)
+
+
+class _Meter:
+    """Cumulative compression time, communication time and bytes, read before and after each step."""
+
+    def __init__(self, read: Callable[[], Spent]) -> None:
+        self.snapshot = read
+
+
+def _install_hook(ddp: Any, config: TrainConfig) -> _Meter:
+    if config.compressor not in REFERENCES:
+        import gradpress
+
+        state = gradpress.register(ddp, config.compressor, seed=config.seed, **config.options)
+
+        def read() -> Spent:
+            total = state.stats()["total"]
+            return Spent(total["compress_s"] + total["decompress_s"], total["comm_s"], total["packet_bytes"])
+
+        return _Meter(read)
+    return _install_reference_hook(ddp, config.compressor)
+
+
+def _install_reference_hook(ddp: Any, name: str) -> _Meter:
+    """PyTorch's own hooks, wrapped to count the bytes they hand to collectives and their duration."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    spent = Spent()
+
+    def timed(inner: Callable, nbytes: Callable[[Any], int]) -> Callable:
+        def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks hook annotations literally
+            spent.bytes += nbytes(bucket)
+            began = time.perf_counter()
+
+            def done(future: torch.futures.Future) -> torch.Tensor:
+                spent.comm_s += time.perf_counter() - began
+                return future.value()
+
+            return inner(state, bucket).then(done)
+
+        return hook
+
+    if name == "noop":
+        def noop(state, bucket):  # noqa: ANN001, ANN202 - DDP checks hook annotations literally
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        ddp.register_comm_hook(None, noop)
+    elif name == "torch-allreduce":
+        ddp.register_comm_hook(dist.group.WORLD, timed(default_hooks.allreduce_hook, _buffer_bytes))
+    elif name == "torch-fp16":
+        ddp.register_comm_hook(dist.group.WORLD, timed(default_hooks.fp16_compress_hook,
+                                                       lambda b: _buffer_bytes(b) // 2))
+    elif name == "torch-powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2, min_compression_rate=2)
+        ddp.register_comm_hook(state, timed(powerSGD_hook.powerSGD_hook, lambda b: _powersgd_bytes(state, b)))
+    else:
+        raise ValueError(f"unknown reference {name!r}; references: {', '.join(REFERENCES)}")
+    return _Meter(lambda: Spent(spent.compress_s, spent.comm_s, spent.bytes))
+
+
+def _buffer_bytes(bucket: Any) -> int:
+    buffer = bucket.buffer()
+    return buffer.numel() * buffer.element_size()
+
+
+def _powersgd_bytes(state: Any, bucket: Any) -> int:
+    """What ``powerSGD_hook`` all-reduces for a bucket: the whole bucket before ``start_powerSGD_iter``;
+    afterwards 1-D gradients and matrices not worth compressing in full, and P (m×r) and Q (n×r) for the
+    others (torch's ``_should_compress`` rule)."""
+    if state.iter < state.start_powerSGD_iter:
+        return _buffer_bytes(bucket)
+    rank, total = state.matrix_approximation_rank, 0
+    for gradient in bucket.gradients():
+        size = gradient.element_size()
+        if gradient.dim() <= 1:
+            total += gradient.numel() * size
+            continue
+        rows, cols = gradient.shape[0], gradient.numel() // gradient.shape[0]
+        compressed = (rows + cols) * min(rank, rows, cols)
+        total += (compressed if compressed * state.min_compression_rate < rows * cols else rows * cols) * size
+    return total
+
+
+# -- command line -----------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="mlp", help="model spec (gradpress.testbed.models), e.g. mlp-wide:width=8192")
+    parser.add_argument("--data", default="fashion-mnist", help="dataset: fashion-mnist, movielens-100k, fortunes")
+    parser.add_argument("--workers", type=int, default=2, help="local worker processes")
+    parser.add_argument("--bandwidth", help="emulate a star network with this rate per link (e.g. 100mbit, 1gbit; root)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int)
+    length.add_argument("--steps", type=int)
+    parser.add_argument("--batch-size", type=int, help="per-worker batch size (default: the model's)")
+    parser.add_argument("--lr", type=float, help="learning rate (default: the model's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, help="evaluate every this many steps (default: each epoch)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="gradpress runtime option (feedback, min_numel, warmup_steps, mode, master, ...)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective raises")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+
+
+def config_from_args(args: argparse.Namespace, compressor: str) -> TrainConfig:
+    return TrainConfig(model=args.model, data=args.data, workers=args.workers, compressor=compressor,
+                       bandwidth=args.bandwidth, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
+                       lr=args.lr, seed=args.seed, eval_every=args.eval_every,
+                       options=parse_options(args.option), timeout=args.timeout, threads=args.threads)
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``["min_numel=1024", "exclude=net.0.*", "feedback=none"]`` -> typed runtime options."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--option {item!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train a model on local workers with a compressor",
+                                   description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--compressor", default="none",
+                        help=f"gradpress spec or a reference: {', '.join(REFERENCES)}")
+    parser.add_argument("--json", help="write the run's record here")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    run = train(config_from_args(args, args.compressor), args.json)
+    final = run.final_quality
+    print(f"{run.compressor}: {run.samples_per_s:.0f} samples/s, {run.bytes_per_step / 1e6:.3f} MB/step, "
+          f"{run.metric} {final:.4f}" + (f"; wrote {args.json}" if args.json else ""))
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    _, _, payload, rank_text, address_text, port_text, result_text = sys.argv
+    worker(TrainConfig(**json.loads(payload)), int(rank_text), address_text, int(port_text), Path(result_text))

@@ -1,0 +1,80 @@
+"""Spawn Gloo process groups on the CPU for multi-process tests.
+
+``run_workers(fn, world_size, *args)`` starts ``world_size`` fresh processes (``spawn``), joins them in
+one Gloo group through a FileStore (no port to race for), calls ``fn(rank, world_size, *args)`` in each
+and returns the per-rank results. ``fn`` must be a module-level function of an importable module.
+Every run has a deadline: processes still alive after ``timeout`` seconds are killed (only those this
+call started) and the call raises, so a hang fails the test instead of blocking the suite.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+class WorkerFailed(AssertionError):
+    """A worker raised, exited early or missed the deadline."""
+
+
+def _entry(fn: Callable, rank: int, world_size: int, store: str, out: str, args: tuple, group_timeout: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=group_timeout))
+        result = {"ok": fn(rank, world_size, *args)}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = {"error": traceback.format_exc()}
+    torch.save(result, out)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the result is already saved
+        pass
+
+
+def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 90.0, group_timeout: float = 60.0,
+                may_exit: frozenset[int] = frozenset()) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; the list of their return values.
+
+    Ranks in ``may_exit`` may end without a result (a test that kills a worker); theirs is None.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        outs = [str(Path(tmp) / f"rank{r}.pt") for r in range(world_size)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, outs[r], args, group_timeout))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in stuck:
+            procs[r].kill()
+            procs[r].join(5)
+        if stuck:
+            raise WorkerFailed(f"ranks {stuck} still running after {timeout} s (killed)")
+        results = []
+        for r, out in enumerate(outs):
+            if not os.path.exists(out):
+                if r in may_exit:
+                    results.append(None)
+                    continue
+                raise WorkerFailed(f"rank {r} exited with code {procs[r].exitcode} and no result")
+            result = torch.load(out, weights_only=False)
+            if "error" in result:
+                raise WorkerFailed(f"rank {r} raised:\n{result['error']}")
+            results.append(result["ok"])
+        return results

@@ -1,0 +1,355 @@
+"""Method-specific behaviour of GRACE's Table 1 compressors (issue 4); the shared properties are in
+test_properties.py."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+import gradpress
+from gradpress._numba import numba_disabled
+from gradpress.compressors.dgc import DGCMemory
+from gradpress.compressors.eightbit import EDGES, TABLE, cell_table
+from gradpress.compressors.onebit import fixed_point_scale, to_fixed
+from gradpress.rng import Context
+
+PATHS = [pytest.param(False, id="numba"), pytest.param(True, id="torch")]
+
+
+def _path(torch_only: bool):
+    """The torch implementation on the CPU, or the default numba kernels."""
+    return numba_disabled() if torch_only else contextlib.nullcontext()
+
+
+def _vote_packet(c, signs):
+    return c.compress(torch.tensor(signs, dtype=torch.float32))
+
+
+# -- signSGD / SIGNUM: majority vote ------------------------------------------------------------
+@pytest.mark.parametrize("torch_only", PATHS)
+def test_majority_vote_on_crafted_signs(torch_only):
+    with _path(torch_only):
+        c = gradpress.make("signsgd")
+        workers = [[0.3, 2.0, -1.0, 5.0, -0.1], [0.1, -2.0, -1.0, -5.0, 0.0], [-0.2, 1.0, -3.0, -1.0, 0.0]]
+        vote = c.aggregate([_vote_packet(c, w) for w in workers])
+        assert vote.tolist() == [1.0, 1.0, -1.0, -1.0, 1.0]  # 0 counts as +1, as GRACE §3.1 says
+        tie = c.aggregate([_vote_packet(c, workers[0]), _vote_packet(c, workers[1])])
+        assert tie.tolist() == [1.0, 0.0, -1.0, 0.0, 0.0]  # a tie gives 0
+        # an all-zero gradient casts no vote; alone it aggregates to zeros
+        abstain = c.aggregate([_vote_packet(c, workers[2]), _vote_packet(c, [0.0] * 5)])
+        assert abstain.tolist() == [-1.0, 1.0, -1.0, -1.0, 1.0]
+        assert c.aggregate([_vote_packet(c, [0.0] * 5)]).tolist() == [0.0] * 5
+
+
+def test_single_worker_vote_is_the_decompressed_sign():
+    c = gradpress.make("signsgd")
+    x = torch.randn(77)
+    p = c.compress(x)
+    assert torch.equal(c.aggregate([p]), c.decompress(p))
+    assert torch.equal(c.decompress(p), torch.where(x >= 0, 1.0, -1.0))
+    assert p.nbytes == math.ceil(77 / 8) + 1
+
+
+def test_sign_methods_name_their_feedback():
+    assert gradpress.make("signsgd").default_feedback == "none"
+    assert gradpress.make("signum").default_feedback == "signum"
+    assert gradpress.make("efsignsgd").default_feedback == "residual"
+    assert gradpress.make("signum").aggregate.__func__ is gradpress.make("signsgd").aggregate.__func__
+
+
+def test_signum_momentum_and_state_dict_round_trip():
+    fb = gradpress.make_feedback("signum:momentum=0.75")
+    g1, g2, g3 = torch.randn(10), torch.randn(10), torch.randn(10)
+    z1 = fb.compensate("w", g1)
+    torch.testing.assert_close(z1, 0.25 * g1)  # z0 = 0
+    fb.update("w", z1, torch.sign(z1))
+    z2 = fb.compensate("w", g2.half())
+    assert z2.dtype == torch.float32
+    torch.testing.assert_close(z2, 0.75 * z1 + 0.25 * g2.half().float())
+    fb.update("w", z2, torch.sign(z2))
+    restored = gradpress.make_feedback("signum:momentum=0.75")
+    restored.load_state_dict(fb.state_dict())
+    assert torch.equal(restored.compensate("w", g3), fb.compensate("w", g3))
+    assert torch.equal(restored.momentum_of("w"), z2)
+    with pytest.raises(ValueError, match="shape"):
+        fb.compensate("w", torch.ones(3))
+    with pytest.raises(ValueError, match="momentum"):
+        gradpress.make_feedback("signum:momentum=1")
+
+
+def test_signum_memory_does_not_alias_the_gradient():
+    fb = gradpress.make_feedback("signum:momentum=0")
+    g = torch.randn(6)
+    z = fb.compensate("w", g)
+    fb.update("w", z, z)
+    g.zero_()
+    z.zero_()
+    assert fb.momentum_of("w").abs().sum() > 0
+
+
+# -- EF-signSGD ----------------------------------------------------------------------------------
+def test_efsignsgd_is_scaled_sign():
+    c = gradpress.make("efsignsgd")
+    x = torch.tensor([3.0, -1.0, 0.0, -2.0])
+    assert c.decompress(c.compress(x)).tolist() == [1.5, -1.5, 1.5, -1.5]  # ‖x‖₁/d = 6/4
+
+
+def test_efsignsgd_error_feedback_from_the_first_step():
+    """Karimireddy et al. Algorithm 1: e₀ = 0, p = g + e, e ← p − C(p), starting at step 0."""
+    c = gradpress.make("efsignsgd")
+    fb = gradpress.make_feedback(c.default_feedback)
+    grads = [torch.randn(300) * (step + 1) for step in range(5)]
+    sent = torch.zeros(300)
+    for step, g in enumerate(grads):
+        p = fb.compensate("w", g)
+        if step == 0:
+            assert torch.equal(p, g)  # nothing to add yet, nothing lost
+        out = c.decompress(c.compress(p, Context(step=step)))
+        fb.update("w", p, out)
+        if step == 0:
+            scale = g.abs().mean()
+            torch.testing.assert_close(fb.memory("w"), g - scale * torch.where(g >= 0, 1.0, -1.0))
+        sent += out
+    torch.testing.assert_close(sent + fb.memory("w"), sum(grads), rtol=1e-5, atol=1e-4)
+
+
+# -- 1-bit SGD -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("torch_only", PATHS)
+def test_onebit_decodes_each_side_to_its_mean(torch_only):
+    x = torch.tensor([3.0, 1.0, -2.0, -4.0, 0.0, 0.5, -0.25, 2.0, 7.0])
+    with _path(torch_only):
+        c = gradpress.make("onebit")
+        p = c.compress(x)
+        low, high = torch.tensor([-6.25 / 3, 13.5 / 6]).tolist()  # the means, rounded to float32
+        assert p.nbytes == 2 + 8 and p["means"].tolist() == [low, high]
+        y = c.decompress(p)
+        assert y.tolist() == [high if v >= 0 else low for v in x.tolist()]
+        shifted = gradpress.make("onebit:tau=1.5")
+        low = torch.tensor(-4.75 / 6).item()
+        assert shifted.decompress(shifted.compress(x)).tolist() == [4.0, low, low, low, low, low, low, 4.0, 4.0]
+
+
+def test_onebit_means_are_exact_for_large_tensors():
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(3)) * 1e-4
+    y = gradpress.make("onebit").decompress(gradpress.make("onebit").compress(x))
+    high = x >= 0
+    torch.testing.assert_close(y[high][0].double(), x[high].double().mean(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(y[~high][0].double(), x[~high].double().mean(), rtol=1e-6, atol=0)
+
+
+def test_fixed_point_sums_cannot_overflow():
+    bound, count = 3.0e38, 2**20 + 1
+    scale = fixed_point_scale(bound, count)
+    q = int(to_fixed(torch.tensor([bound]), scale))
+    assert q * count < 2**62 and q > 2**30
+    assert fixed_point_scale(0.0, 5) == 1.0
+
+
+# -- 8-bit -----------------------------------------------------------------------------------------
+def test_eightbit_table_has_256_monotone_entries():
+    assert TABLE.shape == (256,) and TABLE.dtype == torch.float32
+    positive = TABLE[:128]
+    assert positive[0] == 0 and (positive[1:] > positive[:-1]).all() and positive[127] < 1
+    assert torch.equal(TABLE[128:], -positive)
+    # 7 decades: 1 value in [1e-7, 1e-6), 2 in the next decade, ..., 64 in [0.1, 1)
+    decade = torch.floor(torch.log10(positive[1:].double())).long()
+    assert torch.bincount(-decade - 1).tolist() == [64, 32, 16, 8, 4, 2, 1]
+    assert (EDGES[1:] > EDGES[:-1]).all()
+
+
+def test_eightbit_edges_never_share_a_cell():
+    """The one-comparison probe needs at most one edge per cell, for any scale."""
+    for scale in [1e-30, 3.7e-8, 0.5, 1.0, 123.456, 1e30]:
+        _, crowded = cell_table((EDGES * scale).numpy())
+        assert crowded <= 1, scale
+
+
+@pytest.mark.parametrize("torch_only", PATHS)
+def test_eightbit_error_bound_per_decade(torch_only):
+    """Nearest-value rounding: at most half a step of the decade, 0.45·10^-e / 2^(6-e) of the scale."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20_000, generator=g) * torch.logspace(-8, 0, 20_000)
+    x[123] = -4.0
+    with _path(torch_only):
+        c = gradpress.make("eightbit")
+        p = c.compress(x)
+        y = c.decompress(p)
+    scale = float(p["scale"][0])
+    assert scale == pytest.approx(4.0 / float(TABLE[127]), rel=1e-7)
+    assert y[123] == pytest.approx(-4.0, rel=1e-6)  # the largest element lands on the top code
+    v = (x.abs() / scale).double()
+    e = torch.clamp(torch.floor(-torch.log10(v.clamp_min(1e-300))), 0, 6)
+    bound = torch.where(v >= 1e-7, 0.45 * 10**-e / 2 ** (6 - e), 5.5e-7) * scale
+    assert ((y - x).abs().double() <= bound * (1 + 1e-5) + 1e-12).all()
+    rel = ((y - x).abs() / x.abs())[v >= 0.1]
+    assert rel.max() < 0.071
+
+
+def test_eightbit_tiny_values_keep_their_relative_precision():
+    x = torch.tensor([1e-40, -3e-39, 2.5e-40, 0.0])
+    c = gradpress.make("eightbit")
+    y = c.decompress(c.compress(x))
+    assert y[1] == pytest.approx(-3e-39, rel=1e-2) and y[3] == 0
+
+
+# -- INCEPTIONN ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("torch_only", PATHS)
+def test_inceptionn_tags_by_range(torch_only):
+    eps = 2.0**-10
+    x = torch.tensor([0.0, 5e-4, -2e-3, 0.05, -0.2, 0.5, -0.9999, 1.0, -3.5, 1e-30])
+    with _path(torch_only):
+        c = gradpress.make("inceptionn")
+        assert c.tags(x).tolist() == [0, 0, 1, 1, 2, 2, 2, 3, 3, 0]
+        p = c.compress(x)
+        y = c.decompress(p)
+    assert p["payload"].numel() == 2 * 1 + 3 * 2 + 2 * 4  # 8, 16 and 32 bits for tags 1, 2, 3
+    assert p.nbytes == math.ceil(10 / 4) + p["payload"].numel()
+    assert p["payload"][-4:].view(torch.float32).item() == -3.5  # the raw float, little-endian
+    assert y[[0, 1, 9]].tolist() == [0.0, 0.0, 0.0]
+    assert y[[7, 8]].tolist() == [1.0, -3.5]
+    assert ((y - x).abs()[2:7] <= eps / 2).all() and (torch.sign(y[2:7]) == torch.sign(x[2:7])).all()
+    torch.testing.assert_close(y[2], torch.tensor(-(2 + 0.5) * eps))  # ⌊2e-3 / 2^-10⌋ = 2
+
+
+def test_inceptionn_error_is_below_the_bound():
+    x = torch.randn(50_000) * torch.logspace(-6, 0.5, 50_000)
+    for bound in (2.0**-7, 2.0**-10, 2.0**-15):
+        c = gradpress.make("inceptionn", error_bound=bound)
+        assert ((c.decompress(c.compress(x)) - x).abs() < bound).all()
+    with pytest.raises(ValueError, match="power of two"):
+        gradpress.make("inceptionn:error_bound=0.001")
+
+
+# -- Threshold-v ---------------------------------------------------------------------------------
+def test_threshold_keeps_exactly_the_values_above_v():
+    x = torch.tensor([0.5, -0.02, 0.01, -0.3, 0.0, 0.011])
+    p = gradpress.make("threshold:v=0.01").compress(x)
+    assert p["indices"].tolist() == [0, 1, 3, 5] and p.nbytes == 4 * 8
+    assert torch.equal(gradpress.make("threshold:v=0.01").decompress(p), torch.where(x.abs() > 0.01, x, 0.0))
+
+
+# -- DGC -------------------------------------------------------------------------------------------
+def test_dgc_warmup_schedule():
+    c = gradpress.make("dgc:warmup_steps=400")
+    densities = [c.density(s) for s in (0, 99, 100, 199, 200, 300, 399, 400, 10_000)]
+    assert densities == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001]
+    assert gradpress.make("dgc").density(0) == 0.001  # no warm-up by default
+    assert gradpress.make("dgc:ratio=0.01,warmup_steps=4").density(3) == 0.01  # never below ratio
+
+
+def test_dgc_sends_about_the_scheduled_fraction():
+    x = torch.randn(2**18, generator=torch.Generator().manual_seed(5))
+    c = gradpress.make("dgc:warmup_steps=40")
+    for step, density in [(0, 0.25), (15, 0.0625), (25, 0.015625), (50, 0.001)]:
+        counts = [c.compress(x, Context(step=step, seed=s))["indices"].numel() for s in range(4)]
+        assert 0.75 < sum(counts) / (4 * density * x.numel()) < 1.3, (step, counts)
+
+
+def test_dgc_momentum_correction_and_factor_masking():
+    c = gradpress.make("dgc:ratio=0.1")
+    fb = gradpress.make_feedback(c.default_feedback)
+    assert isinstance(fb, DGCMemory) and fb.momentum == 0.9 and fb.masking
+    g1, g2 = torch.randn(1000), torch.randn(1000)
+    v1 = fb.compensate("w", g1)
+    assert torch.equal(v1, g1)  # u = g, v = u on the first step
+    out = c.decompress(c.compress(v1, Context(step=0)))
+    fb.update("w", v1, out)
+    sent = out != 0
+    assert 50 < int(sent.sum()) < 200 and torch.equal(out[sent], g1[sent])
+    v2 = fb.compensate("w", g2)
+    # unsent: u = 0.9·g1 + g2, v = g1 + u; sent: u and v were zeroed, so v = u = g2
+    torch.testing.assert_close(v2[~sent], g1[~sent] + 0.9 * g1[~sent] + g2[~sent])
+    torch.testing.assert_close(v2[sent], g2[sent])
+    unmasked = gradpress.make_feedback("dgc:masking=false")
+    unmasked.update("w", unmasked.compensate("w", g1), out)
+    torch.testing.assert_close(unmasked.compensate("w", g2)[sent], 0.9 * g1[sent] + g2[sent])
+
+
+def test_dgc_clipping_and_state_dict():
+    fb = gradpress.make_feedback("dgc:clip=1,momentum=0.5")
+    g = torch.full((4,), 10.0)  # norm 20
+    v = fb.compensate("k", g)
+    torch.testing.assert_close(torch.linalg.vector_norm(v), torch.tensor(1.0), rtol=1e-5, atol=0)
+    fb.update("k", v, torch.zeros(4))
+    restored = gradpress.make_feedback("dgc:clip=1,momentum=0.5")
+    restored.load_state_dict(fb.state_dict())
+    assert torch.equal(restored.compensate("k", g), fb.compensate("k", g))
+    with pytest.raises(RuntimeError, match="without a compensate"):
+        gradpress.make_feedback("dgc").update("k", g, g)
+
+
+# -- Adaptive threshold --------------------------------------------------------------------------
+@pytest.mark.parametrize("torch_only", PATHS)
+def test_adaptive_sends_alpha_of_each_side_with_its_mean(torch_only):
+    g = torch.Generator().manual_seed(2)
+    x = torch.cat([torch.rand(70_000, generator=g), -3 * torch.rand(30_000, generator=g)])
+    x = x[torch.randperm(x.numel(), generator=g)]
+    with _path(torch_only):
+        c = gradpress.make("adaptive:alpha=0.05,sample_ratio=0.1")
+        p = c.compress(x, Context(step=1))
+        y = c.decompress(p)
+    positive, negative = p["positive"].long(), p["negative"].long()
+    assert 0.85 < positive.numel() / (0.05 * 70_000) < 1.15
+    assert 0.85 < negative.numel() / (0.05 * 30_000) < 1.15
+    # the largest of each side, decoded to that side's mean
+    assert x[positive].min() > x[(x > 0) & (y == 0)].max()
+    assert x[negative].max() < x[(x < 0) & (y == 0)].min()
+    torch.testing.assert_close(y[positive], x[positive].mean().expand(positive.numel()))
+    torch.testing.assert_close(y[negative], x[negative].mean().expand(negative.numel()))
+    assert p.nbytes == 4 * (positive.numel() + negative.numel()) + 8
+
+
+# -- SketchML --------------------------------------------------------------------------------------
+def test_sketchml_dense_buckets_are_equal_frequency_with_exact_means():
+    x = torch.randn(40_000, generator=torch.Generator().manual_seed(9))
+    c = gradpress.make("sketchml:bits=4,sample_ratio=1")
+    p = c.compress(x)
+    assert p["indices"].numel() == 0 and p["means"].numel() == 15
+    codes = gradpress.unpack_bits(p["codes"], 4, x.numel()).long()
+    counts = torch.bincount(codes, minlength=16)
+    assert counts[0] == 0 and (counts[1:] - 40_000 / 15).abs().max() <= 2
+    for b in range(1, 16):
+        torch.testing.assert_close(p["means"][b - 1].double(), x[codes == b].double().mean(), rtol=1e-6, atol=0)
+    y = c.decompress(p)
+    assert torch.equal(y, p["means"][codes - 1])
+
+
+@pytest.mark.parametrize("torch_only", PATHS)
+def test_sketchml_sends_the_positions_of_sparse_input(torch_only):
+    x = torch.zeros(10_000)
+    x[::97] = torch.linspace(-1, 1, len(range(0, 10_000, 97)))
+    x[5] = 0.0  # an exact zero among the kept positions' neighbours
+    with _path(torch_only):
+        c = gradpress.make("sketchml")
+        p = c.compress(x)
+        y = c.decompress(p)
+    nonzero = x.nonzero().squeeze(1)
+    assert torch.equal(p["indices"].long(), nonzero)
+    assert p.nbytes == nonzero.numel() * (4 + 1) + 4 * p["means"].numel()
+    assert torch.equal(y == 0, x == 0)
+    assert (y - x).abs().max() < 0.05
+
+
+def test_sketchml_keeps_exact_zeros_in_dense_mode():
+    x = torch.randn(5000)
+    x[:100] = 0.0
+    c = gradpress.make("sketchml")
+    p = c.compress(x)
+    y = c.decompress(p)
+    assert p["indices"].numel() == 0 and (y[:100] == 0).all() and (y[100:] != 0).all()
+
+
+# -- Qsparse ---------------------------------------------------------------------------------------
+def test_qsparse_is_the_composition_with_error_feedback():
+    c = gradpress.make("qsparse:ratio=0.1,levels=4")
+    assert c.composition == "topk:ratio=0.1+qsgd:levels=4" and c.default_feedback == "residual"
+    x = torch.randn(1000)
+    ctx = Context(seed=1, step=2, key="w")
+    reference = gradpress.make(c.composition)
+    assert torch.equal(c.decompress(c.compress(x, ctx)), reference.decompress(reference.compress(x, ctx)))
+    assert c.expected_nbytes(1000) == reference.expected_nbytes(1000)
+    assert gradpress.make("qsparse:sparsifier=randomk").composition == "randomk+qsgd"
+    with pytest.raises(ValueError, match="levels"):
+        gradpress.make("qsparse:quantizer=efsignsgd,levels=4")

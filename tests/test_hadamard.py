@@ -1,0 +1,127 @@
+"""The randomized Hadamard transform (THC paper, Section 5.1)."""
+from __future__ import annotations
+
+import pytest
+import scipy.linalg
+import torch
+
+from gradpress.hadamard import apply_rht, fwht, inverse_rht, rht, rht_layout
+from gradpress.rng import Context
+
+
+def _generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _explicit(layout, x: torch.Tensor) -> torch.Tensor:
+    """The RHT as an explicit block-diagonal matrix: one normalized Hadamard block per partition."""
+    sizes = [layout.partition] * layout.full_blocks + ([layout.tail] if layout.tail else [])
+    out, start = [], 0
+    for size in sizes:
+        padded = 1 << max(0, size - 1).bit_length()
+        h = torch.tensor(scipy.linalg.hadamard(padded), dtype=torch.float64) / padded**0.5
+        block = torch.zeros(padded, dtype=torch.float64)
+        block[:size] = x[start : start + size] * layout.signs[start : start + size].double()
+        out.append(h @ block)
+        start += size
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("log2", range(8))
+def test_fwht_is_the_normalized_sylvester_hadamard_matrix(log2):
+    n = 1 << log2
+    x = torch.randn(3, n, dtype=torch.float64, generator=_generator(log2))
+    h = torch.tensor(scipy.linalg.hadamard(n), dtype=torch.float64)
+    torch.testing.assert_close(fwht(x), x @ h.T / n**0.5, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("numel", "partition"), [(1, 16), (5, 16), (16, 16), (64, 16), (55, 16), (40, 12), (3, 1)]
+)
+def test_rht_matches_the_explicit_block_diagonal_matrix(numel, partition):
+    x = torch.randn(numel, dtype=torch.float64, generator=_generator(numel))
+    y, layout = rht(x, _generator(7), partition)
+    assert y.dtype == torch.float64 and y.numel() == layout.padded_numel
+    torch.testing.assert_close(y, _explicit(layout, x), rtol=1e-12, atol=1e-12)
+
+
+def test_padding_and_partition_sizes():
+    _, layout = rht(torch.ones(3 * 16 + 7), _generator(), 16)
+    assert (layout.full_blocks, layout.tail, layout.padded_numel) == (3, 7, 3 * 16 + 8)
+    _, layout = rht(torch.ones(25), _generator(), 12)  # partitions of 12 are padded to 16
+    assert (layout.full_blocks, layout.tail, layout.padded_numel) == (2, 1, 16 + 16 + 1)
+    _, layout = rht(torch.ones(1000), _generator())
+    assert (layout.full_blocks, layout.tail, layout.padded_numel) == (0, 1000, 1024)
+
+
+@pytest.mark.parametrize(("numel", "partition"), [(1000, 1 << 20), (4099, 1024), (300, 100), (2**12, 2**10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_orthonormal_norm_kept_and_inverse_recovers(numel, partition, dtype):
+    x = (torch.randn(numel, generator=_generator(1)) * torch.logspace(-3, 2, numel)).to(dtype)
+    y, layout = rht(x, _generator(2), partition)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(y.norm(), x.norm(), rtol=tol, atol=0)
+    back = inverse_rht(y, layout)
+    assert back.shape == x.shape
+    torch.testing.assert_close(back, x, rtol=0, atol=tol * float(x.abs().max()) * 4)
+
+
+def test_low_precision_input_is_transformed_in_float32():
+    x = torch.randn(100, generator=_generator(3)).to(torch.bfloat16)
+    y, layout = rht(x, _generator(4))
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(inverse_rht(y, layout), x.float(), rtol=0, atol=1e-5)
+
+
+def test_a_spike_is_spread_evenly():
+    """The point of the rotation: a one-hot vector becomes ±1/√d everywhere (Section 5.1)."""
+    x = torch.zeros(256)
+    x[17] = 1.0
+    y, _ = rht(x, _generator(5))
+    torch.testing.assert_close(y.abs(), torch.full((256,), 1 / 16.0))
+
+
+def test_same_shared_seed_same_transform_on_every_rank():
+    x = torch.randn(3000, generator=_generator(6))
+    contexts = [Context(seed=9, step=4, key="w", rank=r) for r in range(3)]
+    outputs = [rht(x, c.shared_generator(stream="rht"), 1024)[0] for c in contexts]
+    assert all(torch.equal(outputs[0], o) for o in outputs[1:])
+    other = rht(x, Context(seed=9, step=5, key="w").shared_generator(stream="rht"), 1024)[0]
+    assert not torch.equal(outputs[0], other)
+
+
+def test_a_rebuilt_layout_inverts_another_workers_transform():
+    x = torch.randn(777, generator=_generator(8))
+    y, _ = rht(x, Context(seed=1, step=2).shared_generator(stream="rht"), 256)
+    layout = rht_layout(777, Context(seed=1, step=2, rank=5).shared_generator(stream="rht"), 256)
+    torch.testing.assert_close(inverse_rht(y, layout), x, rtol=0, atol=1e-5)
+    torch.testing.assert_close(apply_rht(x, layout), y, rtol=0, atol=0)
+
+
+def test_signs_are_balanced_and_global_rng_untouched():
+    state = torch.get_rng_state()
+    _, layout = rht(torch.ones(100_000), _generator(10))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert set(layout.signs.unique().tolist()) == {-1.0, 1.0}
+    assert abs(float(layout.signs.mean())) < 0.02  # 6+ standard deviations of a fair ±1 mean
+
+
+def test_empty_vector():
+    y, layout = rht(torch.zeros(0), _generator())
+    assert y.numel() == 0 and inverse_rht(y, layout).numel() == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: rht(torch.ones(2, 3), _generator()), "1-D"),
+        (lambda: rht(torch.ones(4, dtype=torch.int32), _generator()), "floating"),
+        (lambda: rht(torch.ones(4), _generator(), 0), "partition"),
+        (lambda: fwht(torch.ones(6)), "power of two"),
+        (lambda: inverse_rht(torch.ones(5), rht(torch.ones(5), _generator())[1]), "expects 8"),
+        (lambda: apply_rht(torch.ones(6), rht(torch.ones(5), _generator())[1]), "layout is for 5"),
+    ],
+)
+def test_bad_input_raises(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -1,0 +1,345 @@
+"""Single-process tests of the runtime: options, strategies and the overflow guard through
+``simulate`` (which runs the real protocols in lockstep), the driver's ordering rule, state, stats, and
+the Communicator and DDP hook on a one-process Gloo group."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradpress
+from gradpress.compressor import NonFiniteError
+from gradpress.rng import Context
+from gradpress.runtime import Driver, ExchangeFailed, Options, Stats
+from gradpress.strategy import AllReduce, Round, concat, fold_sum, pack, parallel, sum_dtype, unpack
+from test_runtime_compressors import LeaderTopK, PowerIteration, UniformInt, WideInt
+
+
+def grads(n: int, shapes=((6, 7), (13,)), seed: int = 0, dtype=torch.float32) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{f"t{i}": torch.randn(s, generator=g).to(dtype) for i, s in enumerate(shapes)} for _ in range(n)]
+
+
+# -- options -------------------------------------------------------------------------------------------
+def test_options_are_checked():
+    with pytest.raises(TypeError, match="unknown option.*bogus.*the options are"):
+        Options.of(bogus=1)
+    for bad in ({"mode": "mesh"}, {"min_numel": -1}, {"overflow": "wrap"}, {"timeout": 0}, {"feedback": "nope"}):
+        with pytest.raises(ValueError):
+            Options.of(**bad)
+    assert Options.of(exclude="conv1.*").exclude == ("conv1.*",)
+
+
+# -- strategies through simulate -------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_uncompressed_average_is_the_rank_order_sum(n, dtype):
+    workers = grads(n, dtype=dtype)
+    out = gradpress.simulate("none", workers)
+    for key in workers[0]:
+        expected = (fold_sum([w[key] for w in workers]).float() / n).to(dtype)
+        assert out[key].dtype == dtype and torch.equal(out[key], expected)
+
+
+def test_allgather_decodes_every_packet_in_rank_order():
+    n, spec = 3, "topk:ratio=0.2"
+    workers = grads(n)
+    out = gradpress.simulate(spec, workers, seed=5)
+    c = gradpress.make(spec)
+    for key in workers[0]:
+        packets = [c.compress(w[key], Context(5, 0, key, r)) for r, w in enumerate(workers)]
+        assert torch.equal(out[key], c.aggregate(packets))
+
+
+def test_feedback_memory_carries_over_steps():
+    n, spec = 2, "topk:ratio=0.1"
+    sim = gradpress.Simulator(spec, n)
+    c, memory = gradpress.make(spec), [torch.zeros(30), torch.zeros(30)]
+    for step in range(3):
+        workers = [torch.randn(30, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(n)]
+        out = sim.step(workers)
+        packets = []
+        for r in range(n):
+            x = workers[r] + memory[r]
+            packets.append(c.compress(x, Context(0, step, "", r)))
+            memory[r] = x - c.decompress(packets[-1])
+        assert torch.equal(out, c.aggregate(packets))
+
+
+def test_exclude_min_numel_and_warmup_leave_tensors_uncompressed():
+    n = 3
+    workers = [{"conv1.weight": torch.randn(40), "fc.weight": torch.randn(40), "fc.bias": torch.randn(4)}
+               for _ in range(n)]
+    exact = {k: fold_sum([w[k] for w in workers]) / n for k in workers[0]}
+    sim = gradpress.Simulator("topk:ratio=0.1", n, exclude=["conv1.*"], min_numel=10, warmup_steps=1)
+    first, second = sim.step(workers), sim.step(workers)
+    for key in exact:
+        assert torch.equal(first[key], exact[key])  # warm-up step: all exact
+    assert torch.equal(second["conv1.weight"], exact["conv1.weight"])
+    assert torch.equal(second["fc.bias"], exact["fc.bias"])
+    assert (second["fc.weight"] != 0).sum() <= 3 * 4  # top-4 of 40 from each of 3 workers
+
+
+def test_a_thousand_workers():
+    n, spec = 1024, "randomk:ratio=0.1,scale=true"
+    workers = [torch.randn(64, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    out = gradpress.simulate(spec, workers)
+    c = gradpress.make(spec)
+    packets = [c.compress(w, Context(0, 0, "", r)) for r, w in enumerate(workers)]
+    summed = fold_sum([p["values"] for p in packets])
+    assert torch.equal(out, c.decode_sum(packets[0], [summed], n))
+
+
+def test_parameter_server_equals_collectives_bitwise():
+    workers = grads(3)
+    for spec in ["none", "topk:ratio=0.2", "randomk:ratio=0.3"]:
+        collective = gradpress.simulate(spec, workers, seed=1)
+        for root in (0, 2):
+            server = gradpress.simulate(spec, workers, seed=1, mode="ps", root=root)
+            assert all(torch.equal(collective[k], server[k]) for k in workers[0]), (spec, root)
+
+
+def test_master_recompresses_the_aggregate():
+    """Bidirectional compression (Natural paper Algorithm 1): g = C_M(Σ Δ_i / n) broadcast."""
+    workers = grads(3)
+    mean = gradpress.simulate("randomk:ratio=0.5", workers, seed=2)
+    out = gradpress.simulate("randomk:ratio=0.5", workers, seed=2, mode="ps", root=1, master="topk:ratio=0.25")
+    master = gradpress.make("topk:ratio=0.25")
+    for key in workers[0]:
+        expected = master.decompress(master.compress(mean[key], Context(2, 0, key + "/master", 1)))
+        assert torch.equal(out[key], expected)
+
+
+def test_switch_adds_integers_only():
+    workers = grads(3)
+    collective = gradpress.simulate(UniformInt(), workers)
+    switch = gradpress.simulate(UniformInt(), workers, mode="switch")
+    assert all(torch.equal(collective[k], switch[k]) for k in workers[0])
+    with pytest.raises(ValueError, match="integers only"):
+        gradpress.simulate("none", workers, mode="switch")
+    with pytest.raises(ValueError, match="not summable"):
+        gradpress.simulate("topk", workers, mode="switch")
+    with pytest.raises(ValueError, match="cannot re-compress"):
+        gradpress.simulate(UniformInt(), workers, mode="switch", master="topk")
+
+
+def test_preliminary_max_gives_every_worker_the_global_range():
+    """THC Algorithm 1 lines 1-4: quantize on the global range; the sum of codes decodes once."""
+    n = 3
+    workers = grads(n)
+    out = gradpress.simulate(UniformInt(), workers, seed=4)
+    c = UniformInt()
+    for key in workers[0]:
+        bound = max(float(w[key].abs().max()) for w in workers)
+        packets = [c.compress(w[key], Context(4, 0, key, r), prepared=torch.tensor([bound]))
+                   for r, w in enumerate(workers)]
+        summed = sum(p["codes"].to(torch.int32) for p in packets)
+        assert torch.equal(out[key], c.decode_sum(packets[0], [summed], n))
+        assert (out[key] - sum(w[key] for w in workers) / n).abs().max() <= 2 * bound / c.levels
+
+
+def test_leader_broadcast_picks_the_leaders_indices():
+    n = 3
+    sim = gradpress.Simulator(LeaderTopK(ratio=0.1), n)
+    for step in range(3):
+        workers = [torch.randn(50, generator=torch.Generator().manual_seed(7 * step + r)) for r in range(n)]
+        out = sim.step(workers)
+        support = out.nonzero().squeeze(1)
+        assert support.numel() <= 5  # one index set for everyone: k = 5 values in all
+        if step == 0:  # no error-feedback memory yet: exactly the leader's (rank 0's) own top-5
+            assert set(support.tolist()) == set(workers[0].abs().topk(5).indices.tolist())
+
+
+def test_overflow_guard_widens_or_raises_never_wraps():
+    workers = [torch.full((16,), 5.0) for _ in range(3)]  # every code at its bound: 100 each
+    assert sum_dtype(torch.uint8, 2 * 100, "widen", "w") == torch.uint8
+    assert sum_dtype(torch.uint8, 3 * 100, "widen", "w") == torch.int32
+    assert sum_dtype(torch.int8, 127, "widen", "w") == torch.int8
+    assert sum_dtype(torch.int16, 50, "raise", "w") == torch.int8  # backends lack int16; no overflow
+    with pytest.raises(OverflowError, match="overflow='raise'"):
+        sum_dtype(torch.uint8, 300, "raise", "w")
+    with pytest.raises(OverflowError, match="int64 at most"):
+        sum_dtype(torch.int64, 2**63, "widen", "w")
+    for mode in ("collective", "switch"):
+        sim = gradpress.Simulator(WideInt(bound=100), 3, mode=mode)
+        out = sim.step(workers)  # 300 would wrap to 44 in uint8
+        assert torch.equal(out, torch.full((16,), 5.0))
+        assert sim.stats()[0]["last"]["sent_bytes"] >= 16 * 4  # summed as int32
+        with pytest.raises(OverflowError):
+            gradpress.simulate(WideInt(bound=100), workers, mode=mode, overflow="raise")
+    with pytest.raises(ValueError, match="max_summand"):
+        gradpress.simulate(WideInt.__new__(_Unbounded), workers)
+
+
+class _Unbounded(WideInt):
+    max_summand = None  # type: ignore[assignment]
+
+
+def test_diverging_workers_are_caught():
+    class Moody(UniformInt):
+        def prepare(self, flat, ctx, world_size):
+            mine = super().prepare(flat, ctx, world_size)
+            return gradpress.Preliminary(mine.values, "min") if ctx.rank == 1 else mine
+
+    with pytest.raises(RuntimeError, match="different collectives|diverged"):
+        gradpress.simulate(Moody(), grads(2))
+
+
+def test_state_dict_resumes_bit_identically():
+    steps = [grads(3, seed=s) for s in range(4)]
+    whole = gradpress.Simulator("topk:ratio=0.2", 3)
+    outs = [whole.step(s) for s in steps]
+    first = gradpress.Simulator("topk:ratio=0.2", 3)
+    for s in steps[:2]:
+        first.step(s)
+    resumed = gradpress.Simulator("topk:ratio=0.2", 3)
+    resumed.load_state_dict(first.state_dict())
+    for s, expected in zip(steps[2:], outs[2:]):
+        out = resumed.step(s)
+        assert all(torch.equal(out[k], expected[k]) for k in expected)
+    with pytest.raises(ValueError, match="saved by"):
+        gradpress.Simulator("randomk", 3).load_state_dict(first.state_dict())
+
+
+def test_stats_count_packets_and_traffic():
+    n = 4
+    sim = gradpress.Simulator("topk:ratio=0.25", n)
+    sim.step([torch.randn(64) for _ in range(n)])  # k = 16: 64 bytes of values, 64 of indices
+    last = sim.stats()[0]["last"]
+    assert last["raw_bytes"] == 256 and last["packet_bytes"] == 128
+    assert last["sent_bytes"] == last["received_bytes"] == (n - 1) * 128  # ring all-gather
+    assert last["collectives"] == 1 and sim.stats()[0]["steps"] == 1
+    assert sim.stats()[0]["pattern"] == "allgather"
+
+
+# -- building blocks ---------------------------------------------------------------------------------------
+def test_pack_unpack_round_trip_with_alignment():
+    tensors = [torch.arange(3, dtype=torch.uint8), torch.randn(2, 3), torch.tensor([True, False]), torch.arange(5)]
+    buffer = pack(tensors, torch.device("cpu"), size=200)
+    assert buffer.numel() == 200
+    back = unpack(buffer, [(t.dtype, tuple(t.shape)) for t in tensors])
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+
+
+def test_concat_views_adjacent_writable_tensors():
+    base = torch.randn(10)
+    parts = [base[:4], base[4:]]
+    assert concat(parts, {base.untyped_storage().data_ptr()}).data_ptr() == base.data_ptr()
+    copied = concat(parts, set())
+    assert copied.data_ptr() != base.data_ptr() and torch.equal(copied, base)
+
+
+def _two_rounds(name, log):
+    (a,) = yield Round([AllReduce(torch.ones(1), "max")])
+    log.append(f"{name} resumed")
+    (b,) = yield Round([AllReduce(torch.ones(1))], final=True)
+    return name
+
+
+class _Recorder:
+    """An executor that completes every collective at once and records the order of issue."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def issue(self, round_, sent, done):
+        self.log.append(("final" if round_.final else "first", len(round_.requests)))
+        results = [r.tensor for r in round_.requests]
+
+        class Handle:
+            def wait(self):
+                return results
+
+            def future(self):
+                f = torch.futures.Future()
+                f.set_result(results)
+                return f
+
+        return Handle()
+
+
+def test_driver_issues_later_rounds_only_when_advanced():
+    """DESIGN invariant 3: later rounds of in-flight groups are issued at advance(), in start order,
+    never from a completion callback whose timing differs between ranks."""
+    log: list = []
+    driver = Driver(_Recorder(log), Stats())
+    first = driver.start(_two_rounds("a", log), 0)
+    second = driver.start(_two_rounds("b", log), 0)
+    assert log == [("first", 1), ("first", 1)]
+    driver.advance()
+    assert log[2:] == ["a resumed", ("final", 1), "b resumed", ("final", 1)]
+    assert first.wait() == "a" and second.wait() == "b"
+
+
+def test_parallel_merges_rounds_in_order():
+    def proto(rounds, tag):
+        for i in range(rounds):
+            yield Round([AllReduce(torch.tensor([tag]))], final=i == rounds - 1)
+        return tag
+
+    merged = parallel([proto(1, 1.0), proto(2, 2.0)])
+    first = next(merged)
+    assert [float(r.tensor) for r in first.requests] == [1.0, 2.0] and not first.final
+    second = merged.send([None, None])
+    assert [float(r.tensor) for r in second.requests] == [2.0] and second.final
+    with pytest.raises(StopIteration) as stop:
+        merged.send([None])
+    assert stop.value.value == [1.0, 2.0]
+
+
+# -- one-process Gloo group: Communicator and DDP hook ------------------------------------------------
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_communicator_reduces_and_reports(world_of_one):
+    comm = gradpress.Communicator("none", timeout=10)
+    x = torch.randn(5, 3)
+    kept = x.clone()
+    assert torch.equal(comm.reduce(x, "x"), x) and torch.equal(x, kept)
+    model = nn.Linear(4, 2)
+    model.bias.requires_grad_(False)
+    comm.reduce_gradients(model)  # no backward yet: gradients count as zeros
+    assert torch.equal(model.weight.grad, torch.zeros(2, 4)) and model.bias.grad is None
+    with pytest.raises(NonFiniteError, match="'bad'"):
+        comm.reduce(torch.tensor([float("nan")]), "bad")
+    with pytest.raises(ExchangeFailed):
+        comm.reduce(x, "x")
+
+
+def test_ddp_hook_and_register(world_of_one):
+    assert gradpress.register_compressor is gradpress.compressor.register
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = gradpress.register(ddp, "topk:ratio=0.5", exclude=["0.*"])
+    ddp(torch.randn(3, 6)).sum().backward()
+    saved = state.state_dict()
+    assert set(saved["steps"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert set(saved["feedback"]["memory"]) == {"2.weight", "2.bias"}  # 0.* excluded: uncompressed
+    assert state.stats()["total"]["collectives"] >= 1
+    with pytest.raises(ValueError, match="model="):
+        gradpress.ddp_comm_hook("topk", exclude=["0.*"])
+
+
+def test_two_round_method_with_warm_start():
+    """PowerSGD's shape: P all-reduced (preliminary sum), then Q; the averaged Q is the next warm start,
+    kept in the compressor's own state (saved and restored with the runtime's). With a warm start the
+    steps are successive power iterations, so the rank-1 error falls to the best rank-1 error."""
+    n = 3
+    g = torch.Generator().manual_seed(0)
+    u = torch.linalg.qr(torch.randn(8, 8, generator=g)).Q
+    v = torch.linalg.qr(torch.randn(6, 6, generator=g)).Q
+    target = 3.0 * torch.outer(u[:, 0], v[:, 0]) + 2.7 * torch.outer(u[:, 1], v[:, 1])
+    workers = [{"w": target * (0.5 + 0.5 * r)} for r in range(n)]  # their mean is the target
+    sim = gradpress.Simulator(PowerIteration(), n, feedback="none")
+    errors = [float((sim.step(workers)["w"] - target).norm()) for _ in range(12)]
+    assert all(later < earlier for earlier, later in zip(errors, errors[1:]))
+    assert errors[0] > 2.8 and errors[-1] < 2.71  # best rank-1 error: 2.7
+    warm = [p.compressor.state_dict()["warm"]["w"] for p in sim.pipelines]
+    assert all(torch.equal(w, warm[0]) for w in warm)  # every worker holds the same warm start
+    assert "warm" in sim.state_dict()[1]["compressor"]

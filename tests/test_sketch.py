@@ -1,0 +1,271 @@
+"""S2 Reducer: the sparse-sketch (Algorithm 1, Thm 1, Thm 2) and block-wise top-K."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import gradpress
+from gradpress._numba import numba_disabled
+from gradpress.compressors.sketch import _buckets, _signs, element_indices
+from gradpress.rng import Context
+
+
+def sparse_rows(vocab: int = 12, dim: int = 6, touched=(1, 4, 5, 9), seed: int = 0) -> torch.Tensor:
+    """An embedding-like gradient: a few non-zero rows of heavy-tailed values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.zeros(vocab, dim)
+    x[list(touched)] = torch.randn(len(touched), dim, generator=g) * torch.logspace(-1, 1, dim)
+    return x
+
+
+def all_reduce(packets):
+    """What the runtime does for a summable method: sum every wire tensor elementwise."""
+    per_tensor = zip(*[list(p.wire()) for p in packets], strict=True)
+    return packets[0].with_wire([functools.reduce(torch.add, ts) for ts in per_tensor])  # bool adds as or
+
+
+def monte_carlo(estimate, samples: int):
+    """Sample mean and standard error of ``estimate(step)`` over steps (fresh shared hashes each step)."""
+    total = total_sq = None
+    for step in range(samples):
+        y = estimate(step).double()
+        total = y if total is None else total + y
+        total_sq = y * y if total_sq is None else total_sq + y * y
+    mean = total / samples
+    stderr = ((total_sq / samples - mean**2).clamp_min(0) / samples).sqrt()
+    return mean, stderr
+
+
+# -- Thm 1: unbiasedness ----------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_thm1_queried_gradient_is_unbiased(rows):
+    """E[ĝ] = g (Thm 1), for one row as proved and for the median of r rows (see Sketch's docstring).
+    λ = 0.5 puts about two values in every bucket, so collisions are the rule, not the exception."""
+    c = gradpress.make(f"sketch:rows={rows},lam=0.5")
+    assert c.unbiased
+    x = sparse_rows()
+    mean, stderr = monte_carlo(lambda s: c.decompress(c.compress(x, Context(seed=3, step=s))), 3000)
+    assert (mean[x.eq(0).all(1)] == 0).all()  # rows outside the bitmap are exactly zero, always
+    assert (stderr[x != 0] > 0).all()  # the estimates do vary: collisions happen
+    assert ((mean - x.double()).abs() <= 5 * stderr + 1e-6).all(), ((mean - x.double()).abs() / stderr).max()
+
+
+def test_the_lower_median_would_be_biased():
+    """The Monte Carlo check can fail: for two rows, torch.median's lower median is min(ĝ_1, ĝ_2),
+    biased downwards; the mean of the two middle estimates (what the sketch uses) is not."""
+    c = gradpress.make("sketch:rows=2,lam=0.5")
+    x = sparse_rows()
+
+    def lower_median(step):
+        packet = c.compress(x, Context(seed=3, step=step))
+        indices = torch.arange(x.numel())
+        table = packet["table"]
+        rows = [_signs(indices, s) * table[j, _buckets(indices, b, table.shape[1])]
+                for j, (b, s) in enumerate(packet.meta["seeds"])]
+        return torch.stack(rows).median(dim=0).values.view_as(x) * x.ne(0).any(1, keepdim=True)
+
+    mean, stderr = monte_carlo(lower_median, 1000)
+    assert ((mean - x.double()) / stderr.clamp_min(1e-12)).min() < -10
+
+
+def test_the_aggregate_of_several_workers_is_unbiased_for_their_sum():
+    c = gradpress.make("sketch:rows=3,lam=0.5")
+    xs = [sparse_rows(touched=t, seed=i) for i, t in enumerate([(1, 4), (4, 7, 8), (0, 11)])]
+
+    def aggregate(step):
+        packets = [c.compress(x, Context(seed=5, step=step, rank=r)) for r, x in enumerate(xs)]
+        return c.decompress(all_reduce(packets))
+
+    mean, stderr = monte_carlo(aggregate, 1500)
+    assert ((mean - sum(xs).double()).abs() <= 5 * stderr + 1e-6).all()
+
+
+def test_error_matches_the_count_sketch_variance():
+    """One row: E‖ĝ − g‖² = (M − 1)‖g‖²/c for M decoded values in c buckets (each of the other
+    values lands in a value's bucket with probability 1/c). Checks that the hashes spread evenly."""
+    c = gradpress.make("sketch:lam=0.5")
+    x = sparse_rows(vocab=40, dim=8, touched=range(0, 40, 3))  # 14 rows, M = 112 values
+    width = c.width(x.numel(), 8)
+    errors = [float((c.decompress(c.compress(x, Context(step=s))) - x).square().sum()) for s in range(600)]
+    expected = (14 * 8 - 1) * float(x.square().sum()) / width
+    assert abs(sum(errors) / len(errors) / expected - 1) < 0.1
+
+
+# -- all-reduce -------------------------------------------------------------------------------------
+def test_summed_wire_is_the_sketch_of_the_summed_gradient():
+    """Section 3.1: A^T Σ g_k = Σ A^T g_k, and the summed (OR-ed) bitmap marks the union of blocks."""
+    c = gradpress.make("sketch:rows=3,lam=0.5")
+    xs = [sparse_rows(touched=t, seed=i) for i, t in enumerate([(1, 4), (4, 7, 8), (0, 11)])]
+    ctx = [Context(seed=2, step=7, key="emb", rank=r) for r in range(3)]
+    summed = all_reduce([c.compress(x, k) for x, k in zip(xs, ctx)])
+    direct = c.compress(sum(xs), ctx[0])
+    assert summed["bitmap"].dtype == torch.bool
+    assert torch.equal(summed["bitmap"], direct["bitmap"])
+    torch.testing.assert_close(summed["table"], direct["table"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(c.decompress(summed), c.decompress(direct), rtol=1e-5, atol=1e-5)
+
+
+def test_width_is_agreed_whatever_each_worker_holds():
+    c = gradpress.make("sketch:ratio=0.25,lam=0.5")
+    few, many = sparse_rows(touched=(3,)), sparse_rows(touched=range(12))
+    a, b = c.compress(few, Context(rank=0)), c.compress(many, Context(rank=1))
+    assert a["table"].shape == b["table"].shape == (1, 9)  # K = 3 blocks of 6 values, λ = 0.5
+    assert a.meta == b.meta
+    assert a.nbytes == b.nbytes == 9 * 4 + 12  # the table and one bool per row
+
+
+def test_table_starts_from_zero_every_step():
+    c = gradpress.make("sketch")
+    x, y = sparse_rows(seed=1), sparse_rows(touched=(0, 2), seed=2)
+    c.compress(x, Context(step=0))
+    fresh = gradpress.make("sketch").compress(y, Context(step=1))
+    assert torch.equal(c.compress(y, Context(step=1))["table"], fresh["table"])
+
+
+# -- layout -----------------------------------------------------------------------------------------
+def test_bitmap_marks_the_non_zero_rows_of_an_embedding_gradient():
+    c = gradpress.make("sketch:lam=8")
+    x = sparse_rows(vocab=30, dim=4, touched=(2, 17, 29))
+    packet = c.compress(x, Context(step=1))
+    assert packet["bitmap"].shape == (30,) and packet["bitmap"].nonzero().squeeze(1).tolist() == [2, 17, 29]
+    y = c.decompress(packet)
+    assert (y[x.eq(0).all(1)] == 0).all()
+    # the same layout from a flat tensor with the row length as the block size
+    flat = gradpress.make("sketch:lam=8,block=4")
+    packet_flat = flat.compress(x.reshape(-1), Context(step=1))
+    assert torch.equal(packet_flat["bitmap"], packet["bitmap"])
+    assert torch.equal(flat.decompress(packet_flat), y.reshape(-1))
+
+
+def test_a_last_shorter_block_and_one_dimensional_tensors():
+    x = torch.zeros(23)
+    x[[0, 21, 22]] = torch.tensor([1.0, -2.0, 3.0])
+    packet = gradpress.make("sketch:block=5,lam=8").compress(x)
+    assert packet["bitmap"].tolist() == [True, False, False, False, True]
+    packet = gradpress.make("sketch").compress(x)  # 1-D, block=0: one block per value
+    assert packet["bitmap"].nonzero().squeeze(1).tolist() == [0, 21, 22]
+
+
+def test_ratio_below_one_keeps_the_largest_blocks():
+    c = gradpress.make("sketch:ratio=0.25,lam=0.5")
+    assert not c.unbiased and c.default_feedback == "residual"
+    x = sparse_rows(touched=range(12))
+    packet = c.compress(x)
+    norms = x.square().sum(1)
+    assert packet["bitmap"].nonzero().squeeze(1).tolist() == sorted(norms.topk(3).indices.tolist())
+    assert (c.decompress(packet)[~packet["bitmap"]] == 0).all()
+
+
+@pytest.mark.parametrize("spec", ["sketch:rows=3", "sketch:rows=2,ratio=0.5", "sketch:lam=4,block=5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_numba_and_torch_paths_give_the_same_bits(spec, dtype):
+    c = gradpress.make(spec)
+    x = sparse_rows(vocab=300, dim=10, touched=range(0, 300, 7)).to(dtype)
+    ctx = Context(seed=4, step=1, key="e", rank=2)
+    fast = c.compress(x, ctx)
+    with numba_disabled():
+        slow = c.compress(x, ctx)
+        reference = c.decompress(fast)
+    assert all(torch.equal(a, b) for a, b in zip(fast.wire(), slow.wire(), strict=True))
+    assert torch.equal(c.decompress(fast), reference)
+
+
+# -- Thm 2: block-wise top-K, alone and sketched ------------------------------------------------------
+def test_sketch_of_block_top_k_is_delta_approximate_only_above_lambda_one():
+    """Thm 2's proof takes E‖U(y)‖² = ‖y‖², but the sketch adds ≈ (M − 1)/c·‖y‖² of noise, so
+    E‖x − U(sparse(x))‖² ≈ ‖x − y‖² + ‖y‖²/λ: below ‖x‖² (δ-approximate) only for λ > 1 with one row."""
+    x = torch.randn(200, 16, generator=torch.Generator().manual_seed(0))
+
+    def one_shot(spec):
+        c = gradpress.make(spec)
+        errors = [float((c.decompress(c.compress(x, Context(step=s))) - x).square().sum()) for s in range(40)]
+        return sum(errors) / len(errors) / float(x.square().sum())
+
+    assert one_shot("sketch:ratio=0.25,lam=0.5") > 1.2
+    assert one_shot("sketch:ratio=0.25,lam=8") < 0.75
+
+
+def test_error_feedback_keeps_the_residual_bounded_for_lambda_above_one():
+    c = gradpress.make("sketch:ratio=0.25,lam=4")
+    feedback = gradpress.make_feedback(c.default_feedback)
+    g = torch.randn(100, 8, generator=torch.Generator().manual_seed(1))
+    sent = torch.zeros_like(g)
+    for step in range(150):
+        x = feedback.compensate("w", g)
+        y = c.decompress(c.compress(x, Context(step=step)))
+        feedback.update("w", x, y)
+        sent += y
+    assert float(feedback.memory("w").norm()) < 5 * float(g.norm())
+    assert float((sent / 150 - g).norm()) < 0.05 * float(g.norm())  # = ‖m_T‖/T: the bias is paid back
+
+
+def test_blocktopk_sends_the_k_largest_blocks():
+    c = gradpress.make("blocktopk:ratio=0.25")
+    x = torch.randn(20, 7, generator=torch.Generator().manual_seed(2))
+    packet = c.compress(x)
+    chosen = sorted(x.square().sum(1).topk(5).indices.tolist())
+    assert packet["indices"].tolist() == chosen and packet["indices"].dtype == torch.int32
+    assert torch.equal(packet["values"], x[chosen])
+    expected = torch.zeros_like(x)
+    expected[chosen] = x[chosen]
+    assert torch.equal(c.decompress(packet), expected)
+    assert packet.nbytes == 5 * (7 * 4 + 4)
+
+
+def test_blocktopk_ties_padding_and_dtype():
+    x = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.5], dtype=torch.float16)
+    c = gradpress.make("blocktopk:ratio=0.5,block=3")  # blocks [1,0,0] [1,0,0] [0.5 + padding]
+    packet = c.compress(x)
+    assert packet["indices"].tolist() == [0, 1]  # a tie goes to the lower block
+    assert packet["values"].dtype == torch.float16 and packet["values"].shape == (2, 3)
+    y = c.decompress(packet)
+    assert y.dtype == torch.float16 and y.tolist() == [1.0, 0, 0, 1.0, 0, 0, 0]
+    packet = gradpress.make("blocktopk:ratio=1,block=3").compress(x)
+    assert packet["values"][2].tolist() == [0.5, 0.0, 0.0]  # the short last block, zero-padded
+
+
+def test_blocktopk_then_sketch_composes():
+    """``blocktopk+sketch``: the sketch compresses the [K, B] values, one bitmap entry per kept block;
+    the block indices still travel, so the packets are all-gathered (not summable)."""
+    c = gradpress.make("blocktopk:ratio=0.25,block=8+sketch:lam=4")
+    x = torch.randn(160, generator=torch.Generator().manual_seed(3))
+    packet = c.compress(x, Context(step=0))
+    inner = packet.tensors["values"]
+    assert isinstance(inner, gradpress.Packet) and inner["bitmap"].shape == (5,)
+    assert packet.nbytes == 5 * 4 + 4 * inner["table"].numel() + 5
+    assert not c.summable and not c.unbiased
+    kept = gradpress.make("blocktopk:ratio=0.25,block=8")
+    selected = kept.decompress(kept.compress(x))
+    mean, stderr = monte_carlo(lambda s: c.decompress(c.compress(x, Context(step=s))), 800)
+    assert (mean[selected == 0] == 0).all()
+    assert ((mean - selected.double()).abs() <= 5 * stderr + 1e-6).all()  # unbiased given the blocks
+
+
+# -- arguments --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec",
+    ["sketch:rows=0", "sketch:lam=0", "sketch:lam=-1", "sketch:lam=inf", "sketch:ratio=0", "sketch:ratio=1.5",
+     "sketch:block=-1", "blocktopk:ratio=0", "blocktopk:ratio=2", "blocktopk:block=-3"],
+)
+def test_bad_parameters_raise(spec):
+    with pytest.raises(ValueError, match=spec.partition(":")[0]):
+        gradpress.make(spec)
+
+
+def test_element_indices_skip_padding():
+    assert element_indices(torch.tensor([0, 2]), 4, 10).tolist() == [0, 1, 2, 3, 8, 9]
+    assert element_indices(torch.tensor([], dtype=torch.int64), 4, 10).tolist() == []
+
+
+def test_embedding_benchmark_runs_and_counts_bytes():
+    from gradpress.bench.sketch_embedding import format_result, run
+
+    result = run(vocab=2000, dim=8, rows_touched=20, workers=3, repeats=1)
+    assert result.gather_bytes == 20 * (8 * 4 + 4)
+    assert result.sketch_bytes == 80 * 4 + 2000  # c = λ·K·D = 0.5·20·8 buckets, one bool per row
+    assert result.gather_received == 2 * result.gather_bytes
+    assert result.sketch_received == round(2 * 2 / 3 * result.sketch_bytes)
+    assert 0 < result.sketch_nmse and 20 <= result.union_rows <= 60
+    assert "all-gather" in format_result(result)
