@@ -10,7 +10,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = [
-    "gradpress.bench.ops",
+    "gradpress.bench",
     "gradpress.testbed.data",
     "gradpress.testbed.train",
     "gradpress.testbed.compare",

@@ -138,8 +138,8 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+def add_bench_parser(bench: argparse._SubParsersAction) -> None:
+    """Adds ``gradpress bench ops``."""
     ops = bench.add_parser("ops", help="bits, NMSE and speed of each compressor on one tensor",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ops.add_argument("--compressors", default="all",
@@ -153,4 +153,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ops.set_defaults(func=main)
 
 
-__all__ = ["OpsRecord", "add_parser", "bench_one", "run"]
+__all__ = ["OpsRecord", "add_bench_parser", "bench_one", "median_ms", "run"]

@@ -18,15 +18,15 @@ sketch must hold; real token streams overlap more (Zipf).
 """
 from __future__ import annotations
 
+import argparse
+
 import functools
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 import gradpress
+from gradpress.bench.ops import median_ms
 from gradpress.compressors.sketch import nonzero_blocks
 from gradpress.packet import Packet
 from gradpress.rng import Context
@@ -110,9 +110,9 @@ def run(
     sketch = gradpress.make(spec)
     contexts = [Context(seed=seed, step=0, key="embedding", rank=r) for r in range(workers)]
     packets = [sketch.compress(g, c) for g, c in zip(grads, contexts)]
-    per_tensor = zip(*[list(p.wire()) for p in packets], strict=True)
-    summed = packets[0].with_wire([functools.reduce(torch.add, ts) for ts in per_tensor])  # bool: or
-    estimate = sketch.decompress(summed)
+    per_tensor = zip(*[sketch.summands(p) for p in packets], strict=True)
+    summed = [functools.reduce(torch.add, ts) for ts in per_tensor]  # what the all-reduce adds (bool: or)
+    estimate = sketch.decode_sum(packets[0], [t.clone() for t in summed], 1)  # the sum, not the mean
     gathered = [gather_compress(g) for g in grads]
     exact = gather_decode(gathered).double()
     assert torch.allclose(exact, sum(grads).double(), rtol=1e-5, atol=1e-6)
@@ -131,10 +131,10 @@ def run(
         gather_bytes=gather_bytes[0],
         sketch_received=round(2 * (n - 1) / n * sketch_bytes),
         gather_received=sum(gather_bytes[1:]),
-        sketch_compress_ms=_median_ms(lambda: sketch.compress(grads[0], contexts[0]), repeats),
-        sketch_decode_ms=_median_ms(lambda: sketch.decompress(summed), repeats),
-        gather_compress_ms=_median_ms(lambda: gather_compress(grads[0]), repeats),
-        gather_decode_ms=_median_ms(lambda: gather_decode(gathered), repeats),
+        sketch_compress_ms=median_ms(lambda: sketch.compress(grads[0], contexts[0]), repeats),
+        sketch_decode_ms=median_ms(lambda: sketch.decode_sum(packets[0], [t.clone() for t in summed], 1), repeats),
+        gather_compress_ms=median_ms(lambda: gather_compress(grads[0]), repeats),
+        gather_decode_ms=median_ms(lambda: gather_decode(gathered), repeats),
         sketch_nmse=float((estimate.double() - exact).square().sum() / exact.square().sum()),
         union_rows=int(exact.ne(0).any(dim=1).sum()),
     )
@@ -156,11 +156,24 @@ def format_result(result: SketchEmbeddingResult) -> str:
     return "\n".join(lines)
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+
+def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``gradpress bench sketch``."""
+    parser = bench_subparsers.add_parser("sketch", help="S2 sketch vs all-gathering an embedding's non-zero rows",
+                                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=50_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--rows-touched", type=int, default=500, help="non-zero rows per worker per step")
+    parser.add_argument("--workers", default="2,8,32", help="comma-separated worker counts")
+    parser.add_argument("--lam", type=float, default=0.5, help="sketch size / non-zeros (S2's λ)")
+    parser.add_argument("--sketch-rows", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    for workers in (int(w) for w in args.workers.split(",")):
+        print(format_result(run(args.vocab, args.dim, args.rows_touched, workers, args.lam, args.sketch_rows)))
+        print()
+    return 0
