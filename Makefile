@@ -16,8 +16,15 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# an emulated 100 Mbit/s star when root (network namespaces need it), loopback otherwise
+NETWORK := $(if $(filter 0,$(shell id -u)),--bandwidth 100mbit,)
+DEMO_STEPS ?= 300
+
 demo: $(STAMP)
-	$(PY) -m gradpress bench ops --compressors default --json out/bench_ops.json
+	$(PY) -m gradpress data fashion-mnist
+	$(PY) -m gradpress bench ops --compressors all --json out/bench_ops.json
+	$(PY) -m gradpress compare --model mlp --data fashion-mnist --workers 2 $(NETWORK) \
+		--steps $(DEMO_STEPS) --eval-every 50 --compressors demo --out out/demo
 
 clean:
 	rm -rf $(VENV) out

@@ -17,3 +17,11 @@ def test_readme_has_runnable_examples():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index):
     exec(compile(BLOCKS[index], f"README block {index}", "exec"), {"__name__": "readme"})
+
+
+def test_readme_lists_every_compressor():
+    import gradpress
+
+    text = README.read_text()
+    missing = [name for name in gradpress.compressor_names() if f"| `{name}` |" not in text]
+    assert not missing, f"README's compressor table lacks {missing}"
