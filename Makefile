@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradpress-installed
 
-.PHONY: test demo bench clean
+.PHONY: test demo clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	# the offline datasets (apt-get as root; tests that need one skip with the reason when it is missing)
+	-$(PY) -m gradpress data fashion-mnist fortunes movielens-100k
 	$(PY) -m pytest -q
 
 # an emulated 100 Mbit/s star when root (network namespaces need it), loopback otherwise

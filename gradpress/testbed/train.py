@@ -12,8 +12,9 @@ bound), ``torch-allreduce`` (PyTorch's all-reduce hook), ``torch-fp16`` (``fp16_
 
 Per step it records wall-clock (evaluation excluded), compute time, compression time, communication
 time and the bytes this rank handed to collectives (``Packet.nbytes``; for the reference rows, the
-sizes of the tensors their hooks communicate). Compression runs inside the backward pass, so compute
-time is the step's time minus compression time; communication overlaps the backward pass and is
+sizes of the tensors their hooks communicate). Compression runs inside the backward pass, and after the
+last bucket is handed to the hook, ``backward()`` only waits for communication: compute time is the
+step's time minus compression time minus that wait. Communication overlaps the backward pass and is
 reported as measured from issue to completion.
 """
 from __future__ import annotations
@@ -114,6 +115,8 @@ def _launch(config: TrainConfig, result: Path, progress: bool, address: str, por
         if star is not None:
             argv = star.command(rank, argv)
             env.update(star.environment(rank))
+            # no reverse DNS inside the namespaces: c10d would warn about it at every connection
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         else:
             env["GLOO_SOCKET_IFNAME"] = "lo"
         stderr = None if rank == 0 else subprocess.PIPE
@@ -204,6 +207,7 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
                 optimizer.zero_grad(set_to_none=True)
                 loss = loss_fn(ddp(x), y)
                 loss.backward()
+                waited = max(0.0, time.perf_counter() - meter.handed_off) if meter.handed_off > started else 0.0
                 if settings.grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
                 optimizer.step()
@@ -212,7 +216,8 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
                 bytes_total += int(spent.bytes)
                 step += 1
                 steps.append(Step(step=step, epoch=epoch, wall_s=clock.elapsed(),
-                                  compute_s=max(0.0, elapsed - spent.compress_s), compress_s=spent.compress_s,
+                                  compute_s=max(0.0, elapsed - spent.compress_s - waited),
+                                  compress_s=spent.compress_s,
                                   comm_s=spent.comm_s, bytes_sent=int(spent.bytes),
                                   samples=len(y) * config.workers))
                 if bar is not None:
@@ -293,23 +298,39 @@ class Spent:
 
 
 class _Meter:
-    """Cumulative compression time, communication time and bytes, read before and after each step."""
+    """Cumulative compression time, communication time and bytes, read before and after each step, and
+    when the last bucket of the step was handed to its hook (after which DDP's backward only waits)."""
 
     def __init__(self, read: Callable[[], Spent]) -> None:
         self.snapshot = read
+        self.handed_off = 0.0
+
+    def stamped(self, hook: Callable) -> Callable:
+        """``hook`` recording when it returns: the exposed communication of a step is the time from the
+        last bucket's hand-off to the end of ``backward()``."""
+
+        def stamped_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks hook annotations literally
+            future = hook(state, bucket)
+            self.handed_off = time.perf_counter()
+            return future
+
+        return stamped_hook
 
 
 def _install_hook(ddp: Any, config: TrainConfig) -> _Meter:
     if config.compressor not in REFERENCES:
         import gradpress
 
-        state = gradpress.register(ddp, config.compressor, seed=config.seed, **config.options)
+        options = {"seed": config.seed, "process_group": ddp.process_group, **config.options}
+        state, hook = gradpress.ddp_comm_hook(config.compressor, model=ddp.module, **options)
 
         def read() -> Spent:
             total = state.stats()["total"]
             return Spent(total["compress_s"] + total["decompress_s"], total["comm_s"], total["packet_bytes"])
 
-        return _Meter(read)
+        meter = _Meter(read)
+        ddp.register_comm_hook(state, meter.stamped(hook))
+        return meter
     return _install_reference_hook(ddp, config.compressor)
 
 
@@ -319,6 +340,7 @@ def _install_reference_hook(ddp: Any, name: str) -> _Meter:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     spent = Spent()
+    meter = _Meter(lambda: Spent(spent.compress_s, spent.comm_s, spent.bytes))
 
     def timed(inner: Callable, nbytes: Callable[[Any], int]) -> Callable:
         def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks hook annotations literally
@@ -339,19 +361,20 @@ def _install_reference_hook(ddp: Any, name: str) -> _Meter:
             future.set_result(bucket.buffer())
             return future
 
-        ddp.register_comm_hook(None, noop)
+        ddp.register_comm_hook(None, meter.stamped(noop))
     elif name == "torch-allreduce":
-        ddp.register_comm_hook(dist.group.WORLD, timed(default_hooks.allreduce_hook, _buffer_bytes))
+        ddp.register_comm_hook(dist.group.WORLD, meter.stamped(timed(default_hooks.allreduce_hook, _buffer_bytes)))
     elif name == "torch-fp16":
-        ddp.register_comm_hook(dist.group.WORLD, timed(default_hooks.fp16_compress_hook,
-                                                       lambda b: _buffer_bytes(b) // 2))
+        half = timed(default_hooks.fp16_compress_hook, lambda b: _buffer_bytes(b) // 2)
+        ddp.register_comm_hook(dist.group.WORLD, meter.stamped(half))
     elif name == "torch-powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=2, min_compression_rate=2)
-        ddp.register_comm_hook(state, timed(powerSGD_hook.powerSGD_hook, lambda b: _powersgd_bytes(state, b)))
+        power = timed(powerSGD_hook.powerSGD_hook, lambda b: _powersgd_bytes(state, b))
+        ddp.register_comm_hook(state, meter.stamped(power))
     else:
         raise ValueError(f"unknown reference {name!r}; references: {', '.join(REFERENCES)}")
-    return _Meter(lambda: Spent(spent.compress_s, spent.comm_s, spent.bytes))
+    return meter
 
 
 def _buffer_bytes(bucket: Any) -> int:
