@@ -9,6 +9,7 @@ BENCHES = [
     "gradpress.bench.ops",
     "gradpress.bench.ddp_overhead",
     "gradpress.bench.sketch_embedding",
+    "gradpress.bench.thc_nmse",
 ]
 
 
