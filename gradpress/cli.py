@@ -14,6 +14,7 @@ SUBCOMMANDS = [
     "gradpress.testbed.data",
     "gradpress.testbed.train",
     "gradpress.testbed.compare",
+    "gradpress.testbed.sim",
 ]
 
 

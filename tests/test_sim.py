@@ -1,0 +1,270 @@
+"""``gradpress sim``: NMSE against the number of workers, training with simulated workers, the α–β model
+checked against runs, and the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gradpress.cli import main
+from gradpress.testbed import data as D
+from gradpress.testbed import sim as S
+from gradpress.testbed.results import Eval, Run, Step, save_runs
+
+SMALL = {"numel": 1 << 12, "trials": 2, "seed": 0}
+
+
+def by_workers(points):
+    return {p.workers: p.nmse for p in points}
+
+
+# -- NMSE --------------------------------------------------------------------------------------------
+def test_none_is_exact_up_to_fp32_rounding_for_every_n():
+    points = S.nmse_vs_workers(["none"], [1, 4, 16, 64], **SMALL)
+    assert [p.workers for p in points] == [1, 4, 16, 64]
+    assert all(p.nmse <= S.ROUNDING for p in points), points
+    assert points[0].nmse == 0.0  # one worker: the mean is its own vector
+
+
+def test_unbiased_errors_average_out_like_one_over_n_but_top_k_bias_does_not():
+    points = S.nmse_vs_workers(["qsgd", "natural", "topk:ratio=0.01"], [4, 64], **SMALL)
+    nmse = {(p.spec.partition(":")[0], p.workers): p.nmse for p in points}
+    # σ = 1: NMSE ≈ 2ω/(n + 1), so going from n = 4 to 64 divides it by 65/5 = 13
+    for unbiased in ("qsgd", "natural"):
+        assert 9 < nmse[unbiased, 4] / nmse[unbiased, 64] < 18, nmse
+    assert nmse["topk", 4] / nmse["topk", 64] < 1.5, nmse
+    assert nmse["topk", 64] > 0.1  # what top-k drops of the mean stays dropped
+
+
+def test_shared_random_k_is_unbiased_but_its_error_does_not_average_out():
+    # every worker keeps the same k of d coordinates (shared stream), so NMSE = d/k − 1 for any n
+    points = by_workers(S.nmse_vs_workers(["randomk:ratio=0.25,scale=true"], [2, 32], **SMALL))
+    for value in points.values():
+        assert value == pytest.approx(3.0, rel=0.15)
+
+
+def test_loglog_slope():
+    line = [S.NMSEPoint("x", True, n, 0.5 / n) for n in (4, 16, 64)]
+    flat = [S.NMSEPoint("x", False, n, 0.3) for n in (4, 16, 64)]
+    assert S.loglog_slope(line) == pytest.approx(-1.0)
+    assert S.loglog_slope(flat) == pytest.approx(0.0, abs=1e-12)
+    assert S.loglog_slope([S.NMSEPoint("none", True, n, 1e-14) for n in (4, 16)]) is None
+
+
+def test_nmse_rejects_bad_input():
+    with pytest.raises(ValueError, match="unknown distribution"):
+        S.nmse_vs_workers(["none"], [2], numel=8, dist="cauchy")
+    with pytest.raises(ValueError, match="workers"):
+        S.nmse_vs_workers(["none"], [0], numel=8)
+    with pytest.raises(ValueError):
+        S.nmse_vs_workers(["nosuchcompressor"], [2], numel=8)
+
+
+# -- quality -----------------------------------------------------------------------------------------
+def synthetic_images(n_train: int = 512, n_test: int = 128, classes: int = 4, size: int = 8) -> D.ImageData:
+    """Four classes, each a fixed random pattern plus noise: learnable in a few dozen steps."""
+    generator = torch.Generator().manual_seed(7)
+    patterns = torch.randn(classes, 1, size, size, generator=generator)
+
+    def split(n: int) -> D.Split:
+        y = torch.randint(classes, (n,), generator=generator)
+        return D.Split(patterns[y] + 0.8 * torch.randn(n, 1, size, size, generator=generator), y)
+
+    return D.ImageData("synthetic", split(n_train), split(n_test), classes=tuple("abcd"[:classes]))
+
+
+@pytest.mark.parametrize("workers, spec", [(1, "none"), (4, "none"), (4, "topk:ratio=0.1")])
+def test_training_with_simulated_workers_lowers_the_test_loss(workers, spec):
+    data = synthetic_images()
+    point = S.train_simulated("mlp:hidden=16,depth=1", data, workers, spec, steps=30, batch_size=16, lr=0.05)
+    assert point.final_loss < 0.7 * point.initial_loss, point
+    assert point.final > point.initial and point.metric == "accuracy"
+    assert len(point.train_losses) == 30
+    assert point.bytes_per_step > 0
+
+
+def test_a_step_with_none_applies_the_mean_of_the_workers_gradients():
+    # 2 workers of batch 8 exchanging with `none` take the SGD step of one batch holding both
+    # (the mean of two batch means is the mean of their union)
+    data = synthetic_images(n_train=64)
+    simulated, reference = _model(data), _model(data)
+    S.train_simulated("mlp:hidden=8,depth=1", data, 2, "none", steps=1, batch_size=8, lr=0.1, net=simulated)
+    xs, ys = zip(*(_first_batch(data, rank, 2, 8) for rank in range(2)))
+    torch.nn.functional.cross_entropy(reference(torch.cat(xs)), torch.cat(ys)).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad  # SGD with momentum: the first step is plain SGD
+    for (name, got), want in zip(simulated.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(simulated.net[1].weight, _model(data).net[1].weight)
+
+
+def _model(data):
+    from gradpress.testbed.models import model_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return model_config("mlp:hidden=8,depth=1", data).build()
+
+
+def _first_batch(data, rank, n, batch):
+    return next(S._endless_batches(data.shard(rank, n, seed=0), batch, 0, rank))
+
+
+def test_training_leaves_the_global_rng_alone_and_rejects_tiny_shards():
+    data = synthetic_images(n_train=64)
+    state = torch.get_rng_state()
+    S.train_simulated("mlp:hidden=8,depth=1", data, 2, "none", steps=1, batch_size=8)
+    assert torch.equal(state, torch.get_rng_state())
+    with pytest.raises(ValueError, match="holds no batch"):
+        S.train_simulated("mlp:hidden=8,depth=1", data, 16, "none", steps=1, batch_size=8)
+
+
+# -- the cost model against runs ---------------------------------------------------------------------
+def run(compressor: str, step_s: float, compress_s: float = 0.0, comm_s: float = 0.0, nbytes: int = 0,
+        workers: int = 2, bandwidth: str | None = "100mbit", count: int = 11, batch: int = 32) -> Run:
+    """A run of ``count`` equal steps of ``step_s`` seconds (mean_step_s == step_s exactly)."""
+    steps = [Step(step=i + 1, epoch=0, wall_s=(i + 1) * step_s, compute_s=step_s - compress_s,
+                  compress_s=compress_s, comm_s=comm_s, bytes_sent=nbytes, samples=batch * workers)
+             for i in range(count)]
+    evals = [Eval(epoch=0, step=count, wall_s=count * step_s, bytes_total=nbytes * count, metric="accuracy",
+                  value=0.5, higher_is_better=True, loss=1.0)]
+    return Run(compressor, "mlp-wide", "fashion-mnist", workers, bandwidth, 0, tuple(steps), tuple(evals),
+               {"batch_size": batch})
+
+
+NOOP = run("noop", 0.05)
+ALLREDUCE = run("torch-allreduce", 0.14, comm_s=0.09, nbytes=1_000_000)
+TOPK = run("topk:ratio=0.01", 0.07, compress_s=0.01, comm_s=0.01, nbytes=20_000)
+RUNS = [ALLREDUCE, TOPK, NOOP]
+
+
+def test_strategies_of_runs():
+    assert [S.strategy_of(r) for r in RUNS] == ["allreduce", "allgather", None]
+    assert S.strategy_of(run("randomk:ratio=0.01", 0.1)) == "allreduce"  # summable
+    ps = Run("qsgd", "mlp", "fashion-mnist", 2, None, 0, NOOP.steps, (), {"options": {"mode": "ps"}})
+    assert S.strategy_of(ps) == "gather-broadcast"
+
+
+def test_checks_give_the_closed_form_numbers():
+    checks = {c.prediction.label: c for c in S.check_runs(RUNS, latency=0.0)}
+    # all-reduce of 1 MB over two workers: each link carries 2·(1/2)·1 MB = 8e6 bits at 1e8 bit/s
+    a = checks["torch-allreduce"].prediction
+    assert a.compute_source == "noop" and a.sequential.compute == pytest.approx(0.05)
+    assert a.sequential.communication == pytest.approx(0.08)
+    assert a.sequential.total == pytest.approx(0.13)
+    assert a.overlapped.total == pytest.approx(0.08)
+    assert checks["torch-allreduce"].relative_error == pytest.approx((0.13 - 0.14) / 0.14)
+    # all-gather of 20 kB: (n − 1)·B = 1.6e5 bits -> 1.6 ms, + compression 10 ms + compute 50 ms
+    t = checks["topk:ratio=0.01"].prediction
+    assert t.sequential.communication == pytest.approx(0.0016)
+    assert t.sequential.total == pytest.approx(0.0616)
+    assert checks["topk:ratio=0.01"].relative_error == pytest.approx((0.0616 - 0.07) / 0.07)
+    assert checks["noop"].relative_error == pytest.approx(0.0)
+    # α counts per message: 2(n−1) = 2 for the ring, n − 1 = 1 for the all-gather
+    with_latency = {c.prediction.label: c.prediction for c in S.check_runs(RUNS, latency=1e-3)}
+    assert with_latency["torch-allreduce"].sequential.total == pytest.approx(0.132)
+    assert with_latency["topk:ratio=0.01"].sequential.total == pytest.approx(0.0626)
+
+
+def test_without_a_noop_run_compute_is_step_minus_compression_and_communication():
+    alone = S.check_runs([TOPK], latency=0.0)[0].prediction
+    assert alone.compute_source == "own"
+    assert alone.sequential.compute == pytest.approx(0.07 - 0.01 - 0.01)
+    loopback = run("torch-allreduce", 0.1, bandwidth=None)
+    # a run over loopback has no link rate to check against
+    assert [c.prediction.label for c in S.check_runs([loopback, NOOP], latency=0.0)] == ["noop"]
+
+
+def test_cross_checks_carry_a_run_to_the_other_runs_settings():
+    four = run("torch-allreduce", 0.2, nbytes=1_000_000, workers=4)
+    crossed = S.cross_checks([ALLREDUCE, four, NOOP, TOPK], latency=0.0)
+    # only the two all-reduce runs pair up (same compressor, model, data and batch; another n)
+    pairs = sorted((c.basis, c.prediction.workers) for c in crossed)
+    assert pairs == [("n=2, 100mbit", 4), ("n=4, 100mbit", 2)]
+    to_four = next(c for c in crossed if c.prediction.workers == 4)
+    # from the n = 2 run: noop compute 0.05 + ring all-reduce of 1 MB over 4: 2·3/4·8e6 bits at 1e8 bit/s
+    assert to_four.prediction.sequential.total == pytest.approx(0.05 + 0.12)
+    assert to_four.measured_s == pytest.approx(0.2)
+    assert to_four.relative_error == pytest.approx((0.17 - 0.2) / 0.2)
+
+
+def test_fitted_latency_recovers_the_messages_share():
+    alpha = 2e-3
+    # measured = compute 0.05 + compression + bytes term + messages·α
+    allreduce = run("torch-allreduce", 0.05 + 0.08 + 2 * alpha, nbytes=1_000_000)
+    topk = run("topk:ratio=0.01", 0.05 + 0.01 + 0.0016 + alpha, compress_s=0.01, nbytes=20_000)
+    four = run("torch-allreduce", 0.05 + 0.12 + 6 * alpha, nbytes=1_000_000, workers=4, bandwidth="100mbit")
+    noop4 = run("noop", 0.05, workers=4)
+    assert S.fit_run_latency([allreduce, topk, NOOP, four, noop4]) == pytest.approx(alpha)
+    with pytest.raises(ValueError, match="needs a communicating run"):
+        S.fit_run_latency([NOOP])
+
+
+def test_what_if_other_workers_and_links():
+    predictions = S.what_if(RUNS, [16], ["1gbit"], latency=1e-4)
+    p = {x.label: x for x in predictions}
+    # ring all-reduce of 1 MB over 16 workers at 1 Gbit/s: 2·15/16·8e6 bits / 1e9 + 30 α
+    assert p["torch-allreduce"].sequential.communication == pytest.approx(2 * 15 / 16 * 8e6 / 1e9 + 30e-4)
+    # all-gather of 20 kB: 15 packets of 1.6e5 bits + 15 α
+    assert p["topk:ratio=0.01"].sequential.communication == pytest.approx(15 * 1.6e5 / 1e9 + 15e-4)
+    assert p["noop"].sequential.total == pytest.approx(0.05)
+    assert p["noop"].samples_per_s == pytest.approx(16 * 32 / 0.05)
+    # the run's own link when none is given; a strategy override leaves noop alone
+    own = S.what_if(RUNS, [4], None, latency=0.0, strategy="ps")
+    assert {x.bandwidth for x in own} == {"100mbit"}
+    assert {x.label: x.strategy for x in own} == {"torch-allreduce": "ps", "topk:ratio=0.01": "ps",
+                                                  "noop": None}
+
+
+# -- the command line --------------------------------------------------------------------------------
+def test_cli_nmse(tmp_path, capsys):
+    out, png = tmp_path / "nmse.json", tmp_path / "nmse.png"
+    assert main(["sim", "nmse", "--compressors", "none,topk:ratio=0.1,qsgd", "--workers", "2,8",
+                 "--numel", "512", "--trials", "1", "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "topk:ratio=0.1" in text and "n=8" in text
+    points = json.loads(out.read_text())["points"]
+    assert len(points) == 6 and {p["workers"] for p in points} == {2, 8}
+    assert png.stat().st_size > 1000
+
+
+def test_cli_quality(tmp_path, monkeypatch, capsys):
+    fake = D.Source(fetch=lambda **_: "synthetic", load=lambda **_: synthetic_images(n_train=128, n_test=32))
+    monkeypatch.setitem(D.DATASETS, "fashion-mnist", fake)
+    out = tmp_path / "quality.json"
+    assert main(["sim", "quality", "--model", "mlp:hidden=8,depth=1", "--workers", "1,2", "--compressor",
+                 "none,topk:ratio=0.5", "--steps", "3", "--batch-size", "8", "--json", str(out)]) == 0
+    assert "accuracy" in capsys.readouterr().out
+    points = json.loads(out.read_text())
+    assert [(p["spec"], p["workers"]) for p in points] == [("none", 1), ("none", 2), ("topk:ratio=0.5", 1),
+                                                            ("topk:ratio=0.5", 2)]
+
+
+def test_cli_cost(tmp_path, capsys):
+    save_runs(RUNS, tmp_path / "results.json")
+    out = tmp_path / "cost.json"
+    assert main(["sim", "cost", "--results", str(tmp_path), "--workers", "2,16", "--bandwidth", "1gbit",
+                 "--latency", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "torch-allreduce" in text and "what if" in text
+    result = json.loads(out.read_text())
+    assert len(result["checks"]) == 3 and len(result["what_if"]) == 6 and result["cross_checks"] == []
+    check = next(c for c in result["checks"] if c["label"] == "torch-allreduce")
+    assert check["relative_error"] == pytest.approx((0.13 - 0.14) / 0.14)
+    assert main(["sim", "cost", "--results", str(tmp_path / "results.json"), "--latency", "fit"]) == 0
+    assert "fitted latency" in capsys.readouterr().out
+    save_runs([NOOP], tmp_path / "results.json")
+    assert main(["sim", "cost", "--results", str(tmp_path), "--latency", "fit"]) == 2
+    assert "needs a communicating run" in capsys.readouterr().err
+    assert main(["sim", "cost", "--results", str(tmp_path / "missing")]) == 2
+
+
+def test_cli_rejects_bad_lists(capsys):
+    with pytest.raises(SystemExit):
+        main(["sim", "nmse", "--workers", "4,x"])
+    assert "expected comma-separated integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sim", "cost", "--results", ".", "--bandwidth", "fast"])
+    assert "expected a number and a unit" in capsys.readouterr().err
