@@ -60,9 +60,35 @@ class NoFeedback(Feedback):
     """No memory: what compression drops is lost (right for unbiased compressors)."""
 
 
+@dataclass
+class KeyedMemory(Feedback):
+    """Base of the memories that keep one float32 tensor per key (the residual, a momentum): lookup
+    with a shape check, and the ``state_dict`` under :attr:`state_name`."""
+
+    state_name: ClassVar[str] = "memory"
+    _memory: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def memory(self, key: str) -> torch.Tensor | None:
+        """The tensor stored for ``key`` (None before its first update)."""
+        return self._memory.get(key)
+
+    def _stored_for(self, key: str, grad: torch.Tensor) -> torch.Tensor | None:
+        memory = self._memory.get(key)
+        if memory is not None and memory.shape != grad.shape:
+            raise ValueError(f"{self.name} memory for {key!r} has shape {tuple(memory.shape)}, "
+                             f"the gradient {tuple(grad.shape)}")
+        return memory
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.state_name: {key: value.clone() for key, value in self._memory.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._memory = {key: value.clone() for key, value in state.get(self.state_name, {}).items()}
+
+
 @feedback_registry.register("residual")
 @dataclass
-class Residual(Feedback):
+class Residual(KeyedMemory):
     """GRACE Eq. 5: φ = β·m + γ·g; m ← φ − decompress(compress(φ)).
 
     The memory is kept in float32 whatever the gradient's dtype, so fp16/bf16 residuals don't lose
@@ -71,28 +97,14 @@ class Residual(Feedback):
 
     beta: float = 1.0
     gamma: float = 1.0
-    _memory: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        memory = self._memory.get(key)
+        memory = self._stored_for(key, grad)
         scaled = grad if self.gamma == 1.0 else grad * self.gamma
         if memory is None:
             return scaled
-        if memory.shape != grad.shape:
-            raise ValueError(f"feedback memory for {key!r} has shape {tuple(memory.shape)}, "
-                             f"the gradient {tuple(grad.shape)}")
         phi = memory * self.beta if self.beta != 1.0 else memory
         return phi + scaled  # float32: the memory's dtype wins the promotion
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         self._memory[key] = compensated.float() - transmitted.float()
-
-    def memory(self, key: str) -> torch.Tensor | None:
-        """The residual stored for ``key`` (None before its first update)."""
-        return self._memory.get(key)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"memory": {key: value.clone() for key, value in self._memory.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._memory = {key: value.clone() for key, value in state.get("memory", {}).items()}

@@ -72,7 +72,7 @@ def test_signum_momentum_and_state_dict_round_trip():
     restored = gradpress.make_feedback("signum:momentum=0.75")
     restored.load_state_dict(fb.state_dict())
     assert torch.equal(restored.compensate("w", g3), fb.compensate("w", g3))
-    assert torch.equal(restored.momentum_of("w"), z2)
+    assert torch.equal(restored.memory("w"), z2)
     with pytest.raises(ValueError, match="shape"):
         fb.compensate("w", torch.ones(3))
     with pytest.raises(ValueError, match="momentum"):
@@ -86,7 +86,7 @@ def test_signum_memory_does_not_alias_the_gradient():
     fb.update("w", z, z)
     g.zero_()
     z.zero_()
-    assert fb.momentum_of("w").abs().sum() > 0
+    assert fb.memory("w").abs().sum() > 0
 
 
 # -- EF-signSGD ----------------------------------------------------------------------------------

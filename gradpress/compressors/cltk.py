@@ -36,8 +36,8 @@ written, and the leader rotation follows each tensor's own step counter.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ import torch
 from gradpress._numba import as_numpy, jit, use_numba
 from gradpress.compressor import Compressor, Preliminary, register
 from gradpress.compressors.sparsify import scatter, topk_indices
-from gradpress.feedback import Feedback, feedback_registry
+from gradpress.feedback import KeyedMemory, feedback_registry
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -187,7 +187,7 @@ def _chunk_top_numba(x, chunk, per_chunk, out):  # pragma: no cover - compiled
 
 @feedback_registry.register("lowpass")
 @dataclass
-class LowPass(Feedback):
+class LowPass(KeyedMemory):
     """ScaleCom's low-pass filtered error feedback (App. D): x = m + g is compressed, then
     m ← (1 − β)·m + β·(x − C(x)). β = 1 is plain error feedback (GRACE Eq. 5 with β = γ = 1).
 
@@ -195,7 +195,6 @@ class LowPass(Feedback):
     """
 
     beta: float = 1.0
-    _memory: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta <= 1.0:
@@ -203,13 +202,8 @@ class LowPass(Feedback):
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """x = m + g."""
-        memory = self._memory.get(key)
-        if memory is None:
-            return grad
-        if memory.shape != grad.shape:
-            raise ValueError(f"feedback memory for {key!r} has shape {tuple(memory.shape)}, "
-                             f"the gradient {tuple(grad.shape)}")
-        return memory + grad
+        memory = self._stored_for(key, grad)
+        return grad if memory is None else memory + grad
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """m ← (1 − β)·m + β·(x − C(x))."""
@@ -220,13 +214,3 @@ class LowPass(Feedback):
             if memory is not None:
                 residual.add_(memory, alpha=1.0 - self.beta)
         self._memory[key] = residual
-
-    def memory(self, key: str) -> torch.Tensor | None:
-        """The memory m stored for ``key`` (None before its first update)."""
-        return self._memory.get(key)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"memory": {key: value.clone() for key, value in self._memory.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._memory = {key: value.clone() for key, value in state.get("memory", {}).items()}

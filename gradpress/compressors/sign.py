@@ -9,8 +9,7 @@ Bits are packed as :func:`gradpress.bits.pack_bits` lays them out: bit i = [x_i 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,7 +20,7 @@ from gradpress.bits import packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, register
 from gradpress.compressors.onebit import (as_float32, decode_two_levels, extreme, fixed_point_scale,
                                           mean_of, pack_mask, to_fixed)
-from gradpress.feedback import Feedback, feedback_registry
+from gradpress.feedback import KeyedMemory, feedback_registry
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -182,36 +181,21 @@ def _signs_l1_byte(x, start, count, scale):  # pragma: no cover - compiled
 # -- SIGNUM's momentum ------------------------------------------------------------------------------
 @feedback_registry.register("signum")
 @dataclass
-class SignumMomentum(Feedback):
+class SignumMomentum(KeyedMemory):
     """SIGNUM's momentum (Bernstein et al. 2018, Algorithm 3; GRACE §3.1): the worker compresses
     z ← δ·z + (1 − δ)·g, z₀ = 0, kept in float32 per key. δ = 0 is plain signSGD."""
 
     momentum: float = 0.9
-    _state: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    state_name = "momentum"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"signum: momentum must be in [0, 1), got {self.momentum}")
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        z = self._state.get(key)
+        z = self._stored_for(key, grad)
         fresh = grad.float() * (1.0 - self.momentum)
-        if z is None:
-            return fresh
-        if z.shape != grad.shape:
-            raise ValueError(f"signum momentum for {key!r} has shape {tuple(z.shape)}, "
-                             f"the gradient {tuple(grad.shape)}")
-        return z * self.momentum + fresh
+        return fresh if z is None else z * self.momentum + fresh
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
-        self._state[key] = compensated.to(torch.float32, copy=True)
-
-    def momentum_of(self, key: str) -> torch.Tensor | None:
-        """The momentum z stored for ``key`` (None before its first update)."""
-        return self._state.get(key)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"momentum": {key: value.clone() for key, value in self._state.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._state = {key: value.clone() for key, value in state.get("momentum", {}).items()}
+        self._memory[key] = compensated.to(torch.float32, copy=True)
