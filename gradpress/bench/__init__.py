@@ -10,6 +10,7 @@ BENCHES = [
     "gradpress.bench.ddp_overhead",
     "gradpress.bench.sketch_embedding",
     "gradpress.bench.thc_nmse",
+    "gradpress.bench.powersgd",
 ]
 
 

@@ -1,0 +1,199 @@
+"""PowerSGD (Vogels, Karimireddy & Jaggi, NeurIPS 2019): rank-r gradient compression by one step of
+power iteration with a warm start (GRACE Table 1, low-rank row: "PowerSGD, (m+L)r, Det, EF").
+
+A gradient of shape (m, …) is read as the matrix M ∈ R^{m×n}, its first dimension by the rest (as
+PyTorch's ``powerSGD_hook`` does). Algorithm 1 of the paper, for W workers with matrices M_w and a
+shared Q ∈ R^{n×r}:
+
+    P ← M_w Q;   P ← ALLREDUCE-MEAN(P)          (the runtime's preliminary "sum" exchange, :meth:`prepare`)
+    P̂ ← ORTHOGONALIZE(P)
+    Q ← M_wᵀ P̂;  Q ← ALLREDUCE-MEAN(Q)          (the packet's summand, all-reduced by the strategy)
+    M̂ = P̂ Qᵀ                                    (:meth:`decode_sum`)
+
+so M̂ = P̂ P̂ᵀ mean(M_w): the aggregate is the projection of the mean gradient onto the r columns of P̂.
+P is all-reduced before Q on every rank (DESIGN invariant 3: the runtime issues the two rounds from
+points that are the same on every rank). The mean Q is kept per tensor and starts the next step's power
+iteration (the paper's "warm start"): one iteration per step then tracks the top-r subspace across
+steps. Scaling P by 1/W changes nothing after orthogonalization, so it is summed, not averaged.
+
+Error feedback (Algorithm 2) is the runtime's ``residual`` memory, applied around the compression:
+e_w ← Δ_w − DECOMPRESS(C(Δ_w)) with this worker's own packet (P̂, Q_w), i.e. e_w = Δ_w − P̂ P̂ᵀ Δ_w.
+(PyTorch's hook and the authors' code subtract the aggregate P̂ P̂ᵀ mean(Δ) instead. The workers'
+errors then differ but their sum does not, and P, Q and M̂ depend on the workers' Δ_w only through
+their sum: both rules give the same aggregates.)
+
+Choices beyond the paper, each stated where it is made: orthogonalization by Householder QR, which
+returns orthonormal columns (identity columns for a zero P) and never divides by a vanishing norm, so
+an all-zero gradient gives zeros, not NaN; a warm-start column that has become all zero (after an
+all-zero gradient) is drawn afresh, or the power iteration would stay at zero; P and Q are float32
+whatever the gradient's dtype (P scales with the square of the gradient and overflows fp16); 1-D
+tensors and matrices for which (m + n)·r·``min_compression_rate`` ≥ m·n are sent uncompressed (PyTorch's
+``_should_compress``).
+
+Layout: the factors are held transposed, Pᵀ, P̂ᵀ (r × m) and Qᵀ (r × n), each row one of the r columns,
+so that the products P = M Q and Q = Mᵀ P̂ are computed as Qᵀ Mᵀ and P̂ᵀ M with the thin factor on the
+left: BLAS then streams the row-major M once (with MKL on one thread at 2048 × 2048, rank 2: 0.6 ms
+against 1.4-2.3 ms for ``M @ Q`` and ``M.t() @ P̂``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradpress.compressor import Compressor, Preliminary, register
+from gradpress.packet import Packet
+from gradpress.rng import Context
+
+
+@register("powersgd")
+@dataclass(repr=False)
+class PowerSGD(Compressor):
+    """PowerSGD (Vogels et al. 2019, Algorithm 1): rank-r power iteration with warm start, P then Q.
+
+    Spec keys:
+
+    * ``rank``: r, the rank of the approximation (default 1, the default of GRACE's and PyTorch's
+      implementations; the paper compares ranks 1, 2 and 4); it is lowered to min(m, n) for small
+      matrices.
+    * ``min_compression_rate``: a matrix is compressed only if (m + n)·r·rate < m·n (default 2, as in
+      PyTorch's ``PowerSGDState``); 0 compresses every tensor of two or more dimensions.
+    * ``warm_start``: start each step's power iteration from the previous step's mean Q (the paper's
+      warm start); ``false`` draws a fresh Q from the shared stream every step.
+
+    The packet is the paper's compressed representation (P̂, Q), as ``p`` = P̂ᵀ (r × m) and ``q`` = Qᵀ
+    (r × n) in float32: ``nbytes`` = (m + n)·r·4 bytes, the data volume of GRACE's Table 1. P̂'s values
+    cross the wire as P in the preliminary all-reduce (the runtime's ``sent_bytes`` counts both rounds
+    by their traffic pattern); only Q is a summand of the second all-reduce. The size depends on the
+    shape, not only on the number of elements, so :meth:`expected_nbytes` is None and
+    :meth:`nbytes_for` gives the formula. Uncompressed tensors send their values in their own dtype.
+    """
+
+    rank: int = 1
+    min_compression_rate: float = 2.0
+    warm_start: bool = True
+    summable = True
+    examples = ("powersgd:rank=2", "powersgd:rank=4,min_compression_rate=0,warm_start=false")
+    _warm: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"powersgd: rank must be an integer >= 1, got {self.rank!r}")
+        if not (math.isfinite(self.min_compression_rate) and self.min_compression_rate >= 0):
+            raise ValueError(f"powersgd: min_compression_rate must be a finite number >= 0, "
+                             f"got {self.min_compression_rate!r}")
+
+    # -- the matrix view -----------------------------------------------------------------------------
+    def factors(self, shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int] | None:
+        """(m, n, r) of the matrix a tensor of ``shape`` is compressed as, or None if it is sent
+        uncompressed (fewer than two dimensions, or compression would save less than
+        ``min_compression_rate``: PyTorch's ``_should_compress``)."""
+        if len(shape) < 2:
+            return None
+        m = int(shape[0])
+        n = math.prod(int(s) for s in shape[1:])
+        r = min(self.rank, m, n)
+        if r == 0 or (m + n) * r * self.min_compression_rate >= m * n:
+            return None
+        return m, n, r
+
+    def nbytes_for(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+        """``Packet.nbytes`` for a tensor of ``shape``: (m + n)·r float32 factors, or the tensor itself."""
+        dims = self.factors(shape)
+        if dims is None:
+            return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        m, n, r = dims
+        return (m + n) * r * 4
+
+    def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
+        """None: the size depends on the tensor's shape (see :meth:`nbytes_for`)."""
+        return None
+
+    # -- Algorithm 1 -----------------------------------------------------------------------------------
+    def prepare(self, x: torch.Tensor, ctx: Context, world_size: int) -> Preliminary | None:
+        """Algorithm 1, P ← M Q, summed over the workers (sent as Pᵀ = Qᵀ Mᵀ; None when uncompressed)."""
+        dims = self.factors(x.shape)
+        if dims is None:
+            return None
+        m, n, r = dims
+        matrix = _float32(x).reshape(m, n)
+        return Preliminary(torch.mm(self._start(ctx, n, r, x.device), matrix.t()), "sum")  # Pᵀ = Qᵀ Mᵀ
+
+    def _start(self, ctx: Context, n: int, r: int, device: torch.device) -> torch.Tensor:
+        """The Qᵀ (r × n) this step's power iteration starts from: the previous mean (warm start, the
+        same on every rank), else one drawn from the shared stream; a factor that has become all zero
+        is drawn afresh, since P = M·0 would keep it at zero for good."""
+        qt = self._warm.get(ctx.key) if self.warm_start else None
+        if qt is not None and qt.shape == (r, n) and qt.device == device:
+            dead = ~qt.any(dim=1, keepdim=True)
+            if not bool(dead.any()):
+                return qt
+            return torch.where(dead, self._fresh(ctx, n, r, device), qt)
+        return self._fresh(ctx, n, r, device)
+
+    @staticmethod
+    def _fresh(ctx: Context, n: int, r: int, device: torch.device) -> torch.Tensor:
+        generator = ctx.shared_generator(device, "powersgd.q")
+        return torch.randn(r, n, generator=generator, device=device, dtype=torch.float32)
+
+    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None) -> Packet:
+        """Algorithm 1, P̂ ← ORTHOGONALIZE(ΣP) and Q ← Mᵀ P̂ (this worker's), from ``prepared`` = ΣPᵀ."""
+        if prepared is None:
+            return Packet({"values": flat}, flat.shape, flat.dtype)
+        m = prepared.shape[-1]
+        if prepared.dim() != 2 or flat.numel() % m:
+            raise ValueError(f"powersgd: prepared Pᵀ of shape {tuple(prepared.shape)} does not fit a tensor "
+                             f"of {flat.numel()} elements")
+        pt = orthonormal_columns(prepared.t()).t().contiguous()  # P̂ᵀ (QR's factor is column-major: a view)
+        qt = torch.mm(pt, _float32(flat).view(m, -1))  # Qᵀ = P̂ᵀ M
+        return Packet({"p": pt, "q": qt}, flat.shape, flat.dtype, {"key": ctx.key})
+
+    def _decompress(self, packet: Packet) -> torch.Tensor:
+        """Algorithm 1, DECOMPRESS: M̂ = P̂ Qᵀ."""
+        if "values" in packet.tensors:
+            return packet["values"]
+        return torch.mm(packet["p"].t(), packet["q"]).view(-1)
+
+    # -- runtime hooks ---------------------------------------------------------------------------------
+    def summands(self, packet: Packet) -> list[torch.Tensor]:
+        """Q (P̂ is already the same on every worker), or the uncompressed values."""
+        return [packet["values"] if "values" in packet.tensors else packet["q"]]
+
+    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
+        """Algorithm 1, Q ← ALLREDUCE-MEAN(Q) = ΣQ / W, then M̂ = P̂ Qᵀ; the mean Q is kept as the next
+        step's warm start for this tensor (the same bits on every rank)."""
+        if "values" in packet.tensors or packet.numel == 0:
+            return super().decode_sum(packet, summed, count)
+        qt = summed[0].float().div_(count)
+        if self.warm_start:
+            self._warm[packet.meta["key"]] = qt.clone()
+        return torch.mm(packet["p"].t(), qt).to(packet.dtype).view(packet.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The warm start of every tensor: key -> the mean Qᵀ, a float32 (r, n) tensor."""
+        return {"warm": {key: qt.clone() for key, qt in dict(self._warm).items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        warm = state.get("warm", {})
+        for key, q in warm.items():
+            if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.float32:
+                raise ValueError(f"powersgd: warm start of {key!r} must be a float32 matrix, got {q!r}")
+        self._warm = {key: q.clone() for key, q in warm.items()}
+
+
+def orthonormal_columns(p: torch.Tensor) -> torch.Tensor:
+    """ORTHOGONALIZE of Algorithm 1: an orthonormal basis of P's columns (Householder QR's Q factor).
+
+    Unlike Gram-Schmidt with a norm in the denominator (the paper's code; PyTorch's hook, whose
+    default epsilon 0 turns an all-zero column into NaN), Householder QR always returns orthonormal
+    columns: for a rank-deficient or zero P the missing directions are completed by unit vectors,
+    so P̂ P̂ᵀ stays an orthogonal projection and nothing is divided by zero.
+    """
+    return torch.linalg.qr(p).Q
+
+
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()

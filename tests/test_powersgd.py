@@ -1,0 +1,288 @@
+"""PowerSGD (Vogels et al. 2019): the power iteration and its warm start, error feedback, the two
+all-reduces through the runtime (``simulate`` against the step computed by hand), state round trips,
+and PyTorch's own ``powerSGD_hook`` beside ours on Gloo."""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gradpress
+from dist_utils import run_workers
+from gradpress.compressors.powersgd import PowerSGD, orthonormal_columns
+from gradpress.rng import Context
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def nmse(estimate: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((estimate.double() - exact.double()).square().sum() / exact.double().square().sum())
+
+
+def set_warm_start(sim: gradpress.Simulator, key: str, q: torch.Tensor) -> None:
+    """Every worker starts ``key``'s next power iteration from ``q`` (through the saved state)."""
+    state = sim.state_dict()
+    for worker in state:
+        worker["compressor"] = {"warm": {key: q}}
+    sim.load_state_dict(state)
+
+
+def warm_start(sim: gradpress.Simulator, key: str = "") -> list[torch.Tensor]:
+    return [s["compressor"]["warm"][key] for s in sim.state_dict()]
+
+
+# -- the power iteration ------------------------------------------------------------------------------
+@pytest.mark.parametrize("rank", [1, 3])
+def test_rank_r_mean_is_recovered_exactly(rank):
+    """Workers' matrices U V_wᵀ of rank r: their mean lies in span(U), which P = M Q finds at once."""
+    u = randn(48, rank, seed=1)
+    workers = [u @ randn(rank, 40, seed=10 + w) for w in range(3)]
+    mean = sum(workers) / 3
+    sim = gradpress.Simulator(f"powersgd:rank={rank}", 3, feedback="none")
+    for _ in range(3):
+        assert nmse(sim.step(workers), mean) < 1e-11
+
+
+def test_warm_start_converges_to_the_best_rank_r_approximation():
+    """Algorithm 1 with warm start is subspace iteration across steps: on a fixed matrix it reaches the
+    Eckart-Young optimum ‖M − M_r‖ (singular values halving: the subspace error halves per step),
+    which one power iteration from a fresh random Q does not."""
+    m, n, r = 40, 30, 2
+    u = orthonormal_columns(randn(m, n, seed=2))
+    v = orthonormal_columns(randn(n, n, seed=3))
+    s = 2.0 ** -torch.arange(n, dtype=torch.float32)
+    matrix = u @ torch.diag(s) @ v.t()
+    best = float(s[r:].square().sum() / s.square().sum())
+    warm = gradpress.Simulator(f"powersgd:rank={r}", 1, feedback="none")
+    cold = gradpress.Simulator(f"powersgd:rank={r},warm_start=false", 1, feedback="none")
+    for _ in range(25):
+        warm_error, cold_error = nmse(warm.step([matrix]), matrix), nmse(cold.step([matrix]), matrix)
+        assert warm_error >= best * (1 - 1e-4) and cold_error >= best * (1 - 1e-4)
+    assert warm_error == pytest.approx(best, rel=1e-4)
+    assert cold_error > best * 1.01
+
+
+def test_error_feedback_solves_least_squares():
+    """Gradient descent on Σ_w ‖A_w X − B_w‖² / 2 with rank-1 PowerSGD and error feedback (Algorithm 2)
+    reaches the least-squares solution X*."""
+    a = [randn(30, 8, seed=20 + w) for w in range(2)]
+    b = [randn(30, 12, seed=30 + w) for w in range(2)]
+    solution = torch.linalg.lstsq(torch.cat(a).double(), torch.cat(b).double()).solution
+    sim = gradpress.Simulator("powersgd", 2)  # the default feedback: residual
+    assert sim.pipelines[0].feedback.spec == "residual"
+    x = torch.zeros(8, 12)
+    for _ in range(300):
+        x = x - 0.3 * sim.step([aw.t() @ (aw @ x - bw) / 30 for aw, bw in zip(a, b)])
+    assert nmse(x, solution) < 1e-8
+
+
+# -- the runtime: two all-reduces, by hand -----------------------------------------------------------
+def test_simulate_is_the_powersgd_step_by_hand():
+    """Three workers, two steps with error feedback, against Algorithm 1 and 2 in float64:
+    Δ_w = M_w + e_w, P = Σ Δ_w Q, P̂ = orth(P), Q' = mean(Δ_wᵀ) P̂, M̂ = P̂ Q'ᵀ, e_w = Δ_w − P̂ P̂ᵀ Δ_w."""
+    workers, (m, n), r = 3, (24, 18), 2
+    sim = gradpress.Simulator(f"powersgd:rank={r}", workers, seed=5)
+    q = randn(n, r, seed=40)
+    set_warm_start(sim, "w", q.t().contiguous())  # the state holds Qᵀ
+    memory = [torch.zeros(m, n, dtype=torch.float64) for _ in range(workers)]
+    q = q.double()
+    for step in range(2):
+        grads = [randn(m, n, seed=100 * step + w) for w in range(workers)]
+        deltas = [g.double() + e for g, e in zip(grads, memory)]
+        p_hat = torch.linalg.qr(sum(d @ q for d in deltas)).Q
+        q = sum(d.t() @ p_hat for d in deltas) / workers
+        expected = p_hat @ q.t()
+        memory = [d - p_hat @ (p_hat.t() @ d) for d in deltas]
+        got = sim.step([{"w": g} for g in grads])["w"]
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+        for rank, pipeline in enumerate(sim.pipelines):
+            torch.testing.assert_close(pipeline.feedback.memory("w").double(), memory[rank], rtol=0, atol=1e-5)
+        # the next warm start: the same bits on every worker, the mean Q (up to the sign of P̂'s columns)
+        first, *others = warm_start(sim, "w")
+        assert all(torch.equal(first, other) for other in others)
+        torch.testing.assert_close(p_hat @ first.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_two_rounds_p_then_q_and_their_bytes():
+    """Per compressed tensor: a preliminary all-reduce of P (m×r), then one of Q (n×r); for two workers a
+    ring all-reduce sends each worker's bytes once, so sent bytes = the packet's (m + n)·r·4."""
+    sim = gradpress.Simulator("powersgd:rank=2", 2)
+    grads = {"w": randn(64, 32, seed=1), "b": randn(64, seed=2)}
+    sim.step([grads, {k: v * 2 for k, v in grads.items()}])
+    last = sim.stats()[0]["last"]
+    c = gradpress.make("powersgd:rank=2")
+    assert last["packet_bytes"] == c.nbytes_for((64, 32)) + c.nbytes_for((64,)) == (64 + 32) * 2 * 4 + 64 * 4
+    assert last["collectives"] == 2  # P; then Q and the bias's values, concatenated in one all-reduce
+    assert last["sent_bytes"] == last["packet_bytes"]
+
+
+def test_all_zero_gradient_gives_zeros_and_the_iteration_recovers():
+    """A zero gradient decodes to zeros (not NaN) and leaves a zero mean Q; the next step redraws it,
+    so a rank-1 gradient whose first row is zero (where QR's completion e₁ would find nothing) is still
+    recovered."""
+    c = gradpress.make("powersgd")
+    zeros = torch.zeros(30, 20)
+    assert torch.equal(c.decompress(c.compress(zeros)), zeros)
+    sim = gradpress.Simulator("powersgd", 2, feedback="none")
+    assert torch.equal(sim.step([zeros, zeros]), zeros)
+    assert not warm_start(sim)[0].any()
+    u = randn(30, 1, seed=3)
+    u[0] = 0
+    matrix = u @ randn(1, 20, seed=4)
+    assert nmse(sim.step([matrix, matrix]), matrix) < 1e-11
+
+
+def test_state_round_trip_keeps_the_warm_start():
+    grads = [[{"w": randn(20, 16, seed=10 * s + w)} for w in range(2)] for s in range(4)]
+    sim = gradpress.Simulator("powersgd:rank=2", 2, seed=1)
+    for step in grads[:2]:
+        sim.step(step)
+    saved = sim.state_dict()
+    assert saved[0]["compressor"]["warm"]["w"].shape == (2, 16)  # Qᵀ: r × n
+    expected = [sim.step(step)["w"] for step in grads[2:]]
+    resumed = gradpress.Simulator("powersgd:rank=2", 2, seed=1)
+    resumed.load_state_dict(saved)
+    assert all(torch.equal(resumed.step(step)["w"], e) for step, e in zip(grads[2:], expected))
+    # without the warm start the same steps give other bits: the state carried something
+    fresh = gradpress.Simulator("powersgd:rank=2", 2, seed=1)
+    fresh.load_state_dict([{**s, "compressor": {"warm": {}}} for s in saved])
+    assert not torch.equal(fresh.step(grads[2])["w"], expected[0])
+    with pytest.raises(ValueError, match="float32 matrix"):
+        PowerSGD().load_state_dict({"warm": {"w": torch.ones(3)}})
+
+
+# -- shapes, dtypes, parameters -----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_shapes_dtypes_and_what_goes_uncompressed(dtype):
+    c = gradpress.make("powersgd")
+    conv = randn(16, 3, 3, 3, seed=1).to(dtype)  # a 16 × 27 matrix
+    packet = c.compress(conv, Context(key="conv"))
+    assert [t.dtype for t in packet.wire()] == [torch.float32, torch.float32]
+    assert packet.nbytes == c.nbytes_for(conv.shape, dtype) == (16 + 27) * 4
+    out = c.decompress(packet)
+    assert out.shape == conv.shape and out.dtype == dtype
+    # 1-D, and a matrix too small to gain min_compression_rate = 2: sent as they are
+    for small in (randn(50, seed=2).to(dtype), randn(3, 4, seed=3).to(dtype)):
+        packet = c.compress(small)
+        assert packet.nbytes == c.nbytes_for(small.shape, dtype) == small.numel() * small.element_size()
+        assert torch.equal(c.decompress(packet), small)
+    forced = gradpress.make("powersgd:min_compression_rate=0,rank=5")
+    assert forced.factors((3, 4)) == (3, 4, 3)  # r lowered to min(m, n): exact
+    small = randn(3, 4, seed=3)
+    torch.testing.assert_close(forced.decompress(forced.compress(small)), small)
+
+
+def test_parameters_are_checked():
+    with pytest.raises(ValueError, match="rank must be an integer >= 1"):
+        gradpress.make("powersgd:rank=0")
+    with pytest.raises(ValueError, match="min_compression_rate"):
+        gradpress.make("powersgd:min_compression_rate=-1")
+    assert gradpress.make("powersgd:rank=2,warm_start=false").spec == "powersgd:rank=2,warm_start=false"
+    assert gradpress.make("powersgd").default_feedback == "residual"
+
+
+# -- PyTorch's powerSGD_hook beside ours on Gloo ------------------------------------------------------
+WIDTHS = (784, 512, 512, 10)
+STEPS = 8
+TORCH_DEADLINE = 10.0  # seconds for PyTorch's hook to take its STEPS steps (it needs well under 1 s)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for a, b in zip(WIDTHS[:-1], WIDTHS[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _train(rank: int, ddp: nn.Module, averaged: list | None = None, local: list | None = None) -> None:
+    """SGD steps on fixed batches; ``local`` gets a new dict per step (the hook fills it), ``averaged`` the
+    gradients each step ends with."""
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(STEPS):
+        x = randn(8, WIDTHS[0], seed=100 * rank + step)
+        optimizer.zero_grad()
+        if local is not None:
+            local.append({})
+        ddp(x).square().mean().backward()
+        if averaged is not None:
+            averaged.append({n: p.grad.clone() for n, p in ddp.module.named_parameters()})
+        optimizer.step()
+
+
+def _give_up(path: str) -> None:
+    torch.save(f"hung for {TORCH_DEADLINE} s", path)
+    os._exit(0)
+
+
+def _ours_then_torchs(rank: int, world_size: int, path: str) -> None:
+    """Ours on a 3-layer MLP in several DDP buckets, recording each bucket's local gradients and the
+    averages, saved before PyTorch's hook runs on the same model and buckets (it may abort the process)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    model = _model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    state, hook = gradpress.ddp_comm_hook("powersgd", model=model, seed=3)
+    local: list[dict] = []
+
+    def recording(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the hook's annotations
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            local[-1][names[id(p)]] = g.detach().clone()
+        local[-1].setdefault("buckets", 0)
+        local[-1]["buckets"] += 1
+        return hook(state, bucket)
+
+    ddp.register_comm_hook(state, recording)
+    averaged: list[dict] = []
+    _train(rank, ddp, averaged, local)
+    buckets = [step.pop("buckets") for step in local]
+    torch.save({"local": local, "averaged": averaged, "buckets": buckets}, f"{path}.ours.{rank}")
+
+    # a hook blocked in Gloo's callbacks can wait forever (no thread left to run the collective it
+    # waits for), below any timeout: a watchdog records that and ends the process
+    watchdog = threading.Timer(TORCH_DEADLINE, _give_up, (f"{path}.torch.{rank}",))
+    watchdog.daemon = True
+    watchdog.start()
+    ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1)
+    # start_powerSGD_iter=2: the earliest PyTorch allows with error feedback and warm start
+    torch_state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                               start_powerSGD_iter=2)
+    ddp.register_comm_hook(torch_state, torch_powersgd.powerSGD_hook)
+    try:
+        _train(rank, ddp)
+        outcome = "completed"
+    except Exception as error:  # noqa: BLE001 - the test reports it
+        outcome = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    torch.save(outcome, f"{path}.torch.{rank}")
+    os._exit(0)  # a failed hook can leave Gloo threads blocked in its callbacks: do not wait for them
+
+
+def test_torchs_hook_fails_on_gloo_where_ours_runs(tmp_path):
+    """A plain 3-layer MLP, 2 Gloo processes, DDP buckets of at most 1 MB (two, once DDP has rebuilt
+    them). PyTorch's hook issues its P and Q all-reduces from completion callbacks on Gloo's threads, so
+    the ranks' collectives of different buckets interleave in different orders, or every Gloo thread
+    blocks in a callback. Measured: one process aborts with "Received data size doesn't match expected
+    size" and its peer fails with a connection error, or both hang; with 4 steps it completed in 3 of 19
+    runs, hence 8 steps (if it completes all the same, this test xfails). Ours issues its rounds at points that are the same on every rank:
+    bit-identical on both ranks and equal to ``simulate``."""
+    path = str(tmp_path / "run")
+    run_workers(_ours_then_torchs, 2, path, timeout=120, group_timeout=6, may_exit=frozenset({0, 1}))
+    ours = [torch.load(f"{path}.ours.{r}", weights_only=False) for r in range(2)]
+    assert min(ours[0]["buckets"][1:]) >= 2  # several buckets once DDP has rebuilt them
+    simulator = gradpress.Simulator("powersgd", 2, seed=3)
+    for step in range(STEPS):
+        expected = simulator.step([run["local"][step] for run in ours])
+        for name, value in ours[0]["averaged"][step].items():
+            assert torch.equal(ours[1]["averaged"][step][name], value), (step, name)
+            assert torch.equal(expected[name], value), (step, name)
+    files = [Path(f"{path}.torch.{r}") for r in range(2)]
+    outcomes = [torch.load(f, weights_only=False) if f.exists() else "died (no outcome written)" for f in files]
+    if outcomes == ["completed", "completed"]:
+        pytest.xfail("PyTorch's hook completed this time: its failure is a race between Gloo threads")
