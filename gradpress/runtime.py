@@ -37,7 +37,7 @@ import torch
 from gradpress.compressor import Compressor, NonFiniteError, check_finite, make
 from gradpress.feedback import Feedback, make_feedback
 from gradpress.rng import Context
-from gradpress.strategy import MODES, OVERFLOW, Protocol, Strategy
+from gradpress.strategy import MODES, OVERFLOW, Protocol, Strategy, check_partial
 
 FORMAT = 1
 
@@ -61,6 +61,13 @@ class Options:
       (bidirectional compression, Natural compression paper Algorithm 1).
     * ``root``: rank of the parameter server / switch.
     * ``overflow``: ``"widen"`` integer sums to a dtype that holds them, or ``"raise"``; never wrap.
+    * ``partial``: q ∈ (0, 1], ``ps`` and ``switch`` modes only: partial aggregation for stragglers
+      (THC Sections 6 and 8.4). The server combines ⌈q·n⌉ workers' packets per tensor and every
+      worker divides by that count, not n. The "first arrivals" are drawn per tensor and step from
+      the stream shared by every rank (Section 8.4's random stragglers), not timed, so every rank
+      knows them and ``simulate`` equals a real run; the others' contributions are dropped for that
+      step (their error-feedback memory is updated as if sent). Uncompressed tensors (``exclude``,
+      ``min_numel``, warm-up) meet at the same server and are aggregated partially too.
     * ``deterministic``: float sums over 3+ workers in rank order (bit-reproducible, equal to
       ``simulate``); ``False`` uses the backend's all-reduce, whose order depends on the algorithm.
     """
@@ -76,6 +83,7 @@ class Options:
     root: int = 0
     overflow: str = "widen"
     deterministic: bool = True
+    partial: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.exclude, str):
@@ -94,6 +102,7 @@ class Options:
             raise ValueError(f"option mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.overflow not in OVERFLOW:
             raise ValueError(f"option overflow must be 'widen' or 'raise', got {self.overflow!r}")
+        check_partial(self.partial, self.mode)
         if self.feedback is not None:
             make_feedback(self.feedback)  # unknown names raise here, listing the known ones
 
@@ -196,7 +205,7 @@ class Pipeline:
         self.feedback = make_feedback(options.feedback or self.compressor.default_feedback)
         self.master = compressor_of(options.master) if options.master else None
         common = dict(rank=rank, world_size=world_size, root=options.root, overflow=options.overflow,
-                      deterministic=options.deterministic)
+                      deterministic=options.deterministic, partial=options.partial)
         self.strategy = Strategy(self.compressor, mode=options.mode, master=self.master, **common)
         # uncompressed tensors meet like the rest, but a switch cannot add floats: the server does
         self.plain = Strategy(make("none"), mode="collective" if options.mode == "collective" else "ps", **common)

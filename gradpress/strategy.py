@@ -20,9 +20,17 @@ The :class:`Strategy` is chosen from the compressor's facts (DESIGN.md, "Strateg
   included), each decoded, combined by :meth:`Compressor.aggregate` (the mean, or e.g. a majority vote).
 * ``ps`` mode: packets gathered at one rank (the parameter server), combined there, optionally
   re-compressed by a master compressor C_M (bidirectional compression, Natural paper Algorithm 1),
-  and broadcast.
+  and broadcast. Summable packets go up as their wire tensors where those are fixed in size and
+  smaller than the summands (THC: the b-bit table indices), and the server computes each one's
+  :meth:`Compressor.summands` (THC Fig. 4: it looks the table values up); otherwise as the summands
+  (PowerSGD: Q, not P̂ and Q). The server adds them and sends the sums back.
 * ``switch`` mode: like ``ps``, but the aggregator only adds integers (a programmable switch: THC
   Section 6, Natural paper App. C.6) and sends the sums back; workers decode.
+* partial aggregation (``partial`` q < 1, ``ps`` and ``switch`` modes; THC Sections 6 and 8.4): the
+  server combines the packets of ⌈q·n⌉ "first arrivals" only and every worker decodes with that count.
+  A gather has no arrival order, so the arrivals are drawn per tensor from the stream shared by every
+  rank for (seed, step, key), as Section 8.4's random stragglers: every rank knows the set and the
+  count without a message, and ``simulate`` still equals a real run bit for bit.
 * a preliminary exchange before compressing (:meth:`Compressor.prepare`): THC's largest norm (max),
   uniform THC's global min/max, ScaleCom's leader indices (broadcast), PowerSGD's P (sum).
 
@@ -201,6 +209,21 @@ def sum_dtype(dtype: torch.dtype, limit: int, overflow: str, where: str) -> torc
     raise OverflowError(f"{where}: sums of up to {limit} do not fit any integer dtype (int64 at most)")
 
 
+def check_partial(partial: float, mode: str) -> None:
+    """``partial`` must be a number in (0, 1]; below 1 it needs a server (``ps`` or ``switch``)."""
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ValueError(f"partial (the fraction q of workers aggregated) must be a number in (0, 1], "
+                         f"got {partial!r}")
+    if partial < 1 and mode not in ("ps", "switch"):
+        raise ValueError(f"partial aggregation (partial={partial}) needs a server that waits for the "
+                         f"arrivals: mode='ps' or 'switch', not {mode!r}")
+
+
+def arrival_count(partial: float, world_size: int) -> int:
+    """⌈q·n⌉, at least one (q·n within 1e-9 of an integer counts as that integer: 0.7·10 is 7)."""
+    return min(world_size, max(1, math.ceil(partial * world_size - 1e-9)))
+
+
 _ALIGN = 8
 
 
@@ -299,10 +322,12 @@ class Strategy:
     master: Compressor | None = None
     overflow: str = "widen"
     deterministic: bool = True
+    partial: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        check_partial(self.partial, self.mode)
         if self.overflow not in OVERFLOW:
             raise ValueError(f"overflow must be 'widen' or 'raise', got {self.overflow!r}")
         if not 0 <= self.root < self.world_size:
@@ -325,6 +350,17 @@ class Strategy:
         if self.mode == "collective":
             return self.compressor.exchange
         return self.mode + ("+master" if self.master is not None else "")
+
+    def arrivals(self, ctx: Context) -> list[int]:
+        """The ranks whose packets the server combines for the tensor of ``ctx``, in rank order: every
+        rank, or with ``partial`` q < 1 the ⌈q·n⌉ "first arrivals" (THC Sections 6 and 8.4), drawn
+        from the stream shared by every rank for (seed, step, key) (see the module docstring)."""
+        n = self.world_size
+        count = arrival_count(self.partial, n)
+        if count == n:
+            return list(range(n))
+        order = torch.randperm(n, generator=ctx.shared_generator("cpu", "partial"))
+        return sorted(order[:count].tolist())
 
     # -- preliminary exchange ---------------------------------------------------------------------
     def preliminary(self, prelims: Sequence[Preliminary | None]) -> Protocol:
@@ -387,15 +423,14 @@ class Strategy:
             out.append(t if dtype == t.dtype else t.to(dtype))
         return out
 
-    def _by_dtype(self, packets: Sequence[Packet], writable: set[int]):
-        """Every packet's summands, grouped by dtype and flattened: (flats, members, summands)."""
-        summands = [self._summands(p) for p in packets]
+    @staticmethod
+    def _by_dtype(summands: Sequence[Sequence[torch.Tensor]]) -> list[list[tuple[int, int]]]:
+        """(item, position) of every summand, grouped by dtype and device: one collective per group."""
         groups: dict[tuple, list[tuple[int, int]]] = {}
         for i, tensors in enumerate(summands):
             for j, t in enumerate(tensors):
                 groups.setdefault((t.dtype, t.device), []).append((i, j))
-        flats = [concat([summands[i][j] for i, j in members], writable) for members in groups.values()]
-        return flats, list(groups.values()), summands
+        return list(groups.values())
 
     @staticmethod
     def _unflatten(sums, members, summands) -> list[list[torch.Tensor]]:
@@ -407,7 +442,9 @@ class Strategy:
 
     def _allreduce(self, packets, writable, timer) -> Protocol:
         """GRACE Algorithm 1 lines 7-9: g = Q⁻¹(Allreduce(g̃)) / n."""
-        flats, members, summands = self._by_dtype(packets, writable)
+        summands = [self._summands(p) for p in packets]
+        members = self._by_dtype(summands)
+        flats = [concat([summands[i][j] for i, j in group], writable) for group in members]
         sums = yield from parallel([reduce_tensor(f, "sum", self.world_size, self.deterministic, final=True)
                                     for f in flats])
         per_item = self._unflatten(sums, members, summands)
@@ -416,21 +453,22 @@ class Strategy:
 
     def _allgather(self, packets, timer) -> Protocol:
         """GRACE Algorithm 1 lines 10-13: every packet to every worker, decoded, then Agg (mean or rule)."""
-        local, rows = yield from self._collect(packets, AllGather, final=True)
+        rows = yield from self._collect(*self._wire(packets), _device(packets), AllGather, final=True)
         with timer():
-            return [self.compressor.aggregate(item) for item in self._per_item(packets, local, rows)]
+            return [self.compressor.aggregate(item) for item in self._per_item(packets, rows)]
 
-    def _collect(self, packets, request: type, final: bool) -> Protocol:
-        """All-gather (or gather at the root) every worker's packets as one byte buffer per worker.
-
-        Packets whose size the compressor fixes (``expected_nbytes`` is not None) go in one round; others
-        first exchange their wire tensors' sizes. Returns (this rank's wire tensors, per-rank unpacked
-        wire tensors or None where not received).
-        """
+    def _wire(self, packets: Sequence[Packet]) -> tuple[list[torch.Tensor], bool]:
+        """This rank's wire tensors in order, and whether their layout is fixed (the compressor's
+        ``expected_nbytes`` is not None for every packet: the same sizes on every rank)."""
         c = self.compressor
-        local = [t for p in packets for t in p.wire()]
-        device = _device(packets)
-        fixed = all(c.expected_nbytes(p.numel, p.dtype) is not None for p in packets)
+        return ([t for p in packets for t in p.wire()],
+                all(c.expected_nbytes(p.numel, p.dtype) is not None for p in packets))
+
+    def _collect(self, local: list[torch.Tensor], fixed: bool, device: torch.device, request: type,
+                 final: bool) -> Protocol:
+        """All-gather (or gather at the root) every worker's ``local`` tensors as one byte buffer per
+        worker. A ``fixed`` layout goes in one round; otherwise the workers first exchange their
+        tensors' sizes. Returns each rank's unpacked tensors (None where nothing is received)."""
         gather = (lambda t: Gather(t, self.root)) if request is Gather else AllGather
         if fixed:
             (stack,) = yield Round([gather(pack(local, device))], final)
@@ -442,36 +480,82 @@ class Strategy:
             (stack,) = yield Round([gather(pack(local, device, int(sizes.max())))], final)
             layouts = [received_layout(row, local) for row in headers.tolist()] if stack is not None else []
         if stack is None:
-            return local, None
-        return local, [unpack(stack[j], layouts[j]) for j in range(self.world_size)]
+            return None
+        return [unpack(stack[j], layouts[j]) for j in range(self.world_size)]
 
     def _server_sum(self, packets, ctxs, timer) -> Protocol:
-        """Parameter server / switch for summable packets: gather the summands at the root, add them in
-        rank order (integers only in switch mode), broadcast the sums (or C_M of the mean) back."""
-        flats, members, summands = self._by_dtype(packets, set())
-        gathered = yield Round([Gather(f, self.root) for f in flats])
-        is_root = self.rank == self.root
-        totals = [fold_sum(rows) if is_root else torch.empty_like(f) for rows, f in zip(gathered, flats)]
-        if self.master is None:
-            sums = yield Round([Broadcast(t, self.root) for t in totals], final=True)
-            per_item = self._unflatten(sums, members, summands)
+        """Parameter server / switch for summable packets: the workers upload to the root, which adds
+        the arrivals' summands in rank order (integers only in switch mode) and broadcasts the sums, or
+        C_M of the mean; every rank decodes with the count of arrivals.
+
+        The upload is the packets themselves where their size is fixed and smaller than the summands
+        (THC Fig. 4: b-bit table indices, which the server looks up); otherwise the summands (PowerSGD:
+        Q alone, not P̂ and Q). Every rank computes its own summands first: their dtypes and shapes,
+        widened as the overflow guard says, are the downstream layout and decide the upload, and a sum
+        that cannot be formed raises on every rank before any collective."""
+        own = [self._summands(p) for p in packets]
+        wire = self._uploads_packets(packets, own)
+        local, fixed = self._wire(packets) if wire else ([t for mine in own for t in mine], True)
+        rows = yield from self._collect(local, fixed, _device(packets), Gather, final=False)
+        arrivals = [self.arrivals(ctx) for ctx in ctxs]
+        totals = None
+        if rows is not None:
+            counts = [sum(1 for _ in p.wire()) if wire else len(mine) for p, mine in zip(packets, own)]
             with timer():
-                return [self.compressor.decode_sum(p, s, self.world_size) for p, s in zip(packets, per_item)]
-        means = None
-        if is_root:
-            per_item = self._unflatten(totals, members, summands)
-            with timer():
-                means = [self.compressor.decode_sum(p, s, self.world_size) for p, s in zip(packets, per_item)]
-        return (yield from self._master_broadcast(means, packets, ctxs, timer))
+                totals = [self._add(p, mine, parts, arrived, wire) for p, mine, parts, arrived
+                          in zip(packets, own, self._by_item(rows, counts), arrivals)]
+        if self.master is not None:
+            means = None
+            if totals is not None:
+                with timer():
+                    means = [self.compressor.decode_sum(p, s, len(a))
+                             for p, s, a in zip(packets, totals, arrivals)]
+            return (yield from self._master_broadcast(means, packets, ctxs, timer))
+        members, flats = self._by_dtype(own), []
+        for group in members:
+            if totals is not None:
+                flats.append(torch.cat([_flat(totals[i][j]) for i, j in group]))
+            else:  # a buffer for the root's sums
+                (i, j), size = group[0], sum(own[i][j].numel() for i, j in group)
+                flats.append(own[i][j].new_empty(size))
+        sums = yield Round([Broadcast(f, self.root) for f in flats], final=True)
+        per_item = self._unflatten(sums, members, own)
+        with timer():
+            return [self.compressor.decode_sum(p, s, len(a)) for p, s, a in zip(packets, per_item, arrivals)]
+
+    def _uploads_packets(self, packets: Sequence[Packet], own: Sequence[Sequence[torch.Tensor]]) -> bool:
+        """Whether workers send the server their packets rather than their summands: when every
+        packet's size is fixed and they are smaller in all. Decided from sizes, dtypes and the world
+        size only, so every rank decides alike."""
+        c = self.compressor
+        sizes = [c.expected_nbytes(p.numel, p.dtype) for p in packets]
+        if any(size is None for size in sizes):
+            return False
+        return sum(sizes) < sum(t.numel() * t.element_size() for mine in own for t in mine)
+
+    def _add(self, packet: Packet, mine: list[torch.Tensor], parts: list[list[torch.Tensor]],
+             arrived: Sequence[int], wire: bool) -> list[torch.Tensor]:
+        """One item's rank-order sums of the arrivals' summands. ``parts[j]``: what rank j uploaded (its
+        wire tensors, whose summands the server computes, or its summands); ``mine``: this rank's own."""
+        columns = []
+        for j in arrived:
+            if j == self.rank:
+                columns.append(mine)
+            else:
+                columns.append(self._summands(packet.with_wire(parts[j])) if wire else parts[j])
+        return [fold_sum([column[k] for column in columns]) for k in range(len(mine))]
 
     def _server_gather(self, packets, ctxs, timer) -> Protocol:
-        """Parameter server for other packets: gather them at the root, decode and aggregate there, send
-        back the dense mean or its C_M packet (Natural paper Algorithm 1, master side)."""
-        local, rows = yield from self._collect(packets, Gather, final=False)
+        """Parameter server for other packets: gather them at the root, decode and aggregate the
+        arrivals' there, send back the dense mean or its C_M packet (Natural paper Algorithm 1, master
+        side)."""
+        rows = yield from self._collect(*self._wire(packets), _device(packets), Gather, final=False)
         means = None
         if rows is not None:
+            arrivals = [self.arrivals(ctx) for ctx in ctxs]
             with timer():
-                means = [self.compressor.aggregate(p) for p in self._per_item(packets, local, rows)]
+                means = [self.compressor.aggregate([item[j] for j in arrived])
+                         for item, arrived in zip(self._per_item(packets, rows), arrivals)]
         if self.master is not None:
             return (yield from self._master_broadcast(means, packets, ctxs, timer))
         groups: dict[tuple, list[int]] = {}
@@ -519,17 +603,21 @@ class Strategy:
                 out.append(master.decompress(received).to(p.dtype).view(p.shape))
             return out
 
-    def _per_item(self, packets, local, rows) -> list[list[Packet]]:
+    def _per_item(self, packets: Sequence[Packet], rows: list[list[torch.Tensor]]) -> list[list[Packet]]:
         """For each item, its packet from every rank in rank order (this rank's own packet as it is)."""
-        result, start = [], 0
-        for packet in packets:
-            count = sum(1 for _ in packet.wire())
-            item = []
-            for j in range(self.world_size):
-                item.append(packet if j == self.rank else packet.with_wire(rows[j][start:start + count]))
-            result.append(item)
+        counts = [sum(1 for _ in p.wire()) for p in packets]
+        return [[packet if j == self.rank else packet.with_wire(part) for j, part in enumerate(parts)]
+                for packet, parts in zip(packets, self._by_item(rows, counts))]
+
+    @staticmethod
+    def _by_item(rows: list[list[torch.Tensor]], counts: Sequence[int]) -> list[list[list[torch.Tensor]]]:
+        """Each rank's received tensors (``rows[j]``, items in order, ``counts[i]`` tensors each) split
+        by item: ``[item][rank]`` -> that item's tensors from that rank."""
+        out, start = [], 0
+        for count in counts:
+            out.append([row[start:start + count] for row in rows])
             start += count
-        return result
+        return out
 
 
 def _single(request: Collective, final: bool) -> Protocol:

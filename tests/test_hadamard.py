@@ -5,8 +5,9 @@ import pytest
 import scipy.linalg
 import torch
 
+from gradpress._numba import numba_disabled
 from gradpress.hadamard import apply_rht, fwht, inverse_rht, rht, rht_layout
-from gradpress.rng import Context
+from gradpress.rng import Context, mix32_torch
 
 
 def _generator(seed: int = 0) -> torch.Generator:
@@ -96,6 +97,41 @@ def test_a_rebuilt_layout_inverts_another_workers_transform():
     layout = rht_layout(777, Context(seed=1, step=2, rank=5).shared_generator(stream="rht"), 256)
     torch.testing.assert_close(inverse_rht(y, layout), x, rtol=0, atol=1e-5)
     torch.testing.assert_close(apply_rht(x, layout), y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("numel", "partition"),
+    [(1, 16), (2, 16), (3, 16), (4, 4), (6, 4), (55, 16), (40, 12), (3, 1), (7, 2),
+     (2**12, 2**12), (2**14 + 5, 2**14), (2**16, 2**16), (70_000, 2**17)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_numba_kernel_gives_the_torch_paths_bits(numel, partition, dtype):
+    """The CPU kernel (loading with signs and padding, stages chunk by chunk, then radix-8/4/2 passes
+    across chunks, scaling fused) and the torch path (one reshape per stage) agree bit for bit, forward
+    and inverse: blocks below 4 values, at and past the 2^11-value chunk, remainders of 1 and 2 stages."""
+    x = (torch.randn(numel, generator=_generator(numel)) * 100).to(dtype)
+    layout = rht_layout(numel, _generator(3), partition)
+    forward = apply_rht(x, layout)
+    backward = inverse_rht(forward, layout)
+    with numba_disabled():
+        assert torch.equal(apply_rht(x, layout), forward)
+        assert torch.equal(inverse_rht(forward, layout), backward)
+
+
+def test_signs_come_from_the_counter_hash_of_one_shared_key():
+    """D_ii = −1 exactly where mix32(i, key) has its top bit set; the key is drawn from the shared
+    generator (the same seed gives the same key on every rank) or given (modulo 2^32)."""
+    layout = rht_layout(5000, _generator(11), 1024)
+    assert layout.key == rht_layout(5000, _generator(11), 1024).key
+    assert layout.key != rht_layout(5000, _generator(12), 1024).key
+    top = mix32_torch(torch.arange(5000), layout.key) >> 31
+    assert torch.equal(layout.signs, 1.0 - 2.0 * top.float())
+    given = rht_layout(5000, layout.key + (7 << 32), 1024)
+    assert given.key == layout.key and torch.equal(given.signs, layout.signs)
+    x = torch.randn(5000, generator=_generator(13))
+    assert torch.equal(rht(x, layout.key, 1024)[0], apply_rht(x, layout))
+    with pytest.raises(TypeError, match="Generator or an integer"):
+        rht_layout(10, 1.5)  # type: ignore[arg-type]
 
 
 def test_signs_are_balanced_and_global_rng_untouched():

@@ -24,7 +24,8 @@ def grads(n: int, shapes=((6, 7), (13,)), seed: int = 0, dtype=torch.float32) ->
 def test_options_are_checked():
     with pytest.raises(TypeError, match="unknown option.*bogus.*the options are"):
         Options.of(bogus=1)
-    for bad in ({"mode": "mesh"}, {"min_numel": -1}, {"overflow": "wrap"}, {"timeout": 0}, {"feedback": "nope"}):
+    for bad in ({"mode": "mesh"}, {"min_numel": -1}, {"overflow": "wrap"}, {"timeout": 0},
+                {"feedback": "nope"}, {"partial": 0.5}, {"mode": "ps", "partial": 0}):
         with pytest.raises(ValueError):
             Options.of(**bad)
     assert Options.of(exclude="conv1.*").exclude == ("conv1.*",)
@@ -173,6 +174,35 @@ def test_overflow_guard_widens_or_raises_never_wraps():
 
 class _Unbounded(WideInt):
     max_summand = None  # type: ignore[assignment]
+
+
+class _Redundant(WideInt):
+    """WideInt's codes plus a float32 side tensor on the wire that the sum does not need (as PowerSGD's
+    P̂, the same on every worker): its packets are larger than its summands."""
+
+    def expected_nbytes(self, numel, dtype=torch.float32):
+        return 5 * numel
+
+    def _compress(self, flat, ctx):
+        packet = super()._compress(flat, ctx)
+        packet.tensors["side"] = flat.float()
+        return packet
+
+    def summands(self, packet):
+        return [packet["codes"]]
+
+
+def test_server_uploads_the_smaller_of_packets_and_summands():
+    """THC Fig. 4: workers upload their packets and the server computes the summands, when that is
+    smaller (uint8 codes vs int32 sums of 3·100); otherwise the summands go up (Q alone, not P̂ and Q)."""
+    xs = [torch.randn(16, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    for compressor, mode, upload, download in [(WideInt(bound=100), "switch", 16, 16 * 4),
+                                               (_Redundant(bound=15), "ps", 16, 16)]:
+        sim = gradpress.Simulator(compressor, 3, mode=mode)
+        out = sim.step(xs)
+        assert torch.equal(out, gradpress.simulate(compressor, xs))  # the same sums as an all-reduce
+        worker = sim.stats()[1]["last"]
+        assert (worker["sent_bytes"], worker["received_bytes"]) == (upload, download), compressor
 
 
 def test_diverging_workers_are_caught():

@@ -133,6 +133,9 @@ class WideInt(Compressor):
     def max_summand(self) -> int:  # type: ignore[override]
         return self.bound
 
+    def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return numel  # one uint8 code per value: a fixed wire layout
+
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         codes = torch.round(flat.float() * self.scale + self.bound / 2).clamp_(0, self.bound).to(torch.uint8)
         return Packet({"codes": codes}, flat.shape, flat.dtype)

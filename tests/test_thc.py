@@ -157,18 +157,36 @@ def test_runtime_equals_the_algorithm_in_every_mode(spec):
 
 
 def test_sums_of_more_than_8_workers_widen_or_raise():
-    """g·n = 270 > 255 for 9 workers: the runtime sums in int32 (downstream ⌈log2 271⌉ = 9 bits), never
-    wrapping the uint8 table values; overflow="raise" refuses."""
+    """g·n = 270 > 255 for 9 workers: the switch sums in int32 (downstream ⌈log2 271⌉ = 9 bits), never
+    wrapping the uint8 table values; overflow="raise" refuses. Upstream, the switch receives the packed
+    4-bit indices and looks the table values up itself (Fig. 4)."""
     xs = vectors(9, numel=512)
     sim = gradpress.Simulator("thc", 9, mode="switch")
     out = sim.step(xs)
     c = gradpress.make("thc")
     assert torch.equal(out, server(c, compress_all(c, xs, key=""), range(9)))
     stats = sim.stats()[1]["last"]
-    assert stats["packet_bytes"] == 256  # 4 bits per value on the wire ...
-    assert 0 <= stats["sent_bytes"] - 512 * 4 <= 16  # ... int32 summands to the switch (+ the norm's max)
+    norm = 2 * 8 * 8 // 9  # the preliminary max of one float64 (ring all-reduce, each way)
+    assert stats["packet_bytes"] == 256  # 4 bits per value ...
+    assert stats["sent_bytes"] == 256 + norm  # ... is what a worker sends to the switch
+    assert stats["received_bytes"] == 512 * 4 + norm  # int32 sums come back
     with pytest.raises(OverflowError):
         gradpress.simulate("thc", xs, mode="switch", overflow="raise")
+
+
+@pytest.mark.parametrize("mode", ["ps", "switch"])
+def test_the_server_receives_b_bit_indices_and_sends_sums(mode):
+    """THC Fig. 4: workers send the packed 4-bit table indices (not the 8-bit table values), the server
+    looks them up and adds; 30·4 = 120 fits uint8, so the sums come back in 8 bits per value."""
+    n, numel, root = 4, 1024, 2
+    sim = gradpress.Simulator("thc", n, mode=mode, root=root)
+    sim.step(vectors(n, numel=numel))
+    norm = 2 * 3 * 8 // 4  # the preliminary max of one float64 (ring all-reduce, each way)
+    for rank, report in enumerate(sim.stats()):
+        last = report["last"]
+        assert last["packet_bytes"] == numel // 2
+        traffic = (last["sent_bytes"] - norm, last["received_bytes"] - norm)
+        assert traffic == (((n - 1) * numel, (n - 1) * numel // 2) if rank == root else (numel // 2, numel))
 
 
 def test_error_feedback_is_algorithm_3_line_21():

@@ -41,7 +41,7 @@ coordinates (``thc``: c is the padded length, up to 2× the tensor's for sizes j
 (:meth:`THC.downstream_bits`; 8 bits for g = 30 up to n = 8, the paper's prototype); the runtime adds
 the summands in the narrowest collective dtype that holds g·n (uint8, else int32), never wrapping.
 The all-reduce strategy sends those summands, not the packed b-bit indices; in parameter-server and
-switch modes THC's server would receive the b-bit indices and look them up itself (Section 6, Fig. 4).
+switch modes the server receives the b-bit indices and looks them up itself (Section 6, Fig. 4).
 """
 from __future__ import annotations
 
