@@ -65,6 +65,9 @@ class Compressor:
     * ``default_feedback``: the error-feedback memory the runtime uses unless told otherwise:
       ``residual`` for biased methods, ``none`` for unbiased ones; a method with its own memory rule
       (DGC's momentum correction, ScaleCom's low-pass filter) names it.
+    * ``checks_finite``: ``_compress`` itself raises :class:`NonFiniteError` (with :func:`check_finite`'s
+      message) on NaN/Inf input, e.g. seen in a pass its kernel makes anyway, so :meth:`compress` skips
+      its own read-only check pass. A method with a preliminary exchange is checked before it all the same.
 
     Runtime hooks (all optional, with defaults that fit single-round methods; see gradpress.strategy):
 
@@ -87,6 +90,7 @@ class Compressor:
     summable: ClassVar[bool] = False
     kept: ClassVar[str | None] = None
     examples: ClassVar[tuple[str, ...]] = ()
+    checks_finite: ClassVar[bool] = False
     max_summand: ClassVar[int | None] = None
     linear: ClassVar[bool] = True
 
@@ -115,7 +119,8 @@ class Compressor:
             flat = flat.contiguous()
         if flat.numel() == 0:
             return Packet({}, x.shape, x.dtype)
-        check_finite(flat, self.spec)
+        if self.prepares or not self.checks_finite:
+            check_finite(flat, self.spec)
         if self.prepares:
             if prepared is None:
                 own = self.prepare(flat.view(x.shape), ctx, 1)

@@ -10,6 +10,7 @@ import torch
 
 import gradpress
 from gradpress._numba import numba_disabled
+from gradpress.compressors import inceptionn
 from gradpress.compressors.dgc import DGCMemory
 from gradpress.compressors.eightbit import EDGES, TABLE, cell_table
 from gradpress.compressors.onebit import fixed_point_scale, to_fixed
@@ -220,6 +221,69 @@ def test_inceptionn_error_is_below_the_bound():
         assert ((c.decompress(c.compress(x)) - x).abs() < bound).all()
     with pytest.raises(ValueError, match="power of two"):
         gradpress.make("inceptionn:error_bound=0.001")
+
+
+def _inceptionn_kernels():
+    """The numba kernel sets: the portable loops, and the AVX-512 ones where the CPU has them."""
+    vector = pytest.param(inceptionn.VECTOR, id="vector", marks=pytest.mark.skipif(
+        not inceptionn.simd.AVAILABLE, reason="needs AVX-512 VBMI2"))
+    return [pytest.param(inceptionn.PORTABLE, id="portable"), vector]
+
+
+def _inceptionn_edges(n: int, bound: float) -> torch.Tensor:
+    """Every range's edges (ε, 128·ε, 1 and their neighbours, ±0, subnormals, huge values) among
+    random magnitudes from 1e-7 to 10, both signs, n of them."""
+    edges = torch.tensor([bound, 128 * bound, 1.0, 0.0, 1e-45, 3e38, 2.0**-15, 1 - 2.0**-24])
+    edges = torch.cat([edges, torch.nextafter(edges, torch.zeros(())), torch.nextafter(edges, edges + 1)])
+    edges = torch.cat([edges, -edges])
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.logspace(-7, 1, n)
+    x[torch.randperm(n, generator=g)[:min(n, edges.numel())]] = edges[:n]
+    return x
+
+
+@pytest.mark.parametrize("kernels", _inceptionn_kernels())
+@pytest.mark.parametrize("n", [1, 3, 15, 16, 17, 64, 4099, 10_007])
+@pytest.mark.parametrize("bound", [2.0**-7, 2.0**-10, 2.0**-15])
+def test_inceptionn_kernels_write_the_torch_bytes(monkeypatch, kernels, n, bound):
+    """Both numba kernel sets (their 16-element chunks, blocks and tails) give the torch path's
+    packet and decode it as torch does."""
+    monkeypatch.setattr(inceptionn, "KERNELS", kernels)
+    c = gradpress.make("inceptionn", error_bound=bound)
+    x = _inceptionn_edges(n, bound)
+    with numba_disabled():
+        expected = c.compress(x)
+        decoded = c.decompress(expected)
+    packet = c.compress(x)
+    assert torch.equal(packet["tags"], expected["tags"]) and torch.equal(packet["payload"], expected["payload"])
+    assert torch.equal(c.decompress(packet).view(torch.int32), decoded.view(torch.int32))
+    assert ((decoded - x).abs() < bound).all()
+
+
+@pytest.mark.parametrize("kernels", [*_inceptionn_kernels(), pytest.param(None, id="torch")])
+def test_inceptionn_rejects_a_payload_the_tags_do_not_call_for(monkeypatch, kernels):
+    c = gradpress.make("inceptionn")
+    x = torch.randn(1001) * 0.1  # tags 1 and 2: payloads of 1 and 2 bytes
+    packet = c.compress(x)
+    if kernels is not None:
+        monkeypatch.setattr(inceptionn, "KERNELS", kernels)
+    payload = packet["payload"]
+    for wrong in (payload[:-1], torch.cat([payload, payload[:1]]), payload[:-100]):
+        with _path(kernels is None), pytest.raises(ValueError, match="payload bytes"):
+            c.decompress(packet.with_wire([packet["tags"], wrong]))
+    with _path(kernels is None), pytest.raises(ValueError, match="tag bytes"):
+        c.decompress(packet.with_wire([packet["tags"][:-1], payload]))
+
+
+@pytest.mark.parametrize("kernels", _inceptionn_kernels())
+@pytest.mark.parametrize("where", [[0], [16, 17], [4098], [5000]])
+def test_inceptionn_kernels_find_nan_and_inf(monkeypatch, kernels, where):
+    """The first pass reports NaN/Inf anywhere (chunks, blocks, the tail) as check_finite does."""
+    monkeypatch.setattr(inceptionn, "KERNELS", kernels)
+    x = torch.randn(5001)
+    x[where] = torch.tensor([float("nan"), float("-inf")])[:len(where)]
+    with pytest.raises(gradpress.NonFiniteError, match=f"holds {len(where)} NaN/Inf value"):
+        gradpress.make("inceptionn").compress(x)
 
 
 # -- Threshold-v ---------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """Natural compression, general dithering, QSGD and TernGrad against the Natural compression paper's
-theorems (Horváth et al.: Def. 1 and 3, Thms 1, 3, 4, 5) and their wire formats.
+theorems (Horváth et al.: Def. 1 and 3, Thms 1, 3, 4, 5), their wire formats, and the paths of their
+numba kernels (ties of the shared 16-bit uniforms, buckets below the first level, NaN/Inf seen in the
+norm pass, the arithmetic decoding of natural compression).
 
 Variances are measured on large vectors with fixed seeds, ω̂ = ‖C(x) − x‖² / ‖x‖² averaged over a few
 draws, so that each estimate is tight (its standard error is given where a bound is asserted).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -13,10 +16,13 @@ import pytest
 import torch
 
 import gradpress
+import gradpress.compressor
 from gradpress._numba import numba_disabled
 from gradpress.bits import unpack_bits
-from gradpress.compressors.dither import Dithering, bucket_norms
+from gradpress.compressor import check_finite
+from gradpress.compressors.dither import Dithering, _uniforms_torch, bucket_norms
 from gradpress.compressors.natural import decode_table, exponent_code, natural_round
+from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch
 
 
@@ -389,3 +395,103 @@ def test_parameters_are_checked():
         Dithering(1, "2", "standard", clip=2.5)
     assert gradpress.make("qsgd:levels=16,bucket=512").spec == "qsgd"
     assert gradpress.make("dither:bucket=none").mechanism.bucket == 0
+
+
+# -- the numba kernels' own paths -----------------------------------------------------------------------
+def both_paths(spec: str, x: torch.Tensor, ctx: Context) -> tuple[Packet, torch.Tensor]:
+    """The numba path's packet and decoding, after checking that the torch path gives the same bits."""
+    c = gradpress.make(spec)
+    fast = c.compress(x, ctx)
+    with numba_disabled():
+        slow = c.compress(x, ctx)
+        slow_values = c.decompress(slow)
+    assert all(torch.equal(a, b) for a, b in zip(fast.wire(), slow.wire(), strict=True))
+    values = c.decompress(fast)
+    assert torch.equal(values.view(torch.int32), slow_values.view(torch.int32))  # -0.0 too
+    return fast, values
+
+
+def test_ties_of_the_16_bit_uniforms_use_8_more_random_bits():
+    """TernGrad with max |x| = 1 sees t = |x|·2^24 = F: x_i = (u_i·2^8 + r_i)·2^-24, u_i the element's
+    16-bit uniform, makes every value but x_0 a tie, rounded up iff the top 8 bits of mix32(i) under the
+    tie seed are below r_i: P(up) = ⌊F/2^8⌋·2^-16 + 2^-16·r_i·2^-8 = F·2^-24 (the module doc)."""
+    n = 5001
+    ctx = Context(seed=3, step=1, key="ties")
+    u = _uniforms_torch(n, ctx.private_seed("dither"), "cpu")
+    r = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(21))
+    x = ((u * 256 + r).double() * 2.0**-24).float() * random_signs(n, 22)
+    x[0] = 1.0
+    packet, values = both_paths("terngrad", x, ctx)
+    assert float(packet["norms"][0]) == 1.0
+    index = torch.arange(n)
+    up = (mix32_torch(index, ctx.private_seed("dither/ties")) >> 24) < r
+    expected = torch.where(up, torch.sign(x), 0.0)
+    expected[0] = 1.0
+    assert torch.equal(values, expected)
+    assert 0.3 < float(up.double().mean()) < 0.7  # both outcomes occur: r is uniform on 0..255
+
+
+def test_buckets_below_the_first_level_take_the_same_rounding():
+    """Natural dithering of a bucket whose every |x|/ν is below 2^(1-s) (a large bucket: ν ≫ max |x|)
+    skips the C_nat case; buckets with and without that property give the torch path's bits."""
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(3 * 4096 + 1000, generator=g)
+    x[4096 + 7] = 100.0  # the second bucket reaches the top level
+    rows = torch.nn.functional.pad(x, (0, -x.numel() % 4096)).view(-1, 4096)
+    below = rows.abs().amax(dim=1) / rows.norm(dim=1) < 2.0**-3
+    assert below.tolist() == [True, False, True, True]
+    packet, values = both_paths("dither:levels=4,bucket=4096", x, Context(seed=4, key="below"))
+    codes = unpack_bits(packet["codes"], 4, x.numel()) >> 1
+    assert set(codes[:4096].tolist()) == {0, 1} and codes[4096:8192].max() == 4
+
+
+@pytest.mark.parametrize("spec", ["qsgd", "terngrad", "dither", "dither:norm=1,bucket=100,partition=standard",
+                                  "natural"])
+@pytest.mark.parametrize("numba", [True, False], ids=["numba", "torch"])
+def test_non_finite_values_anywhere_raise_with_their_count(spec, numba):
+    """The quantizers find NaN/Inf in a pass they make anyway (checks_finite: no separate check pass);
+    wherever they are — the first bucket, a later one, the last partial block — the error is
+    check_finite's, with its count."""
+    c = gradpress.make(spec)
+    assert c.checks_finite
+    for where in ([0], [5000, 9999], [4097, 4098, 4099]):
+        x = torch.randn(10000, generator=torch.Generator().manual_seed(24)).to(torch.float16)
+        x[where] = torch.tensor([float("nan"), float("inf"), -float("inf")][: len(where)], dtype=x.dtype)
+        with pytest.raises(gradpress.NonFiniteError) as raised:
+            check_finite(x, c.spec)
+        path = contextlib.nullcontext() if numba else numba_disabled()
+        with path, pytest.raises(gradpress.NonFiniteError) as error:
+            c.compress(x)
+        assert str(error.value) == str(raised.value) and f"holds {len(where)} NaN/Inf" in str(error.value)
+
+
+def test_compressors_that_check_finite_values_skip_the_separate_pass(monkeypatch):
+    """Compressor.compress runs check_finite unless the method declares checks_finite."""
+    calls = []
+    monkeypatch.setattr(gradpress.compressor, "check_finite", lambda flat, where: calls.append(where))
+    x = torch.randn(1000)
+    for spec in ("qsgd", "terngrad", "dither", "natural"):
+        gradpress.make(spec).compress(x)
+    assert calls == []
+    gradpress.make("topk:ratio=0.1").compress(x)
+    assert calls == ["topk:ratio=0.1"]
+
+
+@pytest.mark.parametrize("top", [-23, -1, 0, 5, 127])
+def test_natural_decoding_is_the_table_bit_for_bit(top):
+    """The numba decoder computes ±2^e from each code byte (no table): every byte, under windows from the
+    lowest (down to fp32 subnormals) to the highest, as decode_table's value, -0.0 and +0.0 told apart."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3)
+    packet = Packet({"top": torch.tensor([top], dtype=torch.int8), "codes": codes}, codes.shape, torch.float32)
+    values = gradpress.make("natural").decompress(packet)
+    assert torch.equal(values.view(torch.int32), decode_table(top)[codes.long()].view(torch.int32))
+
+
+@pytest.mark.parametrize("spec", ["terngrad", "qsgd:levels=3,bucket=100", "qsgd:levels=5", "dither:levels=8,bucket=700",
+                                  "qsgd", "qsgd:levels=127,bucket=1000"])  # codes of 2, 3, 4, 5, 6, 8 bits
+def test_packing_across_block_edges_matches_the_torch_path(spec):
+    """The kernels pack 8 codes per word, a block of values at a time (vectorized stores for 2- and 4-bit
+    codes, overlapping 8-byte ones otherwise): tensors ending just before, at and after block edges."""
+    for n in (1, 9, 2047, 2048, 2049, 8191, 8193, 16385):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        both_paths(spec, x, Context(seed=6, key=str(n)))

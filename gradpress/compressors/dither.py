@@ -17,11 +17,25 @@ Numerics, the same bits on the numba and torch paths: ‖x‖_p sums |x_i|^p in 
 halves tree over chunks of 256 values, then over a bucket's chunk sums) and is sent as float32 ν; the
 encoder scales by that ν, splitting c/ν (c = s·2^24, or 1 for the natural partition) into float32 factors
 P = 2^k and S so that t_i = fl32(fl32(|x_i|·P)·S) stays finite for any ν, and clamps t_i to the top level
-(which is also TernGrad's clipping). Standard: k = ⌊t⌋ >> 24, rounded up iff the 24-bit uniform of the
-counter hash (:mod:`gradpress.rng`) is below t's 24 fraction bits. Natural: at or above 2^(1-s), y = 2^e (1
-+ m) rounds up to 2^(e+1) iff the hash's top 23 bits are below the 23-bit mantissa m (C_nat itself);
-below, to 2^(1-s) iff the 24-bit uniform is below y·2^(s-1). Probabilities are exact to 2^-24 of a level
-gap. Decoding: fl32(fl32(ν/s)·k), or fl32(ν·2^(k-s)).
+(which is also TernGrad's clipping). Each value then lies between two levels and rounds up with
+probability F·2^-24, F a 24-bit integer. Standard: k = ⌊t⌋ >> 24 and F = t's 24 fraction bits. Natural: at
+or above 2^(1-s), y = 2^e (1 + m·2^-23) rounds up to 2^(e+1) with F = 2m (C_nat itself); below, to
+2^(1-s) with F = ⌊y·2^(s+23)⌋. Probabilities are exact to 2^-24 of a level gap.
+
+Randomness, from the counter hash of :mod:`gradpress.rng` under the rank's private seed: one 32-bit hash
+word serves two values, element i taking half i & 1 of mix32(i >> 1) as a 16-bit uniform u. The value
+rounds up iff u < ⌊F / 2^8⌋, or, when u = ⌊F / 2^8⌋ (probability 2^-16), iff the top 8 bits of a second
+hash of i under a tie seed are below F mod 2^8: P(up) = ⌊F/2^8⌋·2^-16 + 2^-16·(F mod 2^8)·2^-8 = F·2^-24,
+exactly as with a 24-bit uniform, for half the hashing (the encoder's largest cost). Decoding:
+fl32(fl32(ν/s)·k), or fl32(ν·2^(k-s)).
+
+The numba kernels (CPU) make one pass over the values, or two when a bucket is too large for the cache
+(the norm's, then the encoder's), in blocks of BLOCK values: the block's hash words, its bucket
+segments quantized into byte codes, which are then packed 8 at a time (SWAR: shifts and masks in
+64-bit words); decoding unpacks the same way and computes ±scale·level per code. The helpers are
+inlined (``inline``) and each kernel asks for the CPU's widest vectors (``wide_vectors``). NaN/Inf: the
+encoder sees them in each bucket's largest |x| (computed for the norm anyway) and stops; the
+compressors raise NonFiniteError then, so they skip the base class's separate check pass.
 """
 from __future__ import annotations
 
@@ -32,13 +46,14 @@ from typing import Literal
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from gradpress._numba import as_numpy, jit, mix32, mul32, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, register
-from gradpress.compressors.natural import Natural
+from gradpress.compressor import Compressor, check_finite, register
+from gradpress.compressors.natural import (GOLDEN, Natural, bits_of_f32, f32_from_bits, mix32_from,
+                                          wide_vectors)
 from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch, seed32
 
@@ -46,30 +61,72 @@ U = np.uint32
 Norm = Literal["1", "2", "inf"]
 Partition = Literal["natural", "standard"]
 CHUNK = 256  # the norm's summation order: a halves tree over each chunk, then over the chunk sums
-BLOCK = 2048  # values quantized (and packed) per step of the numba kernels; a multiple of 8
+BLOCK = 2048  # values quantized (and packed) per step of the encoder; a multiple of 8
+DECODE_BLOCK = 8192  # values unpacked (and decoded) per step of the decoder; a multiple of 8
+NON_FINITE = U(0x7F800000)  # |x| bit patterns from here up are Inf and NaN
+
+STANDARD, NATURAL, BELOW = 0, 1, 2  # how _level rounds (BELOW: natural, every value below the first level)
+
+# helpers inlined into the kernels (a call per bucket would cost more than its work: reference counts)
+inline = njit(cache=True, nogil=True, inline="always")
 
 
-# -- float32 bit casts (numba) ---------------------------------------------------------------------------------
+# -- float bit casts and unaligned words (numba) -------------------------------------------------------------
 @intrinsic
-def _f32(typingctx, bits):  # pragma: no cover - compiled
-    """The float32 with bit pattern ``bits`` (uint32)."""
-    sig = types.float32(types.uint32)
+def _f64(typingctx, bits):  # pragma: no cover - compiled
+    """The float64 with bit pattern ``bits`` (uint64)."""
+    sig = types.float64(types.uint64)
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
+        return builder.bitcast(args[0], ir.DoubleType())
 
     return sig, codegen
 
 
 @intrinsic
-def _bits(typingctx, value):  # pragma: no cover - compiled
-    """The bit pattern of a float32, as uint32."""
-    sig = types.uint32(types.float32)
+def _bits64(typingctx, value):  # pragma: no cover - compiled
+    """The bit pattern of a float64, as uint64."""
+    sig = types.uint64(types.float64)
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
+        return builder.bitcast(args[0], ir.IntType(64))
 
     return sig, codegen
+
+
+def _byte_pointer(context, builder, array_type, array, offset):  # pragma: no cover - compiled
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [offset]), ir.IntType(64).as_pointer())
+
+
+@intrinsic
+def _load64(typingctx, array, offset):  # pragma: no cover - compiled
+    """The 8 bytes of a uint8 array at byte ``offset`` as a uint64 (any alignment; numba's hosts are all
+    little-endian, the layout of :mod:`gradpress.bits`)."""
+    sig = types.uint64(array, types.intp)
+
+    def codegen(context, builder, signature, args):
+        return builder.load(_byte_pointer(context, builder, signature.args[0], args[0], args[1]), align=1)
+
+    return sig, codegen
+
+
+@intrinsic
+def _store64(typingctx, array, offset, value):  # pragma: no cover - compiled
+    """Write ``value`` as 8 (little-endian) bytes at byte ``offset`` of a uint8 array (any alignment)."""
+    sig = types.void(array, types.intp, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        builder.store(args[2], _byte_pointer(context, builder, signature.args[0], args[0], args[1]), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@inline
+def _pow2(exponent):  # pragma: no cover - compiled
+    """2^exponent as float64, exactly, for a normal exponent (-1022..1023)."""
+    return _f64(np.uint64(exponent + 1023) << np.uint64(52))
 
 
 # -- the norm ------------------------------------------------------------------------------------------------
@@ -103,78 +160,82 @@ def _power_sums_torch(x: torch.Tensor, power: int, bucket: int) -> torch.Tensor:
     return torch.cat(sums)
 
 
-@jit
-def _term(x, i, scale, power):  # pragma: no cover - compiled
-    """(|x_i|·scale)^power in float32."""
-    a = abs(x[np.uint64(i)]) * scale
-    return a * a if power == 2 else a
-
-
-@jit
-def _term_before(x, i, stop, scale, power):  # pragma: no cover - compiled
-    """(|x_i|·scale)^power in float32, 0 at or past ``stop``."""
-    return _term(x, i, scale, power) if i < stop else np.float32(0.0)
-
-
-@jit
-def _levels_1_to_3(t0, t1, t2, t3, t4, t5, t6, t7):  # pragma: no cover - compiled
-    """Levels 1-3 of a chunk's halves tree for its values j + 32q, q = 0..7 (level 1 adds values j
-    and j + 128, level 2 entries j and j + 64, level 3 entries j and j + 32)."""
-    return ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7))
-
-
-@jit
-def _chunk_sum(x, start, stop, power, scratch):  # pragma: no cover - compiled
-    """∑|x|^power over x[start:stop] zero-padded to CHUNK = 256 values, as float64.
-
-    The chunk is first scaled by the power of two 2^-e that brings its largest |x| to [1, 4) (e from its
-    biased exponent E, clamped to 1..253), which is exact and keeps the float32 terms in range; then a
-    halves tree in float32 (levels 1-3 in registers, 4-8 over ``scratch``); the sum is scaled back by
-    2^(power·e) in float64.
-    """
-    bits = x.view(np.uint32)
+@inline
+def _largest(bits, start, stop):  # pragma: no cover - compiled
+    """max |x_i| over [start, stop) as a bit pattern: non-negative floats order like their bits (and this
+    vectorizes); a pattern ≥ NON_FINITE is NaN or Inf."""
     largest = U(0)
     for i in range(start, stop):
         largest = max(largest, U(bits[np.uint64(i)] & U(0x7FFFFFFF)))
+    return largest
+
+
+@inline
+def _term(bits, i, scale, power):  # pragma: no cover - compiled
+    """(|x_i|·scale)^power in float32, x_i given by its bit pattern."""
+    a = f32_from_bits(U(bits[np.uint64(i)] & U(0x7FFFFFFF))) * scale
+    return a * a if power == 2 else a
+
+
+@inline
+def _tree16(t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15):  # pragma: no cover - compiled
+    """Four levels of a halves tree over 16 values: level 1 adds t_q and t_(q+8), level 2 the results q
+    and q + 4, level 3 q and q + 2, level 4 q and q + 1."""
+    return ((((t0 + t8) + (t4 + t12)) + ((t2 + t10) + (t6 + t14)))
+            + (((t1 + t9) + (t5 + t13)) + ((t3 + t11) + (t7 + t15))))
+
+
+@inline
+def _chunk_sum(bits, start, power, scratch):  # pragma: no cover - compiled
+    """(∑|x|^power over the CHUNK = 256 values from ``start`` as float64, max |x| as bits).
+
+    The chunk is first scaled by the power of two 2^-e that brings its largest |x| to [1, 4) (e from its
+    biased exponent E, clamped to 1..253), which is exact and keeps the float32 terms in range; then a
+    halves tree in float32: levels 1-4 for the 16 positions j (values j + 16q, vectorized over j) into
+    ``scratch``, levels 5-8 over those; the sum is scaled back by 2^(power·e) in float64 (exactly).
+    """
+    largest = _largest(bits, start, start + CHUNK)
     biased = min(max(np.int64(largest >> U(23)), 1), 253)
-    scale = _f32(U(U(254 - biased) << U(23)))  # 2^(127 - E)
-    if stop - start == CHUNK:  # the common case, without bounds checks (vectorized over j)
-        for j in range(start, start + 32):
-            scratch[j - start] = _levels_1_to_3(
-                _term(x, j, scale, power), _term(x, j + 32, scale, power), _term(x, j + 64, scale, power),
-                _term(x, j + 96, scale, power), _term(x, j + 128, scale, power),
-                _term(x, j + 160, scale, power), _term(x, j + 192, scale, power),
-                _term(x, j + 224, scale, power))
-    else:
-        for j in range(start, start + 32):
-            scratch[j - start] = _levels_1_to_3(
-                _term_before(x, j, stop, scale, power), _term_before(x, j + 32, stop, scale, power),
-                _term_before(x, j + 64, stop, scale, power), _term_before(x, j + 96, stop, scale, power),
-                _term_before(x, j + 128, stop, scale, power), _term_before(x, j + 160, stop, scale, power),
-                _term_before(x, j + 192, stop, scale, power), _term_before(x, j + 224, stop, scale, power))
-    width = 32
-    while width > 1:  # levels 4-8
-        width //= 2
-        for j in range(width):
-            scratch[j] = scratch[j] + scratch[j + width]
-    total = scratch[0]
-    return math.ldexp(np.float64(total), power * (biased - 127))
+    scale = f32_from_bits(U(U(254 - biased) << U(23)))  # 2^(127 - E)
+    for j in range(start, start + 16):
+        scratch[j - start] = _tree16(
+            _term(bits, j, scale, power), _term(bits, j + 16, scale, power),
+            _term(bits, j + 32, scale, power), _term(bits, j + 48, scale, power),
+            _term(bits, j + 64, scale, power), _term(bits, j + 80, scale, power),
+            _term(bits, j + 96, scale, power), _term(bits, j + 112, scale, power),
+            _term(bits, j + 128, scale, power), _term(bits, j + 144, scale, power),
+            _term(bits, j + 160, scale, power), _term(bits, j + 176, scale, power),
+            _term(bits, j + 192, scale, power), _term(bits, j + 208, scale, power),
+            _term(bits, j + 224, scale, power), _term(bits, j + 240, scale, power))
+    total = _tree16(scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], scratch[5], scratch[6],
+                    scratch[7], scratch[8], scratch[9], scratch[10], scratch[11], scratch[12], scratch[13],
+                    scratch[14], scratch[15])
+    return np.float64(total) * _pow2(power * (biased - 127)), largest
 
 
-@jit
-def _bucket_norm(x, start, stop, power, sums, scratch):  # pragma: no cover - compiled
-    """‖x[start:stop]‖_p as float32 (power 0: the max norm, exact). For p = 1, 2: a halves tree over each
-    chunk of CHUNK values, then one over the chunk sums zero-padded to a power of two (adding +0.0
-    changes nothing, so those adds are skipped); ``sums`` holds at least the chunk count."""
-    if power == 0:  # on the bit patterns: non-negative floats order like them (and this vectorizes)
-        bits = x.view(np.uint32)
-        best = U(0)
-        for i in range(start, stop):
-            best = max(best, U(bits[np.uint64(i)] & U(0x7FFFFFFF)))
-        return _f32(best)
-    count = -(-(stop - start) // CHUNK)
-    for c in range(count):
-        sums[c] = _chunk_sum(x, start + c * CHUNK, min(stop, start + (c + 1) * CHUNK), power, scratch)
+@inline
+def _bucket_norm(bits, start, stop, power, sums, scratch):  # pragma: no cover - compiled
+    """(‖x[start:stop]‖_p as float32, max |x| as bits) (power 0: the max norm, exact). For p = 1, 2: a
+    halves tree over each chunk of CHUNK values (the last zero-padded), then one over the chunk sums
+    zero-padded to a power of two (adding +0.0 changes nothing, so those adds are skipped); ``sums``
+    holds at least the chunk count, ``scratch`` is :func:`_norm_scratch`'s."""
+    if power == 0:
+        largest = _largest(bits, start, stop)
+        return f32_from_bits(largest), largest
+    full = (stop - start) // CHUNK
+    largest = U(0)
+    for c in range(full):
+        sums[c], chunk_largest = _chunk_sum(bits, start + c * CHUNK, power, scratch)
+        largest = max(largest, chunk_largest)
+    count = full
+    if start + full * CHUNK < stop:  # the partial last chunk, zero-padded
+        last = start + full * CHUNK
+        padded = scratch[16:].view(np.uint32)
+        padded[:] = 0
+        padded[:stop - last] = bits[last:stop]
+        sums[full], chunk_largest = _chunk_sum(padded, 0, power, scratch)
+        largest = max(largest, chunk_largest)
+        count += 1
     size = 1
     while size < count:
         size *= 2
@@ -184,19 +245,21 @@ def _bucket_norm(x, start, stop, power, sums, scratch):  # pragma: no cover - co
             if j + size < count:
                 sums[j] = sums[j] + sums[j + size]
         count = min(count, size)
-    return np.float32(sums[0] if power == 1 else math.sqrt(sums[0]))
+    return np.float32(sums[0] if power == 1 else math.sqrt(sums[0])), largest
 
 
-@jit
+@inline
 def _norm_scratch(bucket):  # pragma: no cover - compiled
-    return np.zeros(-(-bucket // CHUNK)), np.empty(32, dtype=np.float32)
+    """``sums`` (a bucket's chunk sums) and ``scratch`` (16 positions, then a padded chunk's bits)."""
+    return np.zeros(-(-bucket // CHUNK)), np.empty(16 + CHUNK, dtype=np.float32)
 
 
 @jit
 def _bucket_norms_numba(x, power, bucket, out):  # pragma: no cover - compiled
+    bits = x.view(np.uint32)
     sums, scratch = _norm_scratch(bucket)
     for b in range(out.size):
-        out[b] = _bucket_norm(x, b * bucket, min(x.size, (b + 1) * bucket), power, sums, scratch)
+        out[b] = _bucket_norm(bits, b * bucket, min(x.size, (b + 1) * bucket), power, sums, scratch)[0]
 
 
 def _power(norm: str) -> int:
@@ -226,7 +289,7 @@ def _check_norms(norms: torch.Tensor, norm: str) -> None:
         raise OverflowError(f"dither: a bucket's L{norm} norm exceeds the float32 range")
 
 
-# -- quantizing ------------------------------------------------------------------------------------------------
+# -- quantizing ----------------------------------------------------------------------------------------------
 def bucket_scales(norms: torch.Tensor, levels: int, natural: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per bucket, float32 factors (P, S) with y·s·2^24 (standard) or y (natural) = fl32(fl32(|x|·P)·S).
 
@@ -240,196 +303,302 @@ def bucket_scales(norms: torch.Tensor, levels: int, natural: bool) -> tuple[torc
     return torch.ldexp(torch.ones_like(scale), exponent).float(), torch.ldexp(scale, -exponent).float()
 
 
-@jit
+@inline
 def _split_scale(norm, c):  # pragma: no cover - compiled
-    """:func:`bucket_scales` for one bucket: (P, S) of c/ν (math.frexp and ldexp are exact, like torch's)."""
-    if not norm > 0:
+    """:func:`bucket_scales` for one bucket, on the float64 bits of c/ν (normal: ν ≥ 2^-149, c < 2^31)."""
+    if not 0 < norm < np.inf:
         return np.float32(1.0), np.float32(0.0)
     scale = c / np.float64(norm)
-    exponent = min(max(math.frexp(scale)[1] - 1, -126), 127)
-    return np.float32(math.ldexp(1.0, exponent)), np.float32(math.ldexp(scale, -exponent))
-
-
-@jit
-def _quantize_standard(bits, start, stop, p, s, top, seed, codes, base):  # pragma: no cover - compiled
-    """Codes of one bucket's values: T = min(fl32(|x|·P·S), s·2^24), k = T >> 24 rounded up iff the
-    24-bit uniform of the hash is below T's 24 fraction bits; code = 2k + sign. Returns the largest
-    code (a reduction, which also lets LLVM interleave the loop and hide the hash's multiply latency)."""
-    largest = U(0)
-    for i in range(start, stop):
-        w = bits[np.uint64(i)]
-        t = U(min(_f32(U(w & U(0x7FFFFFFF))) * p * s, top))
-        up = U(U(mix32(i, seed) >> U(8)) < U(t & U(0xFFFFFF)))
-        code = U(U(U(U(t >> U(24)) + up) << U(1)) | U(w >> U(31)))
-        largest = max(largest, code)
-        codes[np.uint64(i - base)] = np.uint8(code)
-    return largest
-
-
-@jit
-def _quantize_natural(bits, start, stop, p, s, low, shift, scale, lift, seed, codes, base):  # pragma: no cover - compiled
-    """Codes of one bucket's values: y = min(fl32(|x|·P·S), 1). At or above 2^(1-s) (biased exponent ≥
-    ``low``), y = 2^e (1 + m) is C_nat-rounded between 2^e and 2^(e+1): up iff the hash's top 23 bits are
-    below the mantissa, k = s + e (+1); below, between 0 and 2^(1-s): up iff the 24-bit uniform is below
-    F = ⌊y·2^(s+23)⌋, computed as ⌊y·scale⌋·lift (see :func:`_below_factors`). code = 2k + sign.
-    Returns the largest code (see _quantize_standard)."""
-    largest = U(0)
-    for i in range(start, stop):
-        w = bits[np.uint64(i)]
-        y = min(_f32(U(w & U(0x7FFFFFFF))) * p * s, np.float32(1.0))
-        r = mix32(i, seed)
-        biased = U(_bits(y) >> U(23))
-        inside = U(U(biased + shift) + U(U(r >> U(9)) < U(_bits(y) & U(0x7FFFFF))))
-        outside = U(U(r >> U(8)) < mul32(U(min(y * scale, np.float32(2.0**24))), lift))
-        k = inside if biased >= low else outside
-        code = U(U(k << U(1)) | U(w >> U(31)))
-        largest = max(largest, code)
-        codes[np.uint64(i - base)] = np.uint8(code)
-    return largest
+    exponent = min(max(np.int64(_bits64(scale) >> np.uint64(52)) - 1023, -126), 127)
+    return np.float32(_pow2(exponent)), np.float32(scale * _pow2(-exponent))
 
 
 def _below_factors(levels: int) -> tuple[float, int]:
-    """(scale, lift) with ⌊y·scale⌋·lift = ⌊y·2^(s+23)⌋ for y < 2^(1-s): one float32 multiply (for
-    s > 104, where 2^(s+23) exceeds float32, lift = 2^(s-104) drops the probability's last bits)."""
-    shift = max(0, levels - 104)
-    return 2.0 ** (levels + 23 - shift), 1 << shift
+    """(scale, lift) with ⌊y·scale⌋·2^lift = ⌊y·2^(s+23)⌋ for y < 2^(1-s): one float32 multiply (for
+    s > 104, where 2^(s+23) exceeds float32, lift = s - 104 drops the probability's last bits)."""
+    lift = max(0, levels - 104)
+    return 2.0 ** (levels + 23 - lift), lift
 
 
-@jit
+@inline
+def _level_constants(levels, natural):  # pragma: no cover - compiled
+    """What :func:`_level` needs besides the bucket's (P, S): the clamp (s·2^24 standard, 1 natural),
+    the bit pattern of 2^(1-s), the exponent-to-level shift and :func:`_below_factors`."""
+    lift = max(0, levels - 104)
+    top = np.float32(1.0) if natural else np.float32(levels * 2.0**24)
+    low = U(U(128 - levels) << U(23))
+    return top, low, U(levels - 127), np.float32(2.0 ** (levels + 23 - lift)), U(lift)
+
+
+@inline
+def _level(w, p, s, partition, constants):  # pragma: no cover - compiled
+    """(k, F) for the float32 bit pattern ``w``: ξ rounds |x|/ν up from level k to the next with
+    probability F·2^-24 (F < 2^24).
+
+    STANDARD: t = min(fl32(fl32(|x|·P)·S), s·2^24) = (k + F·2^-24)·2^24. NATURAL: y = min(fl32(|x|·P·S),
+    1); at or above 2^(1-s), y = 2^e (1 + m·2^-23) lies between the levels 2^e (k = s + e) and 2^(e+1),
+    F = 2m (the C_nat step); below, between 0 (k = 0) and 2^(1-s), F = ⌊y·2^(s+23)⌋ (via
+    :func:`_below_factors`). BELOW: the same for a bucket whose every y is below 2^(1-s) (its largest
+    |x| shows it: large buckets, ν ≫ max |x|), without the other case's work.
+    """
+    top, low, shift, scale, lift = constants
+    magnitude = f32_from_bits(U(w & U(0x7FFFFFFF))) * p * s
+    if partition == STANDARD:
+        t = U(min(magnitude, top))
+        return U(t >> U(24)), U(t & U(0xFFFFFF))
+    if partition == BELOW:  # magnitude < 2^(1-s): magnitude·scale < 2^24
+        return U(0), U(U(magnitude * scale) << lift)
+    y = bits_of_f32(min(magnitude, top))
+    inside = y >= low
+    k = U(U(y >> U(23)) + shift) if inside else U(0)
+    below = U(U(min(f32_from_bits(y) * scale, np.float32(2.0**24))) << lift)  # (clamped where inside)
+    f = U(U(y & U(0x7FFFFF)) << U(1)) if inside else below
+    return k, f
+
+
+@inline
+def _all_below(largest, p, s, constants):  # pragma: no cover - compiled
+    """Whether a bucket whose largest |x| has bit pattern ``largest`` has every y below 2^(1-s)."""
+    top, low = constants[0], constants[1]
+    return bits_of_f32(min(f32_from_bits(largest) * p * s, top)) < low
+
+
+@inline
+def _quantize(bits, start, stop, p, s, partition, constants, u16, codes, base):  # pragma: no cover - compiled
+    """Codes 2(k + up) + sign of x[start:stop] (at ``codes[i - base]``), up iff the element's 16-bit
+    uniform u is below F's top 16 bits. Returns whether some u equalled them: :func:`_settle_ties`
+    then decides those."""
+    closest = U(1)
+    for i in range(start, stop):
+        w = bits[np.uint64(i)]
+        k, f = _level(w, p, s, partition, constants)
+        gap = U(U(u16[np.uint64(i - base)]) - U(f >> U(8)))  # ≥ 2^31 iff u < F / 2^8 (both < 2^16); 0: a tie
+        closest = min(closest, gap)
+        codes[np.uint64(i - base)] = np.uint8(U(U(U(k + U(gap >> U(31))) << U(1)) | U(w >> U(31))))
+    return closest == U(0)
+
+
+@inline
+def _settle_ties(bits, start, stop, p, s, partition, constants, u16, codes, base, tie_seed):  # pragma: no cover - compiled
+    """Where u equals F's top 16 bits (probability 2^-16), round up iff the top 8 bits of the hash of i
+    under ``tie_seed`` are below F's low 8 bits: P(up) = F·2^-24 exactly."""
+    for i in range(start, stop):
+        w = bits[i]
+        k, f = _level(w, p, s, partition, constants)
+        if U(u16[i - base]) == U(f >> U(8)):
+            up = U(U(mix32(i, tie_seed) >> U(24)) < U(f & U(0xFF)))
+            codes[i - base] = np.uint8(U(U(U(k + up) << U(1)) | U(w >> U(31))))
+
+
+@inline
+def _hash_words(first, count, seed, words):  # pragma: no cover - compiled
+    """words[j] = mix32(first + j, seed): two 16-bit uniforms each (element i's: half i & 1 of word
+    i >> 1), the index's multiply by GOLDEN carried along (:func:`mix32_from`)."""
+    h = mul32(U(first), GOLDEN)
+    for j in range(count):
+        words[j] = mix32_from(h, seed)
+        h = U(h + GOLDEN)
+
+
+# -- bit packing (8 codes per uint64 word, gradpress.bits' layout) -------------------------------------------
+@inline
+def _squeeze(v, bits):  # pragma: no cover - compiled
+    """Eight bytes (codes < 2^bits) → the low 8·bits bits, code j at bits [j·bits, (j+1)·bits)."""
+    b = np.uint64(bits)
+    ones, pairs = np.uint64(0x00FF00FF00FF00FF), np.uint64(0x0000FFFF0000FFFF)  # every other byte, 16-bit lane
+    v = (v & ones) | (((v >> np.uint64(8)) & ones) << b)  # codes 2m, 2m + 1 side by side in 16-bit lane m
+    v = (v & pairs) | (((v >> np.uint64(16)) & pairs) << (b + b))  # four codes per 32-bit lane
+    return (v & np.uint64(0xFFFFFFFF)) | ((v >> np.uint64(32)) << (np.uint64(4) * b))
+
+
+@inline
+def _spread(v, bits):  # pragma: no cover - compiled
+    """Inverse of :func:`_squeeze` (bits above 8·bits ignored)."""
+    b = np.uint64(bits)
+    if bits < 8:
+        v &= (np.uint64(1) << (np.uint64(8) * b)) - np.uint64(1)
+    quad = (np.uint64(1) << (np.uint64(4) * b)) - np.uint64(1)
+    v = (v & quad) | ((v >> (np.uint64(4) * b)) << np.uint64(32))
+    pair = np.uint64(0x0000000100000001) * ((np.uint64(1) << (b + b)) - np.uint64(1))
+    v = (v & pair) | (((v >> (b + b)) & pair) << np.uint64(16))
+    one = np.uint64(0x0001000100010001) * ((np.uint64(1) << b) - np.uint64(1))
+    return (v & one) | (((v >> b) & one) << np.uint64(8))
+
+
+@inline
 def _pack(codes, groups, bits, words, out, offset):  # pragma: no cover - compiled
     """Pack ``groups`` groups of 8 codes (``codes`` as uint64: code j of a group in byte j) at byte
     ``offset`` of ``out`` in :func:`gradpress.bits.pack_bits`' layout: a group's code j at bits
     [j·bits, (j+1)·bits) of its ``bits`` bytes. ``words`` is scratch for the packed groups."""
-    mask = np.uint64((1 << bits) - 1)
     for g in range(groups):  # vectorized over groups
-        v = codes[np.uint64(g)]
-        word = np.uint64(0)
-        for j in range(8):
-            word |= ((v >> np.uint64(8 * j)) & mask) << np.uint64(bits * j)
-        words[np.uint64(g)] = word
-    whole = max(0, min(groups, (out.size - offset - 8) // bits + 1))  # groups with 8 bytes of room
-    for g in range(whole):  # one 8-byte store each; the next group overwrites the top 8 - bits bytes
-        word = words[np.uint64(g)]
-        at = offset + g * bits
-        for q in range(8):
-            out[np.uint64(at + q)] = np.uint8(word >> np.uint64(8 * q))
+        words[g] = _squeeze(codes[g], bits)
+    if bits == 2 or bits == 4:  # whole 16- or 32-bit words: vectorized stores
+        whole = min(groups, (out.size - offset) // bits)
+        if bits == 2:
+            _narrow_stores(out[offset:offset + 2 * whole].view(np.uint16), words, whole)
+        else:
+            _narrow_stores(out[offset:offset + 4 * whole].view(np.uint32), words, whole)
+    else:  # one 8-byte store each; the next group overwrites the top 8 - bits bytes
+        whole = max(0, min(groups, (out.size - offset - 8) // bits + 1))  # groups with 8 bytes of room
+        for g in range(whole):
+            _store64(out, offset + g * bits, words[g])
     for g in range(whole, groups):
-        word = words[g]
         at = offset + g * bits
         for q in range(min(bits, out.size - at)):
-            out[at + q] = np.uint8(word >> np.uint64(8 * q))
+            out[at + q] = np.uint8(words[g] >> np.uint64(8 * q))
 
 
-@jit
-def _unpack(packed, offset, groups, bits, words, codes):  # pragma: no cover - compiled
-    """Inverse of :func:`_pack`."""
-    mask = np.uint64((1 << bits) - 1)
-    whole = max(0, min(groups, (packed.size - offset - 8) // bits + 1))
-    for g in range(whole):  # one 8-byte load each
-        at = offset + g * bits
-        word = np.uint64(0)
-        for q in range(8):
-            word |= np.uint64(packed[np.uint64(at + q)]) << np.uint64(8 * q)
-        words[np.uint64(g)] = word
+@inline
+def _narrow_stores(out, words, count):  # pragma: no cover - compiled
+    for g in range(count):
+        out[g] = words[g]
+
+
+@inline
+def _unpack(packed, offset, groups, bits, codes):  # pragma: no cover - compiled
+    """Inverse of :func:`_pack`, into ``codes`` (uint64 words of 8 byte codes)."""
+    if bits == 2 or bits == 4:  # whole 16- or 32-bit words: vectorized loads
+        whole = min(groups, (packed.size - offset) // bits)
+        if bits == 2:
+            _wide_loads(packed[offset:offset + 2 * whole].view(np.uint16), codes, whole)
+        else:
+            _wide_loads(packed[offset:offset + 4 * whole].view(np.uint32), codes, whole)
+    else:  # one 8-byte load each
+        whole = max(0, min(groups, (packed.size - offset - 8) // bits + 1))
+        for g in range(whole):
+            codes[g] = _load64(packed, offset + g * bits)
     for g in range(whole, groups):
         at = offset + g * bits
         word = np.uint64(0)
         for q in range(min(bits, packed.size - at)):
             word |= np.uint64(packed[at + q]) << np.uint64(8 * q)
-        words[g] = word
+        codes[g] = word
     for g in range(groups):  # vectorized over groups
-        word = words[np.uint64(g)]
-        v = np.uint64(0)
-        for j in range(8):
-            v |= ((word >> np.uint64(bits * j)) & mask) << np.uint64(8 * j)
-        codes[np.uint64(g)] = v
+        codes[g] = _spread(codes[g], bits)
 
 
+@inline
+def _wide_loads(packed, codes, count):  # pragma: no cover - compiled
+    for g in range(count):
+        codes[g] = np.uint64(packed[g])
+
+
+# -- the kernels ---------------------------------------------------------------------------------------------
 @jit
-def _encode_numba(x, power, cap, bucket, levels, natural, seed, code_bits, out, norms):  # pragma: no cover - compiled
-    """Quantize and pack ``x`` block by block; each bucket's norm (capped at ``cap``) is computed into
-    ``norms`` just before its first values are quantized, so a small bucket is read from cache."""
+def _encode_numba(x, power, cap, bucket, levels, natural, seed, tie_seed, code_bits, out, norms):  # pragma: no cover - compiled
+    """Quantize and pack ``x`` block by block: a block's hash words, then its values bucket segment by
+    bucket segment, then its codes. Each bucket's norm (capped at ``cap``) is computed into ``norms``
+    just before its first values are quantized, so a small bucket is read from cache. Returns False, at
+    once, if a bucket holds NaN or Inf (its largest |x| shows it)."""
+    wide_vectors()
     n = x.size
     bits = x.view(np.uint32)
     sums, scratch = _norm_scratch(bucket)
     codes = np.zeros(BLOCK // 8, dtype=np.uint64)  # a block's codes, 8 per word
     codes8 = codes.view(np.uint8)
-    words = np.empty(BLOCK // 8, dtype=np.uint64)
+    words = np.empty(BLOCK // 2, dtype=np.uint32)  # a block's hash words
+    u16 = words.view(np.uint16)
+    packed = np.empty(BLOCK // 8, dtype=np.uint64)
     c = 1.0 if natural else levels * 2.0**24
-    top = np.float32(levels * 2.0**24)
-    low = U(128 - levels)  # biased exponent of 2^(1-s)
-    shift = U(levels - 127)  # k = biased exponent + s - 127 (mod 2^32)
-    scale = np.float32(2.0 ** (levels + 23 - max(0, levels - 104)))  # _below_factors
-    lift = U(1 << max(0, levels - 104))
-    done = -1
+    constants = _level_constants(levels, natural)
+    done, largest = -1, U(0)  # the last bucket whose norm is known, its largest |x|
     for start in range(0, n, BLOCK):
         stop = min(n, start + BLOCK)
         if stop - start < BLOCK:
             codes[:] = 0
-        i = start
+        _hash_words(start >> 1, (stop - start + 1) >> 1, seed, words)
+        i, b = start, start // bucket
         while i < stop:
-            b = i // bucket
             end = min(stop, (b + 1) * bucket)
             if b > done:
-                norms[b] = min(_bucket_norm(x, b * bucket, min(n, (b + 1) * bucket), power, sums, scratch), cap)
+                norm, largest = _bucket_norm(bits, b * bucket, min(n, (b + 1) * bucket), power, sums, scratch)
+                if largest >= NON_FINITE:
+                    return False
+                norms[b] = min(norm, cap)
                 done = b
             p, s = _split_scale(norms[b], c)
-            if natural:
-                _quantize_natural(bits, i, end, p, s, low, shift, scale, lift, seed, codes8, start)
-            else:
-                _quantize_standard(bits, i, end, p, s, top, seed, codes8, start)
-            i = end
-        _pack(codes, (stop - start + 7) // 8, code_bits, words, out, start * code_bits // 8)
+            # each call with a constant partition, so that _level's other branches compile away
+            if not natural:
+                if _quantize(bits, i, end, p, s, STANDARD, constants, u16, codes8, start):
+                    _settle_ties(bits, i, end, p, s, STANDARD, constants, u16, codes8, start, tie_seed)
+            elif _all_below(largest, p, s, constants):
+                if _quantize(bits, i, end, p, s, BELOW, constants, u16, codes8, start):
+                    _settle_ties(bits, i, end, p, s, BELOW, constants, u16, codes8, start, tie_seed)
+            elif _quantize(bits, i, end, p, s, NATURAL, constants, u16, codes8, start):
+                _settle_ties(bits, i, end, p, s, NATURAL, constants, u16, codes8, start, tie_seed)
+            i, b = end, b + 1
+        _pack(codes, (stop - start + 7) // 8, code_bits, packed, out, start * code_bits // 8)
+    return True
 
 
-@jit
+@inline
 def _decode_segment(codes, base, start, stop, scale, levels, natural, out):  # pragma: no cover - compiled
     """±fl32(scale · k) (standard, scale = fl32(ν/s)) or ±ν·2^(k-s) (natural, scale = ν) per code."""
     for i in range(start, stop):
         c = U(codes[np.uint64(i - base)])
         k = U(c >> U(1))
-        if natural:
-            level = _f32(U(U(k + U(127 - levels)) << U(23))) if k != U(0) else np.float32(0.0)
+        if natural:  # (the sign or-ed into the bits, which measured faster here, slower below)
+            level = f32_from_bits(U(U(k + U(127 - levels)) << U(23))) if k != U(0) else np.float32(0.0)
+            out[np.uint64(i)] = f32_from_bits(U(bits_of_f32(scale * level) | U(c << U(31))))
         else:  # float32(k), exactly, in 32-bit lanes (2^23 + k has k as its mantissa)
-            level = _f32(U(k | U(0x4B000000))) - np.float32(2.0**23)
-        value = scale * level
-        out[np.uint64(i)] = -value if c & U(1) else value
+            value = scale * (f32_from_bits(U(k | U(0x4B000000))) - np.float32(2.0**23))
+            out[np.uint64(i)] = -value if c & U(1) else value
 
 
 @jit
-def _decode_numba(packed, scales, bucket, levels, natural, code_bits, out):  # pragma: no cover - compiled
+def _decode_numba(packed, norms, bucket, levels, natural, code_bits, out):  # pragma: no cover - compiled
+    """Unpack and decode block by block, bucket segment by bucket segment (:func:`_decode_segment`)."""
+    wide_vectors()
     n = out.size
-    codes = np.zeros(BLOCK // 8, dtype=np.uint64)
+    codes = np.empty(DECODE_BLOCK // 8, dtype=np.uint64)
     codes8 = codes.view(np.uint8)
-    words = np.empty(BLOCK // 8, dtype=np.uint64)
-    for start in range(0, n, BLOCK):
-        stop = min(n, start + BLOCK)
-        _unpack(packed, start * code_bits // 8, (stop - start + 7) // 8, code_bits, words, codes)
-        i = start
+    scales = norms if natural else np.empty(norms.size, dtype=np.float32)
+    if not natural:
+        for b in range(norms.size):  # fl32(ν/s), as the torch path has it
+            scales[b] = np.float32(np.float64(norms[b]) / levels)
+    for start in range(0, n, DECODE_BLOCK):
+        stop = min(n, start + DECODE_BLOCK)
+        _unpack(packed, start * code_bits // 8, (stop - start + 7) // 8, code_bits, codes)
+        i, b = start, start // bucket
         while i < stop:
-            b = i // bucket
             end = min(stop, (b + 1) * bucket)
-            _decode_segment(codes8, start, i, end, scales[b], levels, natural, out)
-            i = end
+            if natural:
+                _decode_segment(codes8, start, i, end, scales[b], levels, True, out)
+            else:
+                _decode_segment(codes8, start, i, end, scales[b], levels, False, out)
+            i, b = end, b + 1
+
+
+# -- the torch implementation --------------------------------------------------------------------------------
+def _uniforms_torch(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Element i's 16-bit uniform, half i & 1 of mix32(i >> 1, seed) (as :func:`_hash_words`), int64."""
+    words = mix32_torch(torch.arange((n + 1) // 2, dtype=torch.int64, device=device), seed)
+    return torch.stack([words & 0xFFFF, words >> 16], dim=1).reshape(-1)[:n]
 
 
 def _codes_torch(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, levels: int, natural: bool,
-                 seed: int) -> torch.Tensor:
-    """Code (2k + sign) of every value: the torch twin of :func:`_quantize_standard` / ``_natural``."""
-    words = mix32_torch(torch.arange(x.numel(), dtype=torch.int64, device=x.device), seed)
+                 seed: int, tie_seed: int) -> torch.Tensor:
+    """Code (2k + sign) of every value: the torch twin of :func:`_level`, :func:`_quantize` and
+    :func:`_settle_ties` (``p``, ``s`` per value)."""
     t = x.abs() * p * s
     if natural:
         y = t.clamp_max(1.0)
         bits = y.view(torch.int32).long()
         biased = bits >> 23
-        inside = biased + (levels - 127) + ((words >> 9) < (bits & 0x7FFFFF)).long()
+        inside = biased >= 128 - levels
         scale, lift = _below_factors(levels)
-        outside = ((words >> 8) < ((y * scale).clamp_max(2.0**24).long() * lift)).long()
-        k = torch.where(biased >= 128 - levels, inside, outside)
+        k = torch.where(inside, biased + (levels - 127), 0)
+        f = torch.where(inside, (bits & 0x7FFFFF) << 1, (y * scale).clamp_max(2.0**24).long() << lift)
     else:
         t = t.clamp_max(levels * 2.0**24).long()
-        k = (t >> 24) + ((words >> 8) < (t & 0xFFFFFF)).long()
-    return (k << 1) | (x.view(torch.int32) < 0).long()
+        k, f = t >> 24, t & 0xFFFFFF
+    u = _uniforms_torch(x.numel(), seed, x.device)
+    up = u < f >> 8
+    tie = u == f >> 8
+    if bool(tie.any()):
+        index = tie.nonzero()[:, 0]
+        up[index] = (mix32_torch(index, tie_seed) >> 24) < (f[index] & 0xFF)
+    return ((k + up.long()) << 1) | (x.view(torch.int32) < 0).long()
 
 
 def _values_torch(codes: torch.Tensor, scales: torch.Tensor, levels: int, natural: bool) -> torch.Tensor:
@@ -443,7 +612,7 @@ def _values_torch(codes: torch.Tensor, scales: torch.Tensor, levels: int, natura
     return torch.where(codes & 1 == 1, -values, values)
 
 
-# -- the mechanism ------------------------------------------------------------------------------------------------
+# -- the mechanism -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Dithering:
     """General dithering D_gen^{C,p,s} (Def. 3) with buckets; shared by ``dither``, ``qsgd``, ``terngrad``.
@@ -491,26 +660,34 @@ class Dithering:
         count = self.buckets(numel)[1]
         return packed_nbytes(numel, self.code_bits) + (count + 1 if self.natural_norm else 4 * count)
 
-    def compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
+    def compress(self, flat: torch.Tensor, ctx: Context, where: str = "dither") -> Packet:
+        """Encode ``flat``; NaN or Inf in it raise NonFiniteError, reported as ``where``'s."""
         x = flat if flat.dtype == torch.float32 else flat.float()
         size, count = self.buckets(x.numel())
+        numba = use_numba(x)
+        if not numba:
+            check_finite(flat, where)
         # TernGrad clips |x_i| at c·σ: the clipped values' max norm is min(max|x|, c·σ), and the
         # encoder's clamp to the top level then clips every larger |x_i|
         cap = self._threshold(x) if self.clip else math.inf
         natural = self.partition == "natural"
-        seed = ctx.private_seed("dither")
-        if use_numba(x):
+        seed, tie_seed = ctx.private_seed("dither"), ctx.private_seed("dither/ties")
+        if numba:
             norms = torch.empty(count, dtype=torch.float32)
             codes = torch.empty(packed_nbytes(x.numel(), self.code_bits), dtype=torch.uint8)
-            _encode_numba(as_numpy(x), _power(self.norm), np.float32(cap), size, self.levels, natural,
-                          U(seed32(seed)), self.code_bits, as_numpy(codes), as_numpy(norms))
+            finite = _encode_numba(as_numpy(x), _power(self.norm), np.float32(cap), size, self.levels,
+                                   natural, U(seed32(seed)), U(seed32(tie_seed)), self.code_bits,
+                                   as_numpy(codes), as_numpy(norms))
+            if not finite:
+                check_finite(flat, where)
+                raise AssertionError("the encoder saw NaN/Inf that check_finite does not")
             _check_norms(norms, self.norm)
         else:
             n = x.numel()
             norms = bucket_norms(x, self.norm, size).clamp_max(cap)
             p, s = bucket_scales(norms, self.levels, natural)
             k = _codes_torch(x, p.repeat_interleave(size)[:n], s.repeat_interleave(size)[:n], self.levels,
-                             natural, seed)
+                             natural, seed, tie_seed)
             codes = pack_bits(k.to(torch.uint8), self.code_bits)
         wire_norms: torch.Tensor | Packet = norms
         if self.natural_norm:
@@ -523,13 +700,13 @@ class Dithering:
         norms = packet.tensors["norms"]
         norms = Natural().decompress(norms) if isinstance(norms, Packet) else norms
         natural = self.partition == "natural"
-        scales = norms if natural else (norms.double() / self.levels).float()
         codes = packet["codes"]
         if use_numba(codes):
             out = torch.empty(n, dtype=torch.float32)
-            _decode_numba(as_numpy(codes), as_numpy(scales.contiguous()), size, self.levels, natural,
+            _decode_numba(as_numpy(codes), as_numpy(norms.contiguous()), size, self.levels, natural,
                           self.code_bits, as_numpy(out))
             return out
+        scales = norms if natural else (norms.double() / self.levels).float()
         codes = unpack_bits(codes, self.code_bits, n).long()
         return _values_torch(codes, scales.repeat_interleave(size)[:n], self.levels, natural)
 
@@ -543,18 +720,19 @@ class Dithering:
         return float(np.float32(self.clip * sigma))
 
 
-# -- the compressors --------------------------------------------------------------------------------------------
+# -- the compressors -----------------------------------------------------------------------------------------
 class _Dithered(Compressor):
     """A registered method that is one instance of :class:`Dithering` (built from its spec keys)."""
 
     unbiased = True
+    checks_finite = True
     mechanism: Dithering
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return self.mechanism.nbytes(numel)
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
-        return self.mechanism.compress(flat, ctx)
+        return self.mechanism.compress(flat, ctx, self.spec)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         return self.mechanism.decompress(packet)

@@ -4,7 +4,9 @@ Most gradient values lie in (−1, 1), and those close to 0 matter least. INCEPT
 each value, one of four representations named by a 2-bit tag: 32 bits (|x| ≥ 1, sent as is), 16 bits,
 8 bits, or 0 bits (|x| below the error bound ε: nothing is sent, it decodes to 0). The 16- and 8-bit
 forms are fixed point, so a value below 1 keeps only the bits that matter at the bound. The paper does
-this in the NIC's FPGA; here numba kernels do it on the CPU, torch elsewhere (same bytes). With ε = 2^-k:
+this in the NIC's FPGA; here numba kernels do it on the CPU (in 512-bit vectors of 16 elements where
+the CPU has AVX-512 VBMI2's byte compress/expand, see :mod:`.inceptionn_simd`, portable loops
+elsewhere), torch on other devices, all writing the same bytes. With ε = 2^-k:
 
 ==== ===================== ============================================= ===============
 tag  range of |x|          payload                                       error
@@ -17,21 +19,26 @@ tag  range of |x|          payload                                       error
 
 ε = 2^-10 by default, the bound the paper found to keep accuracy; the error is below ε everywhere.
 
-Wire: the tags packed 4 to a byte (element i at bits 2·(i mod 4)), and one byte stream with each
-element's payload after the previous one's (multi-byte payloads little-endian): 2 + 8, 16 or 32 bits
-per element, variable size. Deterministic, biased; GRACE Table 1 runs it without error feedback.
+Wire: the tags packed 4 to a byte (element i at bits 2·(i mod 4), unused slots 0), and one byte
+stream with each element's payload after the previous one's (multi-byte payloads little-endian): 2 + 8,
+16 or 32 bits per element, variable size. The encoder first finds the stream's size from the tags, so
+it allocates it exactly; the decoder rejects a stream whose size the tags do not call for.
+Deterministic, biased; GRACE Table 1 runs it without error feedback.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+from numba import njit
 
 from gradpress._numba import as_numpy, jit, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, register
+from gradpress.compressor import Compressor, check_finite, register
+from gradpress.compressors import inceptionn_simd as simd
 from gradpress.compressors.onebit import as_float32
 from gradpress.packet import Packet
 from gradpress.rng import Context
@@ -49,6 +56,7 @@ class INCEPTIONN(Compressor):
 
     error_bound: float = 2.0**-10
     examples = ("inceptionn:error_bound=1/128", "inceptionn:error_bound=1/32768")
+    checks_finite = True  # the numba kernel's first pass spots NaN/Inf; the torch path checks first
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,14 +79,26 @@ class INCEPTIONN(Compressor):
         x = as_float32(flat)
         n = x.numel()
         if use_numba(x):
-            tags = torch.empty(packed_nbytes(n, 2), dtype=torch.uint8)
-            payload = torch.empty(4 * n + 4, dtype=torch.uint8)
-            size = _encode(as_numpy(x), np.float32(self.error_bound), as_numpy(tags), as_numpy(payload))
-            return Packet({"tags": tags, "payload": payload[:size].clone()}, flat.shape, flat.dtype)
+            return self._compress_numba(flat, x)
+        check_finite(flat, self.spec)
         tag = self.tags(x)
         words = self._words(x, tag).view(torch.uint8).view(n, 4)  # little-endian bytes of each word
         keep = torch.arange(4, device=x.device) < _payload_bytes(tag).unsqueeze(1)
         return Packet({"tags": pack_bits(tag, 2), "payload": words[keep]}, flat.shape, flat.dtype)
+
+    def _compress_numba(self, flat: torch.Tensor, x: torch.Tensor) -> Packet:
+        """The numba kernels' two passes: the tags and the payload's size (NaN/Inf show there), then
+        the payload."""
+        bits = as_numpy(x).view(np.uint32)
+        eps_bits, coarse_bits = _limits(self.error_bound)
+        tags = torch.empty(packed_nbytes(x.numel(), 2), dtype=torch.uint8)
+        size = KERNELS.encode_tags(bits, eps_bits, coarse_bits, as_numpy(tags))
+        if size < 0:
+            check_finite(flat, self.spec)
+            raise AssertionError("the encoder saw NaN/Inf that check_finite does not")
+        payload = torch.empty(size, dtype=torch.uint8)
+        KERNELS.encode_payload(bits, eps_bits, coarse_bits, as_numpy(payload))
+        return Packet({"tags": tags, "payload": payload}, flat.shape, flat.dtype)
 
     def _words(self, x: torch.Tensor, tag: torch.Tensor) -> torch.Tensor:
         """Each element's payload in the low bytes of an int32 (torch path)."""
@@ -89,16 +109,18 @@ class INCEPTIONN(Compressor):
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         n = packet.numel
-        payload = packet["payload"]
+        tags, payload = packet["tags"], packet["payload"]
+        if tags.numel() != packed_nbytes(n, 2):
+            raise ValueError(f"{self.spec}: {tags.numel()} tag bytes cannot hold {n} tags")
         if use_numba(payload):
             out = torch.empty(n, dtype=torch.float32)
-            padded = np.zeros(payload.numel() + 4, dtype=np.uint8)  # words read past the end stay in bounds
-            padded[:payload.numel()] = as_numpy(payload)
-            _decode_kernel(as_numpy(packet["tags"]), _value_table(self.error_bound, 8),
-                           _FINE_FLOATS, padded, as_numpy(out))
+            read = KERNELS.decode(as_numpy(tags), as_numpy(payload), np.float32(self.error_bound),
+                                  as_numpy(out).view(np.uint32))
+            self._check_payload(read, payload)
             return out
-        tag = unpack_bits(packet["tags"], 2, n)
+        tag = unpack_bits(tags, 2, n)
         size = _payload_bytes(tag)
+        self._check_payload(int(size.sum()), payload)
         start = torch.cumsum(size, 0) - size
         padded = torch.cat([payload, payload.new_zeros(4)]).to(torch.int64)
         word = sum(padded[start + k] << (8 * k) for k in range(4))
@@ -107,6 +129,11 @@ class INCEPTIONN(Compressor):
         value = torch.where(tag == 1, _signed(small, word >> 7 & 1), _signed(fine, word >> 15 & 1))
         raw = (word & 0xFFFFFFFF).to(torch.int64).to(torch.int32).view(torch.float32)
         return torch.where(tag == 3, raw, torch.where(tag == 0, 0.0, value))
+
+    def _check_payload(self, expected: int, payload: torch.Tensor) -> None:
+        if expected != payload.numel():
+            raise ValueError(f"{self.spec}: the tags call for {expected} payload bytes, the packet has "
+                             f"{payload.numel()}")
 
 
 def _payload_bytes(tag: torch.Tensor) -> torch.Tensor:
@@ -117,101 +144,237 @@ def _signed(magnitude: torch.Tensor, sign_bit: torch.Tensor) -> torch.Tensor:
     return torch.where(sign_bit.bool(), -magnitude, magnitude)
 
 
-BLOCK = 4096  # elements per block: the kernels' scratch stays in the L1/L2 cache
+# -- portable numba kernels ------------------------------------------------------------------------
+# Pass 1 writes the packed tags and sums the payload's size (and spots NaN/Inf), so the payload is
+# allocated at its exact size; pass 2 writes the payloads one after another. Both go block by block:
+# branch-free loops that the compiler vectorizes (tags and payload words by selects on comparisons
+# of the magnitude bits, never a branch on data) fill small scratch arrays, and a scalar loop moves
+# the variable-size payloads, two elements' as one 8-byte store at the running position, which then
+# advances by their size. Decoding mirrors it. Integers are cast back to their width after every
+# operation (numba widens to 64 bits) so the loops vectorize over 32-bit lanes.
+BLOCK = 4096  # elements per block, a multiple of 4 (a tag byte never straddles two blocks)
+U8, U32, U64 = np.uint8, np.uint32, np.uint64
+ONE = U32(0x3F800000)  # the bits of 1.0f: |x| ≥ 1 exactly when its magnitude bits are at least this
+NON_FINITE = U32(0x7F800000)  # magnitude bits from here up: Inf or NaN
+MAGNITUDE = U32(0x7FFFFFFF)
+SIGN = U32(0x80000000)
+inline = njit(cache=True, nogil=True, inline="always")
+
+
+def _limits(eps: float) -> tuple[np.uint32, np.uint32]:
+    """The bits of ε and 128·ε: comparing magnitude bits (|x|'s bits) orders the magnitudes."""
+    eps_bits, coarse_bits = np.array([eps, 128 * eps], dtype=np.float32).view(np.uint32)
+    return eps_bits, coarse_bits
+
+
+@inline
+def _tag(m, e, c):  # pragma: no cover - compiled
+    """The tag (uint8) of magnitude bits ``m``."""
+    return U8(3) if m >= ONE else (U8(2) if m >= c else (U8(1) if m >= e else U8(0)))
+
+
+@inline
+def _size(tag):  # pragma: no cover - compiled
+    """Payload bytes of a tag: 0, 1, 2, 4."""
+    return U8(4) if tag == U8(3) else tag
 
 
 @jit
-def _encode(x, eps, tags, payload):  # pragma: no cover - compiled
-    """Tags packed 4 per byte and payloads appended to one byte stream; returns the stream's length.
-
-    Block by block: first every element's tag and payload word, then the words appended, each written
-    as 4 bytes at the stream's end, which advances by the payload's size (0, 1, 2 or 4 bytes; no
-    branch), then the block's tags packed.
-    """
-    n = x.size
-    bits = x.view(np.int32)
-    words = np.empty(BLOCK, dtype=np.int64)
-    tag_of = np.empty(BLOCK, dtype=np.uint8)
-    size = 0
+def _encode_tags(bits, e, c, tags):  # pragma: no cover - compiled
+    """Pass 1: the packed tags; returns the payload's bytes, or -1 if an element is NaN or Inf."""
+    n = bits.size
+    tag_of = np.zeros(BLOCK, dtype=np.uint8)
+    bad = False
+    total = 0
     for start in range(0, n, BLOCK):
         count = min(BLOCK, n - start)
-        _words(x[start:start + count], bits[start:start + count], eps, words, tag_of)
-        for i in range(count):
-            word = words[i]
-            tag = np.int64(tag_of[i])
-            payload[size] = word & 0xFF
-            payload[size + 1] = (word >> 8) & 0xFF
-            payload[size + 2] = (word >> 16) & 0xFF
-            payload[size + 3] = (word >> 24) & 0xFF
-            size += tag + (tag >> 1) * (tag & 1)  # 0, 1, 2, 4
-        tag_of[count:(count + 3) // 4 * 4] = 0  # the last byte's unused slots
-        for j in range((count + 3) // 4):
-            tags[start // 4 + j] = (tag_of[4 * j] | (tag_of[4 * j + 1] << 2) | (tag_of[4 * j + 2] << 4)
-                                    | (tag_of[4 * j + 3] << 6))
-    return size
+        groups = (count + 3) // 4
+        bad |= _tag_block(bits[start:start + count], e, c, tag_of)
+        tag_of[count:4 * groups] = 0  # the last byte's unused slots
+        total += _pack_tags(tag_of[:4 * groups], tags[start // 4:start // 4 + groups])
+    return -1 if bad else total
 
 
 @jit
-def _words(x, bits, eps, words, tag_of):  # pragma: no cover - compiled
-    """Each element's tag and payload word (in its low bytes). Tags 0 and 1 (the bulk of a gradient)
-    are told apart without a branch; the rare |x| ≥ 128·ε takes one, well predicted."""
-    inverse = np.float32(1.0) / eps
-    coarse_limit = np.float32(128.0) * eps
-    for i in range(x.size):
-        v = x[i]
-        a = abs(v)
-        sign = np.int64(v < 0)
-        tag = np.int64(a >= eps)
-        word = (np.int64(min(a, coarse_limit) * inverse) & 0x7F) | (sign << 7)
-        if a >= coarse_limit:
-            if a < np.float32(1.0):
-                tag = 2
-                word = np.int64(a * np.float32(32768.0)) | (sign << 15)
-            else:
-                tag = 3
-                word = np.int64(bits[i]) & 0xFFFFFFFF
-        words[i] = word
-        tag_of[i] = tag
-
-
-def _value_table(step: float, bits: int) -> np.ndarray:
-    """±(m + ½)·step (float32) for every ``bits``-bit code, the sign in the top bit."""
-    code = np.arange(2**bits)
-    magnitude = ((code & (2 ** (bits - 1) - 1)) + 0.5) * step
-    return np.where(code >> (bits - 1), -magnitude, magnitude).astype(np.float32)
-
-
-_FINE_FLOATS = _value_table(FINE_STEP, 16)
+def _tag_block(bits, e, c, tag_of):  # pragma: no cover - compiled
+    """Each element's tag; True if one is NaN or Inf."""
+    bad = False
+    for i in range(bits.size):
+        m = U32(bits[i] & MAGNITUDE)
+        tag_of[i] = _tag(m, e, c)
+        bad |= m >= NON_FINITE
+    return bad
 
 
 @jit
-def _decode_kernel(tags, small_table, fine_table, payload, out):  # pragma: no cover - compiled
-    """Each element reads its payload at the running position (``payload`` is padded by 4); tags 0
-    and 1 decode without a branch, the rare 2 and 3 take one; a float32 payload is written through the
-    output's bit view."""
-    n = out.size
-    out_bits = out.view(np.uint32)
-    tag_of = np.empty(BLOCK, dtype=np.uint8)
+def _pack_tags(tag_of, tags):  # pragma: no cover - compiled
+    """Four tags a byte (element 4j + k at bits 2k of byte j); returns their payload bytes."""
+    total = U32(0)
+    for j in range(tags.size):
+        t0, t1, t2, t3 = tag_of[4 * j], tag_of[4 * j + 1], tag_of[4 * j + 2], tag_of[4 * j + 3]
+        tags[j] = U8(t0 | U8(t1 << U8(2)) | U8(t2 << U8(4)) | U8(t3 << U8(6)))
+        total += U32(U8(U8(_size(t0) + _size(t1)) + U8(_size(t2) + _size(t3))))
+    return total
+
+
+@inline
+def _word(b, e, c, inverse):  # pragma: no cover - compiled
+    """An element's payload word (uint32, zero above its size) and its size, from its bits ``b``."""
+    m = U32(b & MAGNITUDE)
+    clamped = U32(min(m, ONE)).view(np.float32)  # ≤ 1: the conversions below never overflow
+    sign = U32(b & SIGN)
+    small = U32(U32(np.int32(clamped * inverse)) | U32(sign >> U32(24)))
+    fine = U32(U32(np.int32(clamped * np.float32(32768.0))) | U32(sign >> U32(16)))
+    word = b if m >= ONE else (fine if m >= c else (small if m >= e else U32(0)))
+    size = U8(4) if m >= ONE else (U8(2) if m >= c else (U8(1) if m >= e else U8(0)))
+    return word, size
+
+
+@jit
+def _encode_payload(bits, e, c, payload):  # pragma: no cover - compiled
+    """Pass 2: every element's payload, in order, block by block."""
+    n = bits.size
+    inverse = np.float32(1.0) / np.uint32(e).view(np.float32)  # 1/ε, a power of two
+    words = np.zeros(BLOCK + 1, dtype=np.uint32)  # one more: an odd block's last pair
+    sizes = np.zeros(BLOCK + 1, dtype=np.uint8)
     position = 0
     for start in range(0, n, BLOCK):
         count = min(BLOCK, n - start)
-        for j in range((count + 3) // 4):
-            t = tags[start // 4 + j]
-            tag_of[4 * j] = t & 3
-            tag_of[4 * j + 1] = (t >> 2) & 3
-            tag_of[4 * j + 2] = (t >> 4) & 3
-            tag_of[4 * j + 3] = t >> 6
-        for k in range(count):
-            i = start + k
-            tag = np.int64(tag_of[k])
-            b0 = np.int64(payload[position])
-            value = small_table[b0]
-            out[i] = value if tag == 1 else np.float32(0.0)
-            if tag >= 2:
-                b1 = np.int64(payload[position + 1])
-                if tag == 2:
-                    out[i] = fine_table[b0 | (b1 << 8)]
-                else:
-                    out_bits[i] = (b0 | (b1 << 8) | (np.int64(payload[position + 2]) << 16)
-                                   | (np.int64(payload[position + 3]) << 24))
-            position += tag + (tag >> 1) * (tag & 1)  # 0, 1, 2, 4
+        _word_block(bits[start:start + count], e, c, inverse, words, sizes)
+        words[count], sizes[count] = 0, 0
+        end = position + _total(sizes[:count])
+        if end + 8 <= payload.size:
+            _store_pairs(words[:count + 1], sizes[:count + 1], payload[position:])
+        else:  # near the payload's end: byte by byte
+            _store_bytes(words[:count], sizes[:count], payload[position:end])
+        position = end
+
+
+@jit
+def _total(sizes):  # pragma: no cover - compiled
+    """The sum of payload sizes."""
+    total = 0
+    for i in range(sizes.size):
+        total += U32(sizes[i])
+    return total
+
+
+@jit
+def _word_block(bits, e, c, inverse, words, sizes):  # pragma: no cover - compiled
+    """Every element's payload word and size."""
+    for i in range(bits.size):
+        words[i], sizes[i] = _word(bits[i], e, c, inverse)
+
+
+@jit
+def _store_pairs(words, sizes, payload):  # pragma: no cover - compiled
+    """Elements 2p and 2p + 1's payloads as one word, stored as 8 bytes at the running position,
+    which then advances by the two payloads' size (``payload`` has 8 bytes to spare)."""
+    position = U64(0)
+    for p in range(words.size // 2):
+        first = U64(sizes[2 * p])
+        pair = U64(words[2 * p]) | (U64(words[2 * p + 1]) << (first * U64(8)))
+        for k in range(8):  # merged into one store
+            payload[position + U64(k)] = U8(pair >> U64(8 * k))
+        position += first + U64(sizes[2 * p + 1])
+
+
+@jit
+def _store_bytes(words, sizes, payload):  # pragma: no cover - compiled
+    """The payloads byte by byte (``payload`` holds exactly them)."""
+    position = U64(0)
+    for i in range(words.size):
+        for k in range(sizes[i]):
+            payload[position + U64(k)] = U8(words[i] >> U32(8 * k))
+        position += U64(sizes[i])
+
+
+@inline
+def _value(tag, word, eps):  # pragma: no cover - compiled
+    """The float32 bits an element decodes to from its tag and payload word (table in the docstring)."""
+    small = (np.float32(U32(word & U32(0x7F))) + np.float32(0.5)) * eps
+    fine = (np.float32(U32(word & U32(0x7FFF))) + np.float32(0.5)) * np.float32(FINE_STEP)
+    small_bits = U32(np.float32(small).view(np.uint32) | U32(U32(word << U32(24)) & SIGN))
+    fine_bits = U32(np.float32(fine).view(np.uint32) | U32(U32(word << U32(16)) & SIGN))
+    return word if tag == U8(3) else (fine_bits if tag == U8(2) else (small_bits if tag == U8(1) else U32(0)))
+
+
+@jit
+def _decode(tags, payload, eps, out_bits):  # pragma: no cover - compiled
+    """Inverse of the two passes; returns the payload bytes the tags call for (the caller checks it
+    is all of them; reads never pass the payload's end)."""
+    n = out_bits.size
+    tag_of = np.zeros(BLOCK, dtype=np.uint8)
+    sizes = np.zeros(BLOCK, dtype=np.uint8)
+    words = np.zeros(BLOCK, dtype=np.uint32)
+    position = 0
+    for start in range(0, n, BLOCK):
+        count = min(BLOCK, n - start)
+        groups = (count + 3) // 4
+        _unpack_tags(tags[start // 4:start // 4 + groups], tag_of, sizes)
+        total = _total(sizes[:count])
+        if position + total + 4 <= payload.size:
+            _load_words(payload[position:], sizes[:count], words)
+        elif position <= payload.size:  # near the payload's end: byte by byte
+            _load_bytes(payload[position:], sizes[:count], words)
+        _values(tag_of[:count], words, eps, out_bits[start:start + count])
+        position += total
+    return position
+
+
+@jit
+def _unpack_tags(tags, tag_of, sizes):  # pragma: no cover - compiled
+    """Tags and payload sizes of the elements of ``tags``' bytes."""
+    for j in range(tags.size):
+        t = tags[j]
+        for k in range(4):
+            tag = U8(U8(t >> U8(2 * k)) & U8(3))
+            tag_of[4 * j + k] = tag
+            sizes[4 * j + k] = _size(tag)
+
+
+@jit
+def _load_words(payload, sizes, words):  # pragma: no cover - compiled
+    """Each element's word, read as 4 bytes at the running position (``payload`` has 4 to spare)."""
+    position = U64(0)
+    for i in range(sizes.size):
+        words[i] = U32(U32(payload[position]) | U32(U32(payload[position + U64(1)]) << U32(8))
+                       | U32(U32(payload[position + U64(2)]) << U32(16))
+                       | U32(U32(payload[position + U64(3)]) << U32(24)))
+        position += U64(sizes[i])
+
+
+@jit
+def _load_bytes(payload, sizes, words):  # pragma: no cover - compiled
+    """Each element's word byte by byte, never past the payload's end."""
+    position = U64(0)
+    for i in range(sizes.size):
+        word = U32(0)
+        for k in range(sizes[i]):
+            if position + U64(k) < payload.size:
+                word |= U32(U32(payload[position + U64(k)]) << U32(8 * k))
+        words[i] = word
+        position += U64(sizes[i])
+
+
+@jit
+def _values(tag_of, words, eps, out_bits):  # pragma: no cover - compiled
+    """Every element's float32 bits."""
+    for i in range(out_bits.size):
+        out_bits[i] = _value(tag_of[i], words[i], eps)
+
+
+class Kernels(NamedTuple):
+    """One implementation of the numba coding, on float32 bits (uint32 arrays):
+    ``encode_tags(bits, eps_bits, coarse_bits, tags)`` packs the tags and returns the payload's bytes
+    (-1 if an element is NaN or Inf), ``encode_payload(bits, eps_bits, coarse_bits, payload)`` fills
+    the payload, ``decode(tags, payload, ε, out_bits)`` returns the payload bytes the tags call for."""
+
+    encode_tags: Callable[..., int]
+    encode_payload: Callable[..., None]
+    decode: Callable[..., int]
+
+
+PORTABLE = Kernels(_encode_tags, _encode_payload, _decode)
+VECTOR = Kernels(simd.encode_tags, simd.encode_payload, simd.decode)
+KERNELS = VECTOR if simd.AVAILABLE else PORTABLE  # the same bytes; VECTOR needs AVX-512 VBMI2
