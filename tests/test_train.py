@@ -25,7 +25,9 @@ def test_gradpress_hook_trains_and_records_every_step(tmp_path):
     run = train(config(compressor="qsgd"), tmp_path / "run.json", progress=False)
     assert (tmp_path / "run.json").exists()
     assert [s.step for s in run.steps] == list(range(1, 13))
-    assert all(s.samples == 64 and s.bytes_sent > 0 and s.compute_s > 0 for s in run.steps)
+    assert all(s.samples == 64 and s.bytes_sent > 0 and s.compute_s >= 0 for s in run.steps)
+    # the first steps also pay for connecting and loading compiled kernels, booked as compression
+    assert all(s.compute_s > 0 for s in run.steady_steps)
     assert [e.step for e in run.evals] == [0, 6, 12]
     assert run.metric == "accuracy" and run.evals[-1].value > run.evals[0].value
     # qsgd: 6 bits per value + 4 bytes per bucket of 512, for each parameter tensor
