@@ -12,6 +12,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
@@ -53,6 +54,26 @@ def mul32(typingctx, a, b):  # pragma: no cover - compiled
         return builder.mul(args[0], args[1])
 
     return signature, codegen
+
+
+def _bitcast(result, argument, llvm_type):  # noqa: ANN001, ANN202
+    """An intrinsic reinterpreting an ``argument``-typed value's bits as ``result`` (no conversion)."""
+
+    @intrinsic
+    def cast(typingctx, value):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], llvm_type)
+
+        return result(argument), codegen
+
+    return cast
+
+
+#: bit casts between floats and their IEEE 754 patterns, for kernels that work on exponents and mantissas
+f32_from_bits = _bitcast(types.float32, types.uint32, ir.FloatType())
+bits_of_f32 = _bitcast(types.uint32, types.float32, ir.IntType(32))
+f64_from_bits = _bitcast(types.float64, types.uint64, ir.DoubleType())
+bits_of_f64 = _bitcast(types.uint64, types.float64, ir.IntType(64))
 
 
 @njit(cache=True, inline="always")

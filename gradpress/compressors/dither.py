@@ -49,11 +49,11 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from gradpress._numba import as_numpy, jit, mix32, mul32, use_numba
+from gradpress._numba import (as_numpy, bits_of_f32, bits_of_f64, f32_from_bits, f64_from_bits, jit, mix32, mul32,
+                              use_numba)
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
-from gradpress.compressors.natural import (GOLDEN, Natural, bits_of_f32, f32_from_bits, mix32_from,
-                                          wide_vectors)
+from gradpress.compressors.natural import GOLDEN, Natural, mix32_from, wide_vectors
 from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch, seed32
 
@@ -71,29 +71,7 @@ STANDARD, NATURAL, BELOW = 0, 1, 2  # how _level rounds (BELOW: natural, every v
 inline = njit(cache=True, nogil=True, inline="always")
 
 
-# -- float bit casts and unaligned words (numba) -------------------------------------------------------------
-@intrinsic
-def _f64(typingctx, bits):  # pragma: no cover - compiled
-    """The float64 with bit pattern ``bits`` (uint64)."""
-    sig = types.float64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits64(typingctx, value):  # pragma: no cover - compiled
-    """The bit pattern of a float64, as uint64."""
-    sig = types.uint64(types.float64)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-
-    return sig, codegen
-
-
+# -- unaligned words (numba) ----------------------------------------------------------------------------------
 def _byte_pointer(context, builder, array_type, array, offset):  # pragma: no cover - compiled
     data = context.make_array(array_type)(context, builder, array).data
     return builder.bitcast(builder.gep(data, [offset]), ir.IntType(64).as_pointer())
@@ -126,7 +104,7 @@ def _store64(typingctx, array, offset, value):  # pragma: no cover - compiled
 @inline
 def _pow2(exponent):  # pragma: no cover - compiled
     """2^exponent as float64, exactly, for a normal exponent (-1022..1023)."""
-    return _f64(np.uint64(exponent + 1023) << np.uint64(52))
+    return f64_from_bits(np.uint64(exponent + 1023) << np.uint64(52))
 
 
 # -- the norm ------------------------------------------------------------------------------------------------
@@ -309,7 +287,7 @@ def _split_scale(norm, c):  # pragma: no cover - compiled
     if not 0 < norm < np.inf:
         return np.float32(1.0), np.float32(0.0)
     scale = c / np.float64(norm)
-    exponent = min(max(np.int64(_bits64(scale) >> np.uint64(52)) - 1023, -126), 127)
+    exponent = min(max(np.int64(bits_of_f64(scale) >> np.uint64(52)) - 1023, -126), 127)
     return np.float32(_pow2(exponent)), np.float32(scale * _pow2(-exponent))
 
 

@@ -36,11 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from gradpress._numba import as_numpy, jit, mix32, mul32, use_numba
+from gradpress._numba import as_numpy, bits_of_f32, f32_from_bits, jit, mix32, mul32, use_numba
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch, seed32
@@ -96,28 +95,6 @@ def decode_table(top: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 # -- numba helpers (shared with gradpress.compressors.dither) ------------------------------------------------
-@intrinsic
-def f32_from_bits(typingctx, bits):  # pragma: no cover - compiled
-    """The float32 with bit pattern ``bits`` (uint32)."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def bits_of_f32(typingctx, value):  # pragma: no cover - compiled
-    """The bit pattern of a float32, as uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
 @intrinsic
 def wide_vectors(typingctx):  # pragma: no cover - compiled
     """Let LLVM vectorize the calling kernel at the widest width the CPU has (AVX-512: 16 float32 lanes).
