@@ -12,9 +12,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
+from numba import njit
 
-from gradpress._numba import as_numpy, jit, use_numba
+from gradpress._numba import as_numpy, bits_of_f32, jit, use_numba
 from gradpress.packet import Packet
 from gradpress.registry import Registry, format_spec
 from gradpress.rng import Context
@@ -65,9 +67,18 @@ class Compressor:
     * ``default_feedback``: the error-feedback memory the runtime uses unless told otherwise:
       ``residual`` for biased methods, ``none`` for unbiased ones; a method with its own memory rule
       (DGC's momentum correction, ScaleCom's low-pass filter) names it.
-    * ``checks_finite``: ``_compress`` itself raises :class:`NonFiniteError` (with :func:`check_finite`'s
-      message) on NaN/Inf input, e.g. seen in a pass its kernel makes anyway, so :meth:`compress` skips
-      its own read-only check pass. A method with a preliminary exchange is checked before it all the same.
+    * ``checks_finite``: the method itself raises :class:`NonFiniteError` (with :func:`check_finite`'s
+      message) on NaN/Inf input, e.g. seen in a pass its kernel makes anyway, so neither
+      :meth:`compress` nor the runtime makes a read-only check pass of its own. A method with a
+      preliminary exchange may let NaN/Inf through :meth:`prepare` into the combined values (a sum or
+      max of NaN/Inf is NaN/Inf) and raise in ``_compress`` on seeing them there: every worker then
+      raises together, at the same point of the exchange.
+    * ``propagates_nonfinite`` (summable methods): every NaN/Inf of the input reaches the summed wire
+      tensors at its own position (no compression, or a cast), and :meth:`decode_sum` checks the
+      mean it forms. The runtime then skips the input check when nothing else would keep the bad
+      values (no error-feedback memory, every worker aggregated): the sum is finite exactly when every
+      worker's gradient was and no sum overflowed, so every worker raises, together, from one pass that
+      also divides by n.
 
     Runtime hooks (all optional, with defaults that fit single-round methods; see gradpress.strategy):
 
@@ -93,6 +104,7 @@ class Compressor:
     checks_finite: ClassVar[bool] = False
     max_summand: ClassVar[int | None] = None
     linear: ClassVar[bool] = True
+    propagates_nonfinite: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self._calls = itertools.count()
@@ -102,11 +114,14 @@ class Compressor:
         return "none" if self.unbiased else "residual"
 
     # -- public API -------------------------------------------------------------------------------
-    def compress(self, x: torch.Tensor, ctx: Context | None = None, *, prepared: torch.Tensor | None = None) -> Packet:
+    def compress(self, x: torch.Tensor, ctx: Context | None = None, *, prepared: torch.Tensor | None = None,
+                 check: bool = True) -> Packet:
         """Compress ``x`` (fp32, fp16 or bf16, any shape, contiguous or not) into a :class:`Packet`.
 
         ``prepared``: the combined result of the preliminary exchange, for a method that has one
         (:meth:`prepare`); without it the method prepares alone, as a world of one worker.
+        ``check=False``: leave NaN/Inf to whoever checks the aggregate (the runtime, for methods
+        that :attr:`propagates_nonfinite`); other methods check as always.
         """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.spec}: expected a tensor, got {type(x).__name__}")
@@ -119,7 +134,7 @@ class Compressor:
             flat = flat.contiguous()
         if flat.numel() == 0:
             return Packet({}, x.shape, x.dtype)
-        if self.prepares or not self.checks_finite:
+        if not self.checks_finite and (check or not self.propagates_nonfinite):
             check_finite(flat, self.spec)
         if self.prepares:
             if prepared is None:
@@ -207,7 +222,14 @@ class Compressor:
         if packet.numel == 0:
             return self.decompress(packet)
         flat = self._decompress(packet.with_wire(summed)).float()
-        return flat.div_(count).to(packet.dtype).view(packet.shape)
+        if self.propagates_nonfinite:
+            bad = divide_counting_nonfinite(flat, count)
+            if bad:
+                raise NonFiniteError(f"{self.spec}: the aggregate holds {bad} NaN/Inf value(s) out of "
+                                     f"{flat.numel()}: a worker's gradient held NaN/Inf, or their sum overflowed")
+        else:
+            flat.div_(count)
+        return flat.to(packet.dtype).view(packet.shape)
 
     def state_dict(self) -> dict[str, Any]:
         """Per-key state of the method itself (e.g. PowerSGD's warm-start Q), saved with the runtime's."""
@@ -329,6 +351,31 @@ def count_nonfinite(flat: torch.Tensor) -> int:
         bits = as_numpy(flat).view("uint32" if flat.dtype == torch.float32 else "uint16")
         return int(_count_exponent_all_ones(bits, _EXPONENT_MASKS[flat.dtype]))
     return int((~torch.isfinite(flat)).sum())
+
+
+def divide_counting_nonfinite(flat: torch.Tensor, count: int) -> int:
+    """``flat /= count`` in place (the same bits as ``flat.div_(count)``) for a 1-D contiguous float
+    tensor, returning how many results are NaN/Inf: one pass for the mean and the check (a second one
+    counts, only when there is something to count). A power-of-two ``count`` multiplies by its
+    reciprocal instead: both are the correctly rounded x/count, and a product is cheaper."""
+    if use_numba(flat) and flat.dtype == torch.float32:
+        exact = count & (count - 1) == 0
+        top = _divide_top_exponent(as_numpy(flat), np.float32(count), np.float32(1 / count), exact)
+        return count_nonfinite(flat) if top == _EXPONENT_MASKS[torch.float32] else 0
+    flat.div_(count)
+    return count_nonfinite(flat)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")  # numpy's division: no zero check per element
+def _divide_top_exponent(values, count, reciprocal, exact):  # pragma: no cover - compiled
+    """Divide in place; the largest exponent field seen (all ones: a NaN or Inf). An integer max
+    vectorizes, where a count of NaN/Inf costs a third more time."""
+    top = np.int32(0)
+    for i in range(values.size):
+        v = values[i] * reciprocal if exact else values[i] / count
+        values[i] = v
+        top = max(top, np.int32(bits_of_f32(v) & np.uint32(0x7F800000)))
+    return top
 
 
 @jit

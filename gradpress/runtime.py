@@ -262,17 +262,19 @@ class Pipeline:
                 if flat.numel() == 0:
                     prelims.append(None)
                     continue
-                _check_finite(flat, key, compressor)
+                if not compressor.checks_finite:
+                    _check_finite(flat, key, compressor)
                 prelims.append(compressor.prepare(flat.view(x.shape), ctx, self.world_size))
             stats.add(step, compress_s=time.perf_counter() - start)
             prepared = yield from strategy.preliminary(prelims)
             start = time.perf_counter()
         updates = type(feedback).update is not Feedback.update
+        check = not self._checks_aggregate(compressor, updates)
         packets = []
         for (key, _), x, given, ctx, ready in zip(items, xs, inputs, ctxs, prepared):
             try:
                 packet = (compressor.compress(given, ctx, prepared=ready) if compressor.prepares
-                          else compressor.compress(given, ctx))
+                          else compressor.compress(given, ctx, check=check))
             except NonFiniteError as error:
                 raise NonFiniteError(f"gradient {key!r}: {error}") from None
             if updates:
@@ -282,7 +284,20 @@ class Pipeline:
                   raw_bytes=sum(g.numel() * g.element_size() for g in grads),
                   packet_bytes=sum(p.nbytes for p in packets))
         overwrite = {g.untyped_storage().data_ptr() for g in grads} if writable else set()
-        return (yield from strategy.exchange(packets, ctxs, overwrite, lambda: stats.timer(step, "decompress_s")))
+        try:
+            return (yield from strategy.exchange(packets, ctxs, overwrite, lambda: stats.timer(step, "decompress_s")))
+        except NonFiniteError as error:
+            names = ", ".join(repr(key) for key, _ in items)
+            raise NonFiniteError(f"gradients {names}: {error}") from None
+
+    def _checks_aggregate(self, compressor: Compressor, updates: bool) -> bool:
+        """Whether NaN/Inf are looked for in the aggregate (one pass fused with the division by n, and
+        every rank raises together) instead of in each input: for methods whose packets carry NaN/Inf
+        into the sum (:attr:`Compressor.propagates_nonfinite`), when no feedback memory would take in
+        the bad values first, every worker's packet is summed (no partial aggregation) and every rank
+        decodes the sum (no master compressor)."""
+        o = self.options
+        return compressor.propagates_nonfinite and not updates and o.partial == 1 and self.master is None
 
     def report(self) -> dict[str, Any]:
         """This worker's statistics (see :class:`Stats`), with the strategy's traffic pattern."""

@@ -215,6 +215,35 @@ def test_diverging_workers_are_caught():
         gradpress.simulate(Moody(), grads(2))
 
 
+@pytest.mark.parametrize("mode", ["collective", "ps"])
+def test_nonfinite_found_in_the_aggregate_of_uncompressed_sums(mode):
+    """``none`` leaves the NaN/Inf check to the aggregate: a bad value on one worker, or a sum that
+    overflows, raises for every worker, and the mean is the same bits as ``div_``'s."""
+    workers = grads(3)
+    workers[1]["t0"][2, 3] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"'t0'.*aggregate holds 1 NaN/Inf"):
+        gradpress.simulate("none", workers, mode=mode)
+    big = [{"w": torch.full((5,), 40000.0, dtype=torch.float16)} for _ in range(2)]
+    with pytest.raises(NonFiniteError, match="overflowed"):
+        gradpress.simulate("fp16", big, feedback="none", mode=mode)
+    clean = grads(3, shapes=((1000,),))
+    expected = fold_sum([w["t0"] for w in clean]).div_(3)
+    assert torch.equal(gradpress.simulate("none", clean, mode=mode)["t0"], expected)
+
+
+def test_nonfinite_input_is_checked_before_a_memory_takes_it():
+    sim = gradpress.Simulator("fp16", 2)  # residual feedback by default: the input is checked first
+    sim.step(grads(2, shapes=((4,),)))
+    memory = sim.state_dict()
+    bad = grads(2, shapes=((4,),), seed=1)
+    bad[0]["t0"][1] = float("nan")
+    with pytest.raises(NonFiniteError, match="the gradient holds 1 NaN/Inf value"):
+        sim.step(bad)
+    for before, after in zip(memory, sim.state_dict()):
+        for key, e in before["feedback"]["memory"].items():
+            assert torch.equal(e, after["feedback"]["memory"][key])
+
+
 def test_state_dict_resumes_bit_identically():
     steps = [grads(3, seed=s) for s in range(4)]
     whole = gradpress.Simulator("topk:ratio=0.2", 3)

@@ -237,6 +237,12 @@ def test_powersgd_case_and_bit_identical_resume(tmp_path):
 # -- failures: a NaN gradient, a dying worker -------------------------------------------------------
 def _failures(rank: int, world_size: int) -> dict:
     out: dict[str, Any] = {}
+    plain = gradpress.Communicator("none", timeout=3)  # checks the aggregate: every rank raises at once
+    start = time.monotonic()
+    try:
+        plain.reduce(torch.full((8,), float("nan")) if rank == 1 else torch.ones(8), "v")
+    except Exception as error:  # noqa: BLE001 - the test inspects it
+        out["nan_sum"] = (type(error).__name__, time.monotonic() - start)
     comm = gradpress.Communicator("topk:ratio=0.5", timeout=3)
     comm.reduce(torch.ones(8), "w")
     start = time.monotonic()
@@ -264,6 +270,8 @@ def _failures(rank: int, world_size: int) -> dict:
 def test_nan_and_dead_worker_raise_within_timeout():
     results = run_workers(_failures, 2, timeout=120, may_exit=frozenset({1}))
     survivor = results[0]
+    assert survivor["nan_sum"][0] == "NonFiniteError"  # rank 1's NaN, seen in the sum
+    assert survivor["nan_sum"][1] < 3  # at once, not at the timeout
     name, waited = survivor["nan"]
     assert waited < 3 + 15  # its peer raised NonFiniteError and skipped the exchange: a timeout here
     assert "dead" in survivor, "the survivor's exchange with a dead peer must raise"

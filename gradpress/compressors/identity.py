@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradpress.compressor import Compressor, count_nonfinite, register
+from gradpress.compressor import Compressor, check_finite, count_nonfinite, register
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -18,6 +18,7 @@ class NoCompression(Compressor):
     unbiased = True
     summable = True
     kept = "values"
+    propagates_nonfinite = True
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel * torch.empty((), dtype=dtype).element_size()
@@ -36,6 +37,7 @@ class _Cast(Compressor):
     wire_dtype = torch.float16
     summable = True
     kept = "values"
+    propagates_nonfinite = True  # NaN stays NaN, Inf (and overflow) becomes Inf
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return 2 * numel
@@ -57,8 +59,9 @@ class FP16(_Cast):
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         packet = super()._compress(flat, ctx)
-        overflowed = count_nonfinite(packet["values"])  # the input is finite: any Inf is an overflow
+        overflowed = count_nonfinite(packet["values"])
         if overflowed:
+            check_finite(flat, self.spec)  # NaN/Inf input, when the caller left the check to the aggregate
             limit = torch.finfo(torch.float16).max
             raise OverflowError(f"fp16: {overflowed} value(s) beyond ±{limit:g} cannot be sent in half precision")
         return packet
