@@ -155,19 +155,36 @@ class Compressor:
         flat = self._decompress(packet)
         return flat.to(packet.dtype).view(packet.shape)
 
-    def aggregate(self, packets: list[Packet]) -> torch.Tensor:
+    def aggregate(self, packets: list[Packet], out: torch.Tensor | None = None) -> torch.Tensor:
         """Combine every worker's packet into the averaged gradient (all-gather strategy).
 
         The mean of the decoded packets, accumulated in float32; methods with their own rule (e.g. a
-        majority vote) override this.
+        majority vote) override this. ``out``: a tensor of the packets' shape that may be overwritten
+        (the gradient being averaged); a contiguous float32 one receives the mean in place of a new
+        tensor (the runtime hands over received copies, never views of ``out``).
         """
         first = packets[0]
         if first.numel == 0:
             return self.decompress(first)
-        total = torch.zeros(first.numel, dtype=torch.float32, device=first.device)
+        if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == first.numel:
+            total = out.view(-1).zero_()
+        else:
+            total = torch.zeros(first.numel, dtype=torch.float32, device=first.device)
         for packet in packets:
-            total += self._decompress(packet).float()
-        return (total / len(packets)).to(first.dtype).view(first.shape)
+            self.accumulate(total, packet)
+        return total.div_(len(packets)).to(first.dtype).view(first.shape)
+
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """``total += decompress(packet)`` on a flat float32 ``total``, the same bits (:meth:`aggregate`
+        sums the workers' packets with it). Sparse methods override it to add only what they sent."""
+        total += self._decompress(packet).float()
+
+    def residual(self, x: torch.Tensor, packet: Packet, owned: bool = False) -> torch.Tensor:
+        """``x − decompress(packet)`` in float32, what compression dropped (GRACE Eq. 5's memory update),
+        the same bits. ``packet`` is ``compress(x)`` (or of ``x`` cast to the gradient's dtype);
+        ``owned``: the caller no longer needs ``x``, which may then hold the result. Sparse methods
+        override it to touch only what they sent."""
+        return x.float() - self.decompress(packet).float()
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
         """The paper's wire cost in bytes for a tensor of ``numel`` elements (None if data-dependent).
@@ -338,7 +355,12 @@ def check_finite(flat: torch.Tensor, where: str) -> None:
     """Raise :class:`NonFiniteError` if ``flat`` holds NaN or Inf (one read-only pass)."""
     bad = count_nonfinite(flat)
     if bad:
-        raise NonFiniteError(f"{where}: the gradient holds {bad} NaN/Inf value(s) out of {flat.numel()}")
+        raise nonfinite_error(where, bad, flat.numel())
+
+
+def nonfinite_error(where: str, bad: int, numel: int) -> NonFiniteError:
+    """The error for a gradient of ``numel`` values of which ``bad`` are NaN/Inf."""
+    return NonFiniteError(f"{where}: the gradient holds {bad} NaN/Inf value(s) out of {numel}")
 
 
 # exponent-field masks: a float is NaN or Inf exactly when its exponent bits are all ones

@@ -12,11 +12,15 @@ an optimizer's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from gradpress.registry import Registry, format_spec
+
+if TYPE_CHECKING:
+    from gradpress.compressor import Compressor
+    from gradpress.packet import Packet
 
 
 class Feedback:
@@ -30,6 +34,20 @@ class Feedback:
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Record what compression dropped: ``compensated`` went in, ``transmitted`` came out."""
+
+    def update_from(self, key: str, compensated: torch.Tensor, packet: Packet, compressor: Compressor,
+                    owned: bool = False) -> None:
+        """:meth:`update` from ``packet = compressor.compress(compensated)`` (what the runtime calls).
+        ``owned``: ``compensated`` is a tensor :meth:`compensate` made, which nobody else holds. By
+        default it decompresses the packet; a memory that needs only the difference asks the
+        compressor for it (:meth:`Compressor.residual`), which sparse methods form in O(k)."""
+        self.update(key, compensated, compressor.decompress(packet))
+
+    @property
+    def updates(self) -> bool:
+        """Whether this memory keeps anything (``none`` does not)."""
+        cls = type(self)
+        return cls.update is not Feedback.update or cls.update_from is not Feedback.update_from
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -97,14 +115,33 @@ class Residual(KeyedMemory):
 
     beta: float = 1.0
     gamma: float = 1.0
+    _spare: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """φ = β·m + γ·g, a new float32 tensor (the memory's dtype wins the promotion). With β = γ = 1
+        it is formed in a spare buffer of the key's, the previous memory's storage once an update has
+        taken φ over (see :meth:`update_from`): no large allocation per step."""
         memory = self._stored_for(key, grad)
         scaled = grad if self.gamma == 1.0 else grad * self.gamma
         if memory is None:
             return scaled
+        if self.beta == 1.0 and self.gamma == 1.0:
+            spare = self._spare.pop(key, None)
+            if spare is None or spare.shape != memory.shape:
+                spare = torch.empty_like(memory)
+            return torch.add(memory, grad, out=spare)
         phi = memory * self.beta if self.beta != 1.0 else memory
-        return phi + scaled  # float32: the memory's dtype wins the promotion
+        return phi + scaled
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         self._memory[key] = compensated.float() - transmitted.float()
+
+    def update_from(self, key: str, compensated: torch.Tensor, packet: Packet, compressor: Compressor,
+                    owned: bool = False) -> None:
+        """m ← φ − C⁻¹(C(φ)), asked of the compressor (O(k) for sparse methods, in φ's storage when
+        ``owned``); the previous memory becomes the key's spare buffer."""
+        residual = compressor.residual(compensated, packet, owned).view(compensated.shape)
+        previous = self._memory.get(key)
+        self._memory[key] = residual
+        if previous is not None and previous.data_ptr() != residual.data_ptr():
+            self._spare[key] = previous

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from gradpress.compressor import Compressor, NonFiniteError, check_finite, make
-from gradpress.feedback import Feedback, make_feedback
+from gradpress.feedback import make_feedback
 from gradpress.rng import Context
 from gradpress.strategy import MODES, OVERFLOW, Protocol, Strategy, check_partial
 
@@ -268,24 +268,24 @@ class Pipeline:
             stats.add(step, compress_s=time.perf_counter() - start)
             prepared = yield from strategy.preliminary(prelims)
             start = time.perf_counter()
-        updates = type(feedback).update is not Feedback.update
+        updates = feedback.updates
         check = not self._checks_aggregate(compressor, updates)
         packets = []
-        for (key, _), x, given, ctx, ready in zip(items, xs, inputs, ctxs, prepared):
+        for (key, _), grad, x, given, ctx, ready in zip(items, grads, xs, inputs, ctxs, prepared):
             try:
                 packet = (compressor.compress(given, ctx, prepared=ready) if compressor.prepares
                           else compressor.compress(given, ctx, check=check))
             except NonFiniteError as error:
                 raise NonFiniteError(f"gradient {key!r}: {error}") from None
             if updates:
-                feedback.update(key, x, compressor.decompress(packet))
+                feedback.update_from(key, x, packet, compressor, owned=x is not grad)
             packets.append(packet)
         stats.add(step, compress_s=time.perf_counter() - start,
                   raw_bytes=sum(g.numel() * g.element_size() for g in grads),
                   packet_bytes=sum(p.nbytes for p in packets))
-        overwrite = {g.untyped_storage().data_ptr() for g in grads} if writable else set()
         try:
-            return (yield from strategy.exchange(packets, ctxs, overwrite, lambda: stats.timer(step, "decompress_s")))
+            return (yield from strategy.exchange(packets, ctxs, grads if writable else None,
+                                                 lambda: stats.timer(step, "decompress_s")))
         except NonFiniteError as error:
             names = ", ".join(repr(key) for key, _ in items)
             raise NonFiniteError(f"gradients {names}: {error}") from None

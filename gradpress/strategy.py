@@ -388,19 +388,22 @@ class Strategy:
         return out
 
     # -- main exchange ------------------------------------------------------------------------------
-    def exchange(self, packets: Sequence[Packet], ctxs: Sequence[Context], writable: set[int] = frozenset(),
-                 timer: Timer = nullcontext) -> Protocol:
+    def exchange(self, packets: Sequence[Packet], ctxs: Sequence[Context],
+                 outputs: Sequence[torch.Tensor] | None = None, timer: Timer = nullcontext) -> Protocol:
         """The averaged tensor of every item (its packet's shape and dtype), the same bits on every rank.
 
-        ``writable``: storage pointers of tensors the collectives may overwrite in place; ``timer``: a
+        ``outputs``: the caller's gradients, which the exchange may overwrite (a DDP bucket's): the
+        collectives work in their storage where they can, and averages are written into them where a
+        method can (see :meth:`Compressor.aggregate`); None leaves every input alone. ``timer``: a
         context manager factory timing the decoding.
         """
+        writable = {o.untyped_storage().data_ptr() for o in outputs} if outputs is not None else set()
         if all(p.numel == 0 for p in packets):
             return [self.compressor.decompress(p) for p in packets]
         if self.mode == "collective":
             if self.compressor.exchange == "allreduce":
                 return (yield from self._allreduce(packets, writable, timer))
-            return (yield from self._allgather(packets, timer))
+            return (yield from self._allgather(packets, outputs, timer))
         if self.compressor.summable:
             return (yield from self._server_sum(packets, ctxs, timer))
         return (yield from self._server_gather(packets, ctxs, timer))
@@ -451,11 +454,13 @@ class Strategy:
         with timer():
             return [self.compressor.decode_sum(p, s, self.world_size) for p, s in zip(packets, per_item)]
 
-    def _allgather(self, packets, timer) -> Protocol:
-        """GRACE Algorithm 1 lines 10-13: every packet to every worker, decoded, then Agg (mean or rule)."""
+    def _allgather(self, packets, outputs, timer) -> Protocol:
+        """GRACE Algorithm 1 lines 10-13: every packet to every worker, decoded, then Agg (mean or rule).
+        The received packets are copies (the gathered buffer), so an average may go into ``outputs``."""
         rows = yield from self._collect(*self._wire(packets), _device(packets), AllGather, final=True)
+        outs = outputs if outputs is not None else [None] * len(packets)
         with timer():
-            return [self.compressor.aggregate(item) for item in self._per_item(packets, rows)]
+            return [self.compressor.aggregate(item, out=out) for item, out in zip(self._per_item(packets, rows), outs)]
 
     def _wire(self, packets: Sequence[Packet]) -> tuple[list[torch.Tensor], bool]:
         """This rank's wire tensors in order, and whether their layout is fixed (the compressor's

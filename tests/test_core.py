@@ -192,3 +192,28 @@ def test_cli_list(capsys):
     assert cli(["list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in gradpress.compressor_names())
+
+
+@pytest.mark.parametrize("numel", [65536, 300_001])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_topk_sampled_path_finds_every_nonfinite_value(numel, bad):
+    """Top-k checks NaN/Inf among its candidates (every NaN/Inf is one), not in a pass of its own:
+    a bad value anywhere, also in the strided sample or beside the largest values, raises."""
+    from gradpress.compressor import NonFiniteError
+    from gradpress.compressors.sparsify import topk_indices
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(numel, generator=g)
+    stride = max(1, numel // 65536)
+    for position in (0, stride * 7, int(x.abs().argmax()), numel - 1, 12345):
+        y = x.clone()
+        y[position] = bad
+        with pytest.raises(NonFiniteError, match="holds 1 NaN/Inf value"):
+            gradpress.make("topk:ratio=0.01").compress(y)
+        with pytest.raises(NonFiniteError):
+            topk_indices(y, numel // 100)
+    y = x.clone()
+    y[::stride] = float("nan")  # every sampled value: the estimated threshold itself is NaN
+    with pytest.raises(NonFiniteError):
+        topk_indices(y, numel // 100)
+    assert torch.equal(topk_indices(x, 1000), torch.topk(x.abs(), 1000).indices.sort().values)

@@ -205,3 +205,24 @@ def test_spec_round_trips(spec):
     c = gradpress.make(spec)
     assert gradpress.make(c.spec).spec == c.spec
     assert repr(c) == f"gradpress.make({c.spec!r})"
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_residual_and_accumulate_equal_their_dense_formulas(spec, dtype):
+    """``residual`` (error feedback's x − C⁻¹(C(x))) and ``accumulate`` (the all-gather sum) give the
+    bits of their dense formulas, whether or not ``x`` may be overwritten; an x not owned is left alone."""
+    c = gradpress.make(spec)
+    xs = [gradient(seed=s, dtype=dtype) for s in range(2)]
+    ctxs = [Context(seed=1, step=2, key="r", rank=r) for r in range(len(xs))]
+    packets = [c.compress(x, ctx, **_prepared(c, xs, ctxs)) for x, ctx in zip(xs, ctxs)]
+    x, packet = xs[0], packets[0]
+    expected = x.float() - c.decompress(packet).float()
+    kept = x.clone()
+    assert torch.equal(c.residual(x, packet).view(x.shape), expected) and torch.equal(x, kept)
+    assert torch.equal(c.residual(x.float().clone(), packet, owned=True).view(x.shape), expected)
+    total, dense = torch.zeros(x.numel()), torch.zeros(x.numel())
+    for p in packets:
+        c.accumulate(total, p)
+        dense += c._decompress(p).float().reshape(-1)  # as aggregate() decodes: before the cast to x.dtype
+    assert torch.equal(total, dense)

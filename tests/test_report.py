@@ -162,6 +162,24 @@ def test_table_values_by_hand(tmp_path, accuracy_runs):
         "`qsgd`", "125.0", "75.0", "12.5", "37.5", "30 %"]
 
 
+def test_payoff_verdict_names_the_best_run_and_where_its_time_goes(accuracy_runs):
+    goal, rows = R.summarize(accuracy_runs, tolerance=0.04)
+    lines = R.payoff(rows)
+    # topk: 2.00× torch-allreduce (goal 3×), 0.50× noop (goal 0.8×), first to the target
+    assert lines[0].startswith("Best gradpress run: `topk:ratio=0.01` (2.00× `torch-allreduce`'s samples/s, 0.50×")
+    assert "- **not met**: ≥ 3× `torch-allreduce`'s samples/s" in lines
+    assert "- **not met**: ≥ 0.8× `noop`'s samples/s" in lines
+    assert "- met: first to the target (`torch-allreduce`)" in lines
+    # step 100 ms against noop's 50: compress 10, communication 30, compute 60 (noop's 30)
+    assert lines[-1] == ("Where the time goes: its step takes 100.0 ms against `noop`'s 50.0 ms (50.0 ms more): "
+                         "compression 10.0 ms, communication 30.0 ms, compute 60.0 ms (`noop`: 30.0 ms).")
+    fast = accuracy_runs + [make_run("natural", [0.6, 0.82, 0.83, 0.84, 0.84], step_s=0.05, bytes_sent=10)]
+    _, rows = R.summarize(fast, tolerance=0.04)
+    lines = R.payoff(rows)
+    assert lines[0].startswith("Best gradpress run: `natural` (4.00×") and not any("not met" in x for x in lines)
+    assert R.payoff(rows[1:]) == ["Needs `torch-allreduce`, `noop` and a gradpress compressor among the runs."]
+
+
 def test_files_written_and_pngs_valid(tmp_path, accuracy_runs):
     path = R.write_report(accuracy_runs, tmp_path / "out")
     assert path == tmp_path / "out" / "report.md"

@@ -207,7 +207,13 @@ class LowPass(KeyedMemory):
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """m ← (1 − β)·m + β·(x − C(x))."""
-        residual = compensated.float() - transmitted.float()
+        self._filter(key, compensated.float() - transmitted.float())
+
+    def update_from(self, key: str, compensated: torch.Tensor, packet: Packet, compressor: Compressor,
+                    owned: bool = False) -> None:
+        self._filter(key, compressor.residual(compensated, packet, owned).view(compensated.shape))
+
+    def _filter(self, key: str, residual: torch.Tensor) -> None:
         memory = self._memory.get(key)
         if self.beta != 1.0:
             residual.mul_(self.beta)

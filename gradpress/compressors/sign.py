@@ -54,8 +54,9 @@ class SignSGD(Compressor):
         one = packet["nonzero"].float()[0]
         return decode_two_levels(packet["signs"], torch.stack([-one, one]), packet.numel)
 
-    def aggregate(self, packets: list[Packet]) -> torch.Tensor:
-        """Majority vote (Bernstein et al. 2019, Algorithm 1): sign(Σ_i sign(x_i)); a tie gives 0."""
+    def aggregate(self, packets: list[Packet], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Majority vote (Bernstein et al. 2019, Algorithm 1): sign(Σ_i sign(x_i)); a tie gives 0
+        (a new tensor: ``out`` is only a permission)."""
         first = packets[0]
         if first.numel == 0:
             return self.decompress(first)

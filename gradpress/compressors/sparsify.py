@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gradpress._numba import as_numpy, jit, use_numba
-from gradpress.compressor import Compressor, register
+from gradpress.compressor import Compressor, check_finite, count_nonfinite, nonfinite_error, register
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -41,9 +41,41 @@ def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Te
     return dense
 
 
+class Sparse(Compressor):
+    """A method whose packet stands for a few values at known positions of a zero vector: decoding,
+    summing into an aggregate and the error-feedback residual touch only those positions (O(k)).
+    Subclasses give :meth:`sparse`."""
+
+    def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, float32 values) of the packet's non-zero part, positions distinct."""
+        raise NotImplementedError
+
+    def _decompress(self, packet: Packet) -> torch.Tensor:
+        indices, values = self.sparse(packet)
+        return scatter(values, indices, packet.numel)
+
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """Adds the sent values only: x + 0 = x exactly, and a sum that starts at +0 is never −0."""
+        indices, values = self.sparse(packet)
+        total.index_add_(0, indices.long(), values)
+
+    def residual(self, x: torch.Tensor, packet: Packet, owned: bool = False) -> torch.Tensor:
+        """x with x[i] − v_i at the sent positions (x − 0 = x elsewhere, exactly); in x itself when owned."""
+        if owned and x.dtype == torch.float32 and x.is_contiguous():
+            e = x.view(-1)
+        else:
+            e = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True).view(-1)
+        indices, values = self.sparse(packet)
+        if packet.dtype != torch.float32:  # decompress() hands the values over in the packet's dtype
+            values = values.to(packet.dtype).float()
+        indices = indices.long()
+        e[indices] = e[indices] - values
+        return e
+
+
 @register("topk")
 @dataclass(repr=False)
-class TopK(Compressor):
+class TopK(Sparse):
     """Top-k sparsification: the k entries of largest |x| and their indices.
 
     On the CPU the selection avoids a full ``torch.topk``: a threshold is estimated from a strided
@@ -55,6 +87,7 @@ class TopK(Compressor):
     ratio: float = 0.01
     kept = "values"
     examples = ("topk:ratio=0.1", "topk:ratio=1")
+    checks_finite = True  # topk_indices sees every NaN/Inf among its candidates
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,27 +101,32 @@ class TopK(Compressor):
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         k = keep_count(flat.numel(), self.ratio)
-        indices = topk_indices(flat, k)
+        indices = topk_indices(flat, k, self.spec)
         return Packet({"values": flat[indices], "indices": indices.to(torch.int32)}, flat.shape, flat.dtype)
 
-    def _decompress(self, packet: Packet) -> torch.Tensor:
-        return scatter(packet["values"], packet["indices"], packet.numel)
+    def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
+        return packet["indices"], packet["values"].float()
 
 
-def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (int64, ascending) of the k largest |flat|, exact, ties going to the lower index."""
+def topk_indices(flat: torch.Tensor, k: int, where: str = "top-k") -> torch.Tensor:
+    """Indices (int64, ascending) of the k largest |flat|, exact, ties going to the lower index.
+
+    Raises :class:`~gradpress.compressor.NonFiniteError` if ``flat`` holds NaN/Inf: on the sampled
+    path every NaN/Inf passes the candidate threshold, so checking the candidates costs O(k), not a
+    pass of its own."""
     n = flat.numel()
-    if k >= n:
-        return torch.arange(n, device=flat.device)
-    if use_numba(flat) and n >= 65536:
+    if use_numba(flat) and 65536 <= n and k < n:
         values = flat if flat.dtype == torch.float32 else flat.float()
-        indices = _topk_by_sampled_threshold(values, k)
+        indices = _topk_by_sampled_threshold(values, k, where)
         if indices is not None:
             return indices
+    check_finite(flat, where)
+    if k >= n:
+        return torch.arange(n, device=flat.device)
     return _largest(flat.float().abs(), k)
 
 
-def _topk_by_sampled_threshold(values: torch.Tensor, k: int) -> torch.Tensor | None:
+def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str) -> torch.Tensor | None:
     """CPU top-k without a full sort: estimate the k-th magnitude from a strided sample of ~65k values,
     collect the candidates at or above it in one numba pass, then take the exact top-k among them.
 
@@ -107,6 +145,9 @@ def _topk_by_sampled_threshold(values: torch.Tensor, k: int) -> torch.Tensor | N
         if threshold <= 0.0:
             return None
         count = _collect_at_least(as_numpy(values), threshold, as_numpy(candidates))
+        bad = count_nonfinite(values[candidates[:count]])  # NaN/Inf are always candidates
+        if bad:
+            raise nonfinite_error(where, bad, n)
         if count >= k:
             chosen = torch.empty(k, dtype=torch.int64)
             _keep_largest(as_numpy(values), as_numpy(candidates[:count]), k, as_numpy(chosen))
@@ -124,9 +165,10 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
 
 @jit
 def _collect_at_least(x, threshold, out):  # pragma: no cover - compiled
+    """Positions of |x| ≥ threshold, and of NaN (a comparison with NaN is false, its negation true)."""
     count = 0
     for i in range(x.size):
-        if abs(x[i]) >= threshold:
+        if not abs(x[i]) < threshold:
             out[count] = i
             count += 1
     return count
@@ -155,7 +197,7 @@ def _keep_largest(x, candidates, k, out):  # pragma: no cover - compiled
 
 @register("randomk")
 @dataclass(repr=False)
-class RandomK(Compressor):
+class RandomK(Sparse):
     """Random-k sparsification: k entries chosen uniformly without replacement from the shared stream.
 
     With ``scale=true`` the kept values are multiplied by d/k, which makes it unbiased (Wangni et al.;
@@ -189,7 +231,8 @@ class RandomK(Compressor):
         meta = {"seed": ctx.shared_seed("randomk")}
         return Packet({"values": flat[indices]}, flat.shape, flat.dtype, meta)
 
-    def _decompress(self, packet: Packet) -> torch.Tensor:
+    def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
+        """The values (scaled by d/k if ``scale``) at the k positions regenerated from the packet's seed."""
         n = packet.numel
         k = keep_count(n, self.ratio)
         generator = torch.Generator(device=packet.device)
@@ -197,7 +240,7 @@ class RandomK(Compressor):
         values = packet["values"].float()
         if self.scale:
             values = values * (n / k)
-        return scatter(values, random_indices(n, k, generator, packet.device), n)
+        return random_indices(n, k, generator, packet.device), values
 
 
 def random_indices(n: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:

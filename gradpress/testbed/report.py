@@ -9,6 +9,8 @@ writes ``report.md`` with
   the speed-ups over ``torch-allreduce`` (its samples/s and time to target relative to each run's);
 * ``quality_vs_time.png``, ``quality_vs_bytes.png``, ``throughput.png``;
 * "where the time goes": mean compute, compression and communication per step of each run;
+* "does compression pay off?": the best gradpress run against the goal (≥ 3× ``torch-allreduce``'s
+  samples/s, ≥ 0.8× ``noop``'s, first to the target), and where its time goes when it falls short;
 
 and ``results.json`` (the runs, :mod:`gradpress.testbed.results`' schema).
 
@@ -25,7 +27,7 @@ from typing import Sequence
 
 from matplotlib.figure import Figure
 
-from gradpress.testbed.results import WARMUP_FRACTION, Run, save_runs
+from gradpress.testbed.results import REFERENCES, WARMUP_FRACTION, Run, save_runs
 
 #: runs whose best quality sets the target, in order of preference
 UNCOMPRESSED = ("torch-allreduce", "none")
@@ -196,7 +198,56 @@ def render_markdown(runs: Sequence[Run], goal: Target | None, rows: Sequence[Row
         [[f"`{r.label}`", _ms(r.run.mean_step_s), _ms(r.run.mean_compute_s), _ms(r.run.mean_compress_s),
           _ms(r.run.mean_comm_s), _share(r.run)] for r in rows],
         align="lrrrrr")
+    lines += ["", "## Does compression pay off?", "", *payoff(rows)]
     return "\n".join(lines) + "\n"
+
+
+#: the goal a gradpress compressor is held to (issue 6): step rate against the references, and first to target
+PAYOFF_STEP_RATE = 3.0  # × torch-allreduce's samples/s
+PAYOFF_NOOP_SHARE = 0.8  # × noop's samples/s
+PAYOFF_RIVALS = ("torch-allreduce", "torch-powersgd")
+
+
+def payoff(rows: Sequence[Row]) -> list[str]:
+    """Lines judging the best gradpress compressor against the goal: at least 3× ``torch-allreduce``'s
+    samples/s, at least 0.8× ``noop``'s, and the target reached sooner than ``torch-allreduce`` and
+    ``torch-powersgd``; for each criterion missed, where the time goes (compression or communication
+    beyond ``noop``'s step). The best is the one meeting most criteria, then the fastest to target,
+    then the fastest."""
+    by_name = {r.run.name: r for r in rows}
+    ours = [r for r in rows if r.run.compressor not in REFERENCES]
+    base, noop = by_name.get(BASELINE), by_name.get(UPPER_BOUND)
+    if not ours or base is None or noop is None:
+        return [f"Needs `{BASELINE}`, `{UPPER_BOUND}` and a gradpress compressor among the runs."]
+    rivals = [by_name[n] for n in PAYOFF_RIVALS if n in by_name]
+
+    def criteria(r: Row) -> dict[str, bool]:
+        first = r.time_to_target is not None and all(
+            o.time_to_target is None or r.time_to_target < o.time_to_target for o in rivals)
+        return {f"≥ {PAYOFF_STEP_RATE:g}× `{BASELINE}`'s samples/s": r.samples_per_s >= PAYOFF_STEP_RATE * base.samples_per_s,
+                f"≥ {PAYOFF_NOOP_SHARE:g}× `{UPPER_BOUND}`'s samples/s": r.samples_per_s >= PAYOFF_NOOP_SHARE * noop.samples_per_s,
+                "first to the target (" + ", ".join(f"`{o.label}`" for o in rivals) + ")": first}
+
+    def rank(r: Row) -> tuple:
+        return (-sum(criteria(r).values()), r.time_to_target if r.time_to_target is not None else math.inf,
+                -r.samples_per_s)
+
+    best = min(ours, key=rank)
+    met = criteria(best)
+    reached = "not reached" if best.time_to_target is None else f"{best.time_to_target:.1f} s"
+    lines = [f"Best gradpress run: `{best.label}` ({best.samples_per_s / base.samples_per_s:.2f}× `{BASELINE}`'s "
+             f"samples/s, {best.samples_per_s / noop.samples_per_s:.2f}× `{UPPER_BOUND}`'s; time to target "
+             f"{reached}).", ""]
+    lines += [f"- {'met' if ok else '**not met**'}: {name}" for name, ok in met.items()]
+    if all(met.values()):
+        return lines
+    run, floor = best.run, noop.run
+    extra = run.mean_step_s - floor.mean_step_s
+    lines += ["", f"Where the time goes: its step takes {_ms(run.mean_step_s)} ms against `{UPPER_BOUND}`'s "
+              f"{_ms(floor.mean_step_s)} ms ({_ms(extra)} ms more): compression {_ms(run.mean_compress_s)} ms, "
+              f"communication {_ms(run.mean_comm_s)} ms, compute {_ms(run.mean_compute_s)} ms (`{UPPER_BOUND}`: "
+              f"{_ms(floor.mean_compute_s)} ms)."]
+    return lines
 
 
 _NOTES = (
