@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 _enabled = os.environ.get("GRADPRESS_NUMBA", "1") != "0"
@@ -92,3 +93,52 @@ def mix32(i, seed):  # pragma: no cover - compiled
 def uniform24(i, seed):  # pragma: no cover - compiled
     """Uniform float32 in [0, 1) with 24 random bits, equal to :func:`gradpress.rng.uniform24_torch`."""
     return np.float32(mix32(i, seed) >> np.uint32(8)) * np.float32(2.0**-24)
+
+
+_GATHER_LANES = 16
+
+
+@intrinsic
+def gather16(typingctx, table, indices, out, start):  # pragma: no cover - compiled
+    """``out[start + k] = table[indices[start + k]]`` for k < 16, as one vector gather.
+
+    ``table`` and ``out`` hold 4-byte elements of the same type (uint32, int32 or float32), ``indices``
+    unsigned integers; nothing is bounds-checked. Numba does not vectorize a loop of table lookups;
+    LLVM's ``llvm.masked.gather`` is one ``vpgatherdd``/``vgatherdps`` on AVX-512 and AVX2 CPUs and is
+    lowered lane by lane elsewhere (the same results everywhere)."""
+    arrays = all(isinstance(a, types.Array) for a in (table, indices, out))
+    if not (arrays and table.dtype == out.dtype and table.dtype in (types.uint32, types.int32, types.float32)
+            and isinstance(indices.dtype, types.Integer) and not indices.dtype.signed):
+        return None
+    signature = types.void(table, indices, out, start)
+
+    def codegen(context, builder, sig, args):
+        lanes = _GATHER_LANES
+        table_arr, index_arr, out_arr = (context.make_array(t)(context, builder, a)
+                                         for t, a in zip(sig.args[:3], args[:3]))
+        element = context.get_data_type(sig.args[0].dtype)
+        size = context.get_abi_sizeof(element)
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        index_vector = ir.VectorType(context.get_data_type(sig.args[1].dtype), lanes)
+        index_ptr = builder.bitcast(builder.gep(index_arr.data, [args[3]]), index_vector.as_pointer())
+        index = builder.zext(builder.load(index_ptr, align=1), ir.VectorType(i64, lanes))
+        wide = ir.VectorType(i64, lanes)
+        base = builder.insert_element(ir.Constant(wide, None), builder.ptrtoint(table_arr.data, i64),
+                                      ir.Constant(i32, 0))
+        lane0 = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+        base = builder.shuffle_vector(base, ir.Constant(wide, None), lane0)  # the table's address in every lane
+        address = builder.add(base, builder.mul(index, ir.Constant(wide, [size] * lanes)))
+        pointers = builder.inttoptr(address, ir.VectorType(element.as_pointer(), lanes))
+        values = ir.VectorType(element, lanes)
+        kind = "f32" if isinstance(element, ir.FloatType) else "i32"
+        mask = ir.VectorType(ir.IntType(1), lanes)
+        gather = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(values, [pointers.type, i32, mask, values]),
+            f"llvm.masked.gather.v{lanes}{kind}.v{lanes}p0{kind}")
+        got = builder.call(gather, [pointers, ir.Constant(i32, size), ir.Constant(mask, [1] * lanes),
+                                    ir.Constant(values, None)])
+        out_ptr = builder.bitcast(builder.gep(out_arr.data, [args[3]]), values.as_pointer())
+        builder.store(got, out_ptr, align=1)
+        return context.get_dummy_value()
+
+    return signature, codegen

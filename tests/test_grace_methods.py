@@ -12,7 +12,8 @@ import gradpress
 from gradpress._numba import numba_disabled
 from gradpress.compressors import inceptionn
 from gradpress.compressors.dgc import DGCMemory
-from gradpress.compressors.eightbit import EDGES, TABLE, cell_table
+from gradpress.compressor import check_finite
+from gradpress.compressors.eightbit import BLOCK, CROWDED, EDGES, NO_EDGE, TABLE, cell_table
 from gradpress.compressors.onebit import fixed_point_scale, to_fixed
 from gradpress.rng import Context
 
@@ -403,6 +404,86 @@ def test_sketchml_keeps_exact_zeros_in_dense_mode():
     p = c.compress(x)
     y = c.decompress(p)
     assert p["indices"].numel() == 0 and (y[:100] == 0).all() and (y[100:] != 0).all()
+
+
+# -- the table-reading kernels and the fused NaN/Inf checks (eightbit, onebit, sketchml) -------------
+def test_cell_table_entries_against_their_definition():
+    """Each entry: the edges below the cell, the low key bits of the one edge inside it (NO_EDGE if
+    none), CROWDED if two or more share it; crowded quantiles and repeated edges included."""
+    g = torch.Generator().manual_seed(3)
+    crowd = 1 + 1e-4 * torch.randn(40, generator=g)  # 40 edges within 2^-7 of 1: a few cells
+    edges = torch.cat([torch.randn(100, generator=g), crowd, crowd[:5], -torch.rand(20, generator=g) * 1e-30])
+    edges = edges[edges != 0].sort().values.numpy()
+    table, crowded = cell_table(edges)
+    keys = edges.view("uint32").astype("int64")
+    keys = torch.tensor(((keys ^ (((keys >> 31) * 0x7FFFFFFF) | 0x80000000)) & 0xFFFFFFFF).tolist())
+    table = torch.tensor(table.astype("int64"))
+    cells = torch.arange(65536)
+    below = torch.searchsorted(keys, cells << 16)
+    inside = torch.searchsorted(keys, (cells + 1) << 16) - below
+    assert torch.equal((table >> 16) & 0xFF, below) and crowded == int(inside.max()) > 1
+    assert torch.equal(table & CROWDED != 0, inside > 1)
+    single = inside == 1
+    assert torch.equal(table[single] & 0xFFFF, keys[below[single]] & 0xFFFF)
+    assert (table[inside == 0] & 0xFFFF == NO_EDGE).all()
+
+
+@pytest.mark.parametrize("spec", ["eightbit", "onebit", "onebit:tau=0.5", "sketchml", "sketchml:bits=4"])
+@pytest.mark.parametrize("n", [1, 15, 63, 65, BLOCK - 1, BLOCK, 3 * BLOCK + 17])
+def test_quantizer_kernels_write_the_torch_bits_at_block_edges(spec, n):
+    """The numba kernels work in 64-element words and BLOCK-element blocks, then the tail: every split
+    gives the torch path's bits."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    x[::7] = 0.0
+    c = gradpress.make(spec)
+    packet = c.compress(x, Context(seed=1))
+    with numba_disabled():
+        reference = c.compress(x, Context(seed=1))
+        decoded = c.decompress(reference)
+    assert all(torch.equal(a, b) for a, b in zip(packet.wire(), reference.wire()))
+    assert torch.equal(c.decompress(packet), decoded)
+
+
+@pytest.mark.parametrize("torch_only", PATHS)
+def test_sketchml_crowded_quantiles_are_probed(torch_only):
+    """Values crowding within 2^-7 of each other (and repeated ones) put several quantile edges in one
+    cell of the table: the kernel probes those cells and still codes every value as the torch path."""
+    g = torch.Generator().manual_seed(5)
+    crowd = 1 + 1e-5 * torch.randn(3000, generator=g)
+    x = torch.cat([crowd, torch.full((700,), 1.5), torch.randn(1300, generator=g)])
+    c = gradpress.make("sketchml:sample_ratio=1")
+    edges = c.edges(x, Context())
+    assert cell_table(edges.numpy())[1] > 1  # crowded cells: the probe runs
+    with _path(torch_only):
+        packet = c.compress(x, Context())
+    codes = packet["codes"].long()
+    expected = torch.searchsorted(edges, x) + 1
+    assert torch.equal(codes, expected)
+    for b in expected.unique():
+        assert packet["means"][b - 1] == x[expected == b].double().mean().float()
+
+
+@pytest.mark.parametrize("spec", ["eightbit", "onebit", "sketchml"])
+@pytest.mark.parametrize("torch_only", PATHS)
+def test_quantizers_find_non_finite_values_in_their_max_pass(spec, torch_only, monkeypatch):
+    """checks_finite: the pass for max |x| (which these methods make anyway) shows NaN/Inf anywhere, in
+    the first word, a later block or the tail; the error is check_finite's, with its count. No separate
+    check pass runs on finite input."""
+    c = gradpress.make(spec)
+    assert c.checks_finite
+    for where in ([0], [300, 999], [BLOCK + 3, 1000, 1001]):
+        x = torch.randn(1002, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        x[where] = torch.tensor([float("nan"), float("inf"), -float("inf")][: len(where)], dtype=x.dtype)
+        with pytest.raises(gradpress.NonFiniteError) as raised:
+            check_finite(x, c.spec)
+        with _path(torch_only), pytest.raises(gradpress.NonFiniteError) as error:
+            c.compress(x)
+        assert str(error.value) == str(raised.value) and f"holds {len(where)} NaN/Inf" in str(error.value)
+    calls = []
+    monkeypatch.setattr(gradpress.compressor, "check_finite", lambda flat, where: calls.append(where))
+    with _path(torch_only):
+        c.compress(torch.randn(1002))
+    assert calls == []
 
 
 # -- Qsparse ---------------------------------------------------------------------------------------

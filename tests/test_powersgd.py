@@ -187,6 +187,44 @@ def test_parameters_are_checked():
     assert gradpress.make("powersgd").default_feedback == "residual"
 
 
+# -- NaN/Inf: found in the summed P, not by a pass over M ---------------------------------------------
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_entry_anywhere_reaches_p_and_raises(rank, bad):
+    """checks_finite: PowerSGD reads no pass over M for NaN/Inf but looks at P = M Q. One bad entry at any
+    position raises, also in a column where the warm-start Q is zero (Inf·0 = NaN·0 = NaN) and in a
+    row of M that is otherwise zero."""
+    m, n = 24, 20
+    q = randn(rank, n, seed=7)
+    q[:, 3] = 0.0  # every column of Q is zero at position 3
+    q[0, 11] = 0.0
+    assert PowerSGD.checks_finite
+    for i, j in [(0, 0), (m - 1, n - 1), (5, 3), (17, 11), (9, 3), (0, n - 1), (m - 1, 0)]:
+        c = PowerSGD(rank=rank)
+        c.load_state_dict({"warm": {"w": q}})
+        x = randn(m, n, seed=i * n + j)
+        x[9] = 0.0
+        x[i, j] = bad
+        with pytest.raises(gradpress.NonFiniteError, match="NaN/Inf"):
+            c.compress(x, Context(key="w"))
+    # the uncompressed tensors are checked as they are
+    for small in (randn(30, seed=1), randn(3, 4, seed=2)):
+        small[1] = bad
+        with pytest.raises(gradpress.NonFiniteError, match="NaN/Inf"):
+            PowerSGD(rank=rank).compress(small)
+
+
+def test_one_workers_nan_raises_on_every_worker():
+    """Through the runtime: the bad value of one worker reaches the P all workers share, so the step
+    raises (rather than decoding NaN into every worker's gradient)."""
+    sim = gradpress.Simulator("powersgd", 2, feedback="none")
+    good = randn(24, 20, seed=1)
+    bad = good.clone()
+    bad[4, 6] = float("nan")
+    with pytest.raises(gradpress.NonFiniteError, match="NaN/Inf"):
+        sim.step([good, bad])
+
+
 # -- PyTorch's powerSGD_hook beside ours on Gloo ------------------------------------------------------
 WIDTHS = (784, 512, 512, 10)
 STEPS = 8

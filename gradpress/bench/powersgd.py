@@ -24,8 +24,10 @@ the sum), so their figures differ by the random initial Q and by rounding.
 **One matrix.** On one thread, compress + decompress of a ``--matrix`` (default 2048×2048 = 2^22)
 float32 matrix by ``powersgd:rank=r`` as a world of one, beside the two matrix products of its
 compression, P = M Q and Q = Mᵀ P̂, and the product of its decompression, P̂ Qᵀ, timed in the same run
-in the form the compressor computes them (Pᵀ = Qᵀ Mᵀ, Qᵀ = P̂ᵀ M: the fastest with MKL). Compression also
-includes the base class's NaN/Inf check, one pass over M.
+in the form the compressor computes them (Pᵀ = Qᵀ Mᵀ, Qᵀ = P̂ᵀ M: the fastest with MKL). Compression makes
+no NaN/Inf pass over M of its own: it looks for them in the r × m values of P (``checks_finite``). The
+decompression writes the dense m × n matrix, a cost of the order of a copy's, so ``ratio`` cannot be
+less than 1 + (P̂ Qᵀ)/products; ``ratio_all`` sets compress + decompress beside all three products.
 """
 from __future__ import annotations
 

@@ -12,9 +12,11 @@ largest table value (0.99297), so that the largest element lands exactly on the 
 being rounded down by 0.7 %.
 
 **Lookups without a per-element search.** A value's position among sorted edges is read from a table
-indexed by the top 16 bits of its order-preserving bit pattern (a cell spans a 2^-7 relative range),
-followed by a forward probe. The dynamic-tree edges are more than 2^-7 apart relative to their size, so
-for them the probe is a single comparison.
+indexed by the top 16 bits of its order-preserving bit pattern (a cell spans a 2^-7 relative range).
+Each entry holds the number of edges below its cell and the low 16 bits of the edge inside it, if any,
+so one table read and one comparison place a value; the numba kernels read the table 16 values at a
+time (:func:`gradpress._numba.gather16`). The dynamic-tree edges are more than 2^-7 apart relative to
+their size, so no cell holds two of them (SketchML's quantiles may: its kernel probes those cells).
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import as_numpy, jit, use_numba
+from gradpress._numba import as_numpy, gather16, jit, use_numba
 from gradpress.compressor import Compressor, register
-from gradpress.compressors.onebit import as_float32, extreme
+from gradpress.compressors.onebit import as_float32, checked_max_magnitude
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -59,12 +61,14 @@ class EightBit(Compressor):
     s = max|x| / 0.99297. Wire: one byte per element and s as float32. Deterministic and biased;
     GRACE Table 1 runs it with error feedback (the default ``residual``)."""
 
+    checks_finite = True  # the pass for max |x| shows NaN/Inf
+
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel + 4
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         x = as_float32(flat)
-        largest = abs(extreme(x))
+        largest = checked_max_magnitude(x, self.spec)
         scale = torch.tensor([largest / TOP], dtype=torch.float32, device=x.device)
         if largest == 0.0:
             codes = torch.zeros(x.numel(), dtype=torch.uint8, device=x.device)
@@ -82,12 +86,10 @@ def _encode(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     """Codes sign·128 + #{edges < |x|} (uint8)."""
     if use_numba(x):
         out = torch.empty(x.numel(), dtype=torch.uint8)
-        edges_np = as_numpy(edges)
-        cells, crowded = cell_table(edges_np)
+        cells, crowded = cell_table(as_numpy(edges))
         if crowded > 1:  # cannot happen for positive scales: edges are over 1 % apart
             raise AssertionError("eightbit: two table edges share a lookup cell")
-        sentinel = np.append(edges_np.view(np.uint32), np.uint32(0xFFFFFFFF))  # above every magnitude
-        _encode_kernel(as_numpy(x).view(np.uint32), sentinel, cells, as_numpy(out))
+        _encode_kernel(as_numpy(x).view(np.uint32), cells, as_numpy(out))
         return out
     magnitude_code = torch.searchsorted(edges, x.abs()).to(torch.uint8)
     return magnitude_code | (torch.signbit(x).to(torch.uint8) << 7)
@@ -103,12 +105,23 @@ def lookup(values: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 # -- cell tables (shared with sketchml.py) ------------------------------------------------------------
+BLOCK = 256  # elements per block of the table-reading kernels (a multiple of gather16's 16 lanes)
+CROWDED = np.uint32(1 << 31)  # cell-table flag: two or more edges inside the cell
+NO_EDGE = 0xFFFF  # low bits stored for a cell without an edge: no key in the cell is above it
+
+
 def cell_table(edges: np.ndarray) -> tuple[np.ndarray, int]:
-    """For each of the 65536 cells of the order key's top 16 bits, the number of ``edges`` (sorted
-    float32, at most 255, none zero) below the cell; and the most edges any one cell holds."""
+    """For each of the 65536 cells of the order key's top 16 bits (uint32 entries): the number of
+    ``edges`` (sorted float32, at most 255, none zero) below the cell in bits 16-23, the low 16 bits of
+    the key of the edge inside the cell in bits 0-15 (:data:`NO_EDGE` if none) and :data:`CROWDED` if
+    the cell holds more than one edge; and the most edges any one cell holds.
+
+    For a key k in a cell with at most one edge e: #{edges < k} = below + (low16(k) > low16(e)) (an edge
+    whose low bits are all ones is exceeded by no key of its cell, just as no edge is).
+    """
     if edges.size > 255:
         raise ValueError(f"a cell table takes at most 255 edges, got {edges.size}")
-    table = np.empty(65536, dtype=np.uint8)
+    table = np.empty(65536, dtype=np.uint32)
     crowded = _cell_table(edges.view(np.uint32), table)
     return table, crowded
 
@@ -121,34 +134,65 @@ def order_key(bits):  # pragma: no cover - compiled
     return np.uint32(bits ^ mask)
 
 
+@njit(cache=True, inline="always")
+def rank_in_cell(key, entry):  # pragma: no cover - compiled
+    """#{edges < key} from the cell-table ``entry`` of ``key``'s cell (a cell with at most one edge)."""
+    below = (entry >> np.uint32(16)) & np.uint32(0xFF)
+    return below + np.uint32((key & np.uint32(0xFFFF)) > (entry & np.uint32(0xFFFF)))
+
+
 @jit
 def _cell_table(edge_bits, table):  # pragma: no cover - compiled
-    below = 0
+    """Fills the table run by run: the cells between two cells holding edges hold none."""
+    n = edge_bits.size
     crowded = 0
-    for cell in range(table.size):
-        start = np.uint32(cell) << np.uint32(16)
-        first = below
-        while below < edge_bits.size and order_key(edge_bits[below]) < start:
-            below += 1
-        crowded = max(crowded, below - first)
-        table[cell] = below
+    cell = 0  # the first cell not filled yet
+    first = 0  # the first edge not placed yet
+    while first < n:
+        key = order_key(edge_bits[first])
+        home = np.int64(key >> np.uint32(16))
+        last = first + 1
+        while last < n and np.int64(order_key(edge_bits[last]) >> np.uint32(16)) == home:
+            last += 1
+        below = np.uint32(first) << np.uint32(16)
+        table[cell:home] = below | np.uint32(NO_EDGE)
+        table[home] = below | (key & np.uint32(0xFFFF)) | (CROWDED if last - first > 1 else np.uint32(0))
+        crowded = max(crowded, last - first)
+        cell = home + 1
+        first = last
+    table[cell:] = (np.uint32(n) << np.uint32(16)) | np.uint32(NO_EDGE)
     return crowded
 
 
 @jit
-def _encode_kernel(bits, edge_bits, cells, out):  # pragma: no cover - compiled
-    """Positive floats order like their bit patterns, so |x| is compared with the edges as integers;
-    the cell gives the count below the cell, one comparison adds the edge inside it, if any (the last
-    edge is a sentinel above every magnitude)."""
-    for i in range(bits.size):
-        b = bits[i]
-        magnitude = b & np.uint32(0x7FFFFFFF)
-        rank = cells[(magnitude | np.uint32(0x80000000)) >> np.uint32(16)]
-        rank += np.uint8(magnitude > edge_bits[rank])
-        out[i] = np.uint8(rank) | np.uint8((b >> np.uint32(24)) & np.uint32(0x80))
+def _encode_kernel(bits, cells, out):  # pragma: no cover - compiled
+    """Codes of :func:`_encode`, a block at a time: the cell-table entries of the magnitudes' keys are
+    gathered into ``entries``, then each magnitude is placed with one comparison (no cell is crowded)."""
+    n = bits.size
+    entries = np.empty(BLOCK, dtype=np.uint32)
+    for start in range(0, n - n % BLOCK, BLOCK):
+        for k in range(BLOCK):
+            entries[k] = ((bits[start + k] | np.uint32(0x80000000)) >> np.uint32(16))
+        for k in range(0, BLOCK, 16):
+            gather16(cells, entries, entries, k)
+        for k in range(BLOCK):
+            out[start + k] = _code(bits[start + k], entries[k])
+    for i in range(n - n % BLOCK, n):
+        out[i] = _code(bits[i], cells[(bits[i] | np.uint32(0x80000000)) >> np.uint32(16)])
+
+
+@njit(cache=True, inline="always")
+def _code(b, entry):  # pragma: no cover - compiled
+    """sign·128 + #{edges < |x|} for x with bits ``b`` (positive floats order as their bit patterns: the
+    order key of |x| is its bits with the top bit set)."""
+    rank = rank_in_cell(b | np.uint32(0x80000000), entry)
+    return np.uint8(rank) | np.uint8((b >> np.uint32(24)) & np.uint32(0x80))
 
 
 @jit
 def _lookup(values, codes, out):  # pragma: no cover - compiled
-    for i in range(out.size):
+    n = codes.size
+    for start in range(0, n - n % 16, 16):
+        gather16(values, codes, out, start)
+    for i in range(n - n % 16, n):
         out[i] = values[codes[i]]

@@ -24,7 +24,7 @@ from numba import njit
 
 from gradpress._numba import as_numpy, jit, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, register
+from gradpress.compressor import Compressor, check_finite, register
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -50,6 +50,34 @@ def extreme_and_nonzeros(x: torch.Tensor) -> tuple[float, int]:
     return (high if high >= -low else low), int(torch.count_nonzero(x))
 
 
+def max_magnitude(x: torch.Tensor) -> float:
+    """max |x| of ``x`` (float32), one reduction (NaN/Inf give a non-finite result)."""
+    if use_numba(x):
+        top = _max_magnitude_bits(as_numpy(x).view(np.uint32))
+        return float(np.array([top], dtype=np.uint32).view(np.float32)[0])
+    return float(x.abs().max())
+
+
+def checked_max_magnitude(x: torch.Tensor, where: str) -> float:
+    """:func:`max_magnitude`, serving as the NaN/Inf check of a ``checks_finite`` method (see
+    :func:`checked_extreme_and_nonzeros`)."""
+    largest = max_magnitude(x)
+    if not math.isfinite(largest):
+        check_finite(x, where)
+    return largest
+
+
+def checked_extreme_and_nonzeros(x: torch.Tensor, where: str) -> tuple[float, int]:
+    """:func:`extreme_and_nonzeros` that also serves as the NaN/Inf check of a ``checks_finite`` method:
+    a NaN or Inf has the largest magnitude (its bit pattern, or torch's NaN-propagating min/max), so the
+    extreme is finite exactly when every element is; when it is not, :func:`check_finite` raises (one
+    more pass, counting them for its message)."""
+    largest, nonzeros = extreme_and_nonzeros(x)
+    if not math.isfinite(largest):
+        check_finite(x, where)
+    return largest, nonzeros
+
+
 def fixed_point_scale(bound: float, count: int) -> float:
     """2^s such that ``count`` values of magnitude at most ``bound``, each times 2^s and truncated to an
     integer, sum to less than 2^62 in magnitude."""
@@ -67,6 +95,15 @@ def to_fixed(x: torch.Tensor, scale: float) -> torch.Tensor:
 def mean_of(total: int, count: int, scale: float) -> float:
     """A group's mean from its fixed-point sum (0 for an empty group)."""
     return float(total) / scale / count if count else 0.0
+
+
+@jit
+def _max_magnitude_bits(bits):  # pragma: no cover - compiled
+    """Largest float32 magnitude's bit pattern (uint32; NaN/Inf patterns are above every finite one)."""
+    top = np.uint32(0)
+    for i in range(bits.size):
+        top = max(top, bits[i] & np.uint32(0x7FFFFFFF))
+    return top
 
 
 @jit
@@ -97,6 +134,7 @@ class OneBit(Compressor):
 
     tau: float = 0.0
     examples = ("onebit:tau=0.5",)
+    checks_finite = True  # the pass for the fixed-point scale shows NaN/Inf
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return packed_nbytes(numel, 1) + 8
@@ -104,7 +142,7 @@ class OneBit(Compressor):
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         x = as_float32(flat)
         n = x.numel()
-        scale = fixed_point_scale(abs(extreme(x)), n)
+        scale = fixed_point_scale(checked_max_magnitude(x, self.spec), n)
         tau = np.float32(self.tau)
         if use_numba(x):
             bits = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
@@ -141,21 +179,38 @@ def decode_two_levels(bits: torch.Tensor, levels: torch.Tensor, n: int) -> torch
 @jit
 def _encode(x, tau, scale, out):  # pragma: no cover - compiled
     """Pack bit i = [x_i ≥ τ] (byte i//8, position i%8); return the fixed-point sums of each side and
-    the count at or above τ."""
+    the count at or above τ. Whole 64-element words are stored as one uint64 (the same bytes on the
+    little-endian CPUs numba compiles for), the rest byte by byte."""
     n = x.size
-    full = n // 8
+    words = n // 64
+    out_words = out[: 8 * words].view(np.uint64)
     total = high_sum = high_count = np.int64(0)
-    for j in range(full):
-        out[j], t, h, c = _encode_byte(x, 8 * j, 8, tau, scale)
+    for j in range(words):
+        out_words[j], t, h, c = _encode_word(x, 64 * j, tau, scale)
         total += t
         high_sum += h
         high_count += c
-    if n > 8 * full:
-        out[full], t, h, c = _encode_byte(x, 8 * full, n - 8 * full, tau, scale)
+    for j in range(8 * words, (n + 7) // 8):
+        out[j], t, h, c = _encode_byte(x, 8 * j, min(8, n - 8 * j), tau, scale)
         total += t
         high_sum += h
         high_count += c
     return high_sum, total - high_sum, high_count
+
+
+@njit(cache=True, inline="always")
+def _encode_word(x, start, tau, scale):  # pragma: no cover - compiled
+    word = np.uint64(0)
+    total = high_sum = high_count = np.int64(0)
+    for k in range(64):
+        v = x[start + k]
+        q = np.int64(np.float64(v) * scale)
+        high = v >= tau
+        word |= np.uint64(high) << np.uint64(k)
+        total += q
+        high_sum += q if high else np.int64(0)
+        high_count += np.int64(high)
+    return word, total, high_sum, high_count
 
 
 @njit(cache=True, inline="always")

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from gradpress.compressor import Compressor, Preliminary, register
+from gradpress.compressor import Compressor, NonFiniteError, Preliminary, check_finite, register
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -75,6 +75,7 @@ class PowerSGD(Compressor):
     min_compression_rate: float = 2.0
     warm_start: bool = True
     summable = True
+    checks_finite = True  # NaN/Inf of any worker's M reach the summed P (see _compress)
     examples = ("powersgd:rank=2", "powersgd:rank=4,min_compression_rate=0,warm_start=false")
     _warm: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
@@ -140,13 +141,27 @@ class PowerSGD(Compressor):
         return torch.randn(r, n, generator=generator, device=device, dtype=torch.float32)
 
     def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None) -> Packet:
-        """Algorithm 1, P̂ ← ORTHOGONALIZE(ΣP) and Q ← Mᵀ P̂ (this worker's), from ``prepared`` = ΣPᵀ."""
+        """Algorithm 1, P̂ ← ORTHOGONALIZE(ΣP) and Q ← Mᵀ P̂ (this worker's), from ``prepared`` = ΣPᵀ.
+
+        NaN/Inf (``checks_finite``): uncompressed tensors are checked here. A compressed one is not read
+        for them: every entry M_ij of every worker enters the summed P_i = Σ_j M_ij Q_j, and IEEE
+        arithmetic carries NaN/Inf through it (NaN·q = NaN, Inf·0 = NaN, Inf·q = ±Inf, and a sum with a
+        NaN or with both infinities is NaN), so the r × m values of ΣP are finite only if every worker's
+        M is (or the sum overflowed: then P̂ would be NaN anyway). Every worker holds the same ΣP, so all
+        of them raise together, before the second all-reduce.
+        """
         if prepared is None:
+            check_finite(flat, self.spec)
             return Packet({"values": flat}, flat.shape, flat.dtype)
         m = prepared.shape[-1]
         if prepared.dim() != 2 or flat.numel() % m:
             raise ValueError(f"powersgd: prepared Pᵀ of shape {tuple(prepared.shape)} does not fit a tensor "
                              f"of {flat.numel()} elements")
+        bad = 0 if math.isfinite(float(prepared.sum())) else int((~torch.isfinite(prepared)).sum())
+        if bad:  # (a finite sum is the one-reduction test; a sum that overflowed alone is no error)
+            raise NonFiniteError(f"{self.spec}: the gradient holds NaN/Inf value(s), on this worker or "
+                                 f"another (or M Q overflowed float32): the summed P = M Q holds {bad} "
+                                 f"NaN/Inf value(s) out of {prepared.numel()}")
         pt = orthonormal_columns(prepared.t()).t().contiguous()  # P̂ᵀ (QR's factor is column-major: a view)
         qt = torch.mm(pt, _float32(flat).view(m, -1))  # Qᵀ = P̂ᵀ M
         return Packet({"p": pt, "q": qt}, flat.shape, flat.dtype, {"key": ctx.key})

@@ -10,7 +10,8 @@ Here:
 
 * the bucket edges are quantiles of a random sample of the non-zero values (``sample_ratio``, at least
   4096 values; a quantile sketch is an approximation too), sorted once, no per-element search: a cell
-  table (see :mod:`gradpress.compressors.eightbit`) plus a short forward probe places each value;
+  table (see :mod:`gradpress.compressors.eightbit`) places each value with one comparison, a short
+  forward probe where quantiles crowd into one cell;
 * codes are ``bits`` wide (8 by default): code 0 is an exact zero, codes 1 .. 2^bits − 1 the buckets;
   the means are exact (fixed-point sums, see :mod:`gradpress.compressors.onebit`);
 * the positions of the non-zeros are sent as int32 indices only when that is cheaper than coding every
@@ -25,12 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
-from gradpress._numba import as_numpy, jit, use_numba
+from gradpress._numba import as_numpy, gather16, jit, use_numba
 from gradpress.bits import pack_bits, unpack_bits
 from gradpress.compressor import Compressor, register
-from gradpress.compressors.eightbit import cell_table, lookup, order_key
-from gradpress.compressors.onebit import as_float32, extreme_and_nonzeros, fixed_point_scale, to_fixed
+from gradpress.compressors.eightbit import BLOCK, CROWDED, cell_table, lookup, order_key, rank_in_cell
+from gradpress.compressors.onebit import as_float32, checked_extreme_and_nonzeros, fixed_point_scale, to_fixed
 from gradpress.compressors.threshold import draw_sample, select_above
 from gradpress.packet import Packet
 from gradpress.rng import Context
@@ -45,6 +47,7 @@ class SketchML(Compressor):
     bits: int = 8
     sample_ratio: float = 0.01
     examples = ("sketchml:bits=4", "sketchml:bits=1")
+    checks_finite = True  # the pass for the fixed-point scale shows NaN/Inf
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,7 +59,7 @@ class SketchML(Compressor):
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         x = as_float32(flat)
         n = x.numel()
-        largest, nnz = extreme_and_nonzeros(x)
+        largest, nnz = checked_extreme_and_nonzeros(x, self.spec)
         sparse = nnz * (32 + self.bits) < n * self.bits
         indices = select_above(x, 0.0) if sparse else torch.empty(0, dtype=torch.int64, device=x.device)
         values = x[indices] if sparse else x
@@ -64,25 +67,31 @@ class SketchML(Compressor):
             values = values[:0]
         edges = self.edges(values, ctx)
         codes, means = encode(values, edges, fixed_point_scale(abs(largest), n))
-        return Packet({"codes": pack_bits(codes, self.bits), "means": means,
+        packed = codes if self.bits == 8 else pack_bits(codes, self.bits)  # (8 bits: already one per byte)
+        return Packet({"codes": packed, "means": means,
                        "indices": indices.to(torch.int32)}, flat.shape, flat.dtype)
 
     def edges(self, values: torch.Tensor, ctx: Context) -> torch.Tensor:
         """B − 1 sorted float32 edges splitting a sample of the non-zero ``values`` into B equal-frequency
         buckets, B = min(2^bits − 1, non-zero sample size)."""
-        sample = draw_sample(values, self.sample_ratio, ctx.private_generator(values.device, "sketchml"))
-        sample = sort(sample[sample != 0])
-        buckets = min(2**self.bits - 1, sample.numel())
+        generator = ctx.private_generator(values.device, "sketchml")
+        sample = sort(draw_sample(values, self.sample_ratio, generator))
+        zero = sample.new_zeros(1)  # the zeros (±0) of the sorted sample lie in [below, above): skip them
+        below, above = (int(torch.searchsorted(sample, zero, right=right)) for right in (False, True))
+        nonzero = sample.numel() - (above - below)
+        buckets = min(2**self.bits - 1, nonzero)
         if buckets <= 1:
             return sample[:0]
-        ranks = torch.arange(1, buckets, device=sample.device) * sample.numel() // buckets
-        return sample[ranks].contiguous()
+        ranks = torch.arange(1, buckets, device=sample.device) * nonzero // buckets
+        return sample[ranks + (ranks >= below) * (above - below)].contiguous()
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         indices, packed = packet["indices"], packet["codes"]
         count = indices.numel() or (packet.numel if packed.numel() else 0)
         table = torch.cat([packet["means"].new_zeros(1), packet["means"]])
-        values = lookup(table, unpack_bits(packed, self.bits, count))
+        whole = self.bits == 8 and packed.numel() == count  # one code a byte: read them in place
+        codes = packed if whole else unpack_bits(packed, self.bits, count)
+        values = lookup(table, codes)
         if not indices.numel():
             return values if count else torch.zeros(packet.numel, device=packet.device)
         out = torch.zeros(packet.numel, dtype=torch.float32, device=packet.device)
@@ -108,8 +117,8 @@ def encode(values: torch.Tensor, edges: torch.Tensor, scale: float) -> tuple[tor
         sums = np.zeros(buckets + 1, dtype=np.int64)
         counts = np.zeros(buckets + 1, dtype=np.int64)
         edges_np = as_numpy(edges)
-        cells, _ = cell_table(edges_np)
-        _encode(as_numpy(values), edges_np, cells, scale, as_numpy(codes), sums, counts)
+        cells, crowded = cell_table(edges_np)
+        _encode(as_numpy(values), edges_np, cells, crowded > 1, scale, as_numpy(codes), sums, counts)
         sums, counts = sums.tolist(), counts.tolist()
     else:
         codes = torch.where(values == 0, 0, torch.searchsorted(edges, values) + 1)
@@ -122,20 +131,68 @@ def encode(values: torch.Tensor, edges: torch.Tensor, scale: float) -> tuple[tor
 
 
 @jit
-def _encode(values, edges, cells, scale, codes, sums, counts):  # pragma: no cover - compiled
-    """Code and fixed-point bucket sums of each value. The cell gives the edges below its cell; one
-    branch-free comparison usually finishes, the loop after it handles crowded cells."""
+def _encode(values, edges, cells, probe, scale, codes, sums, counts):  # pragma: no cover - compiled
+    """Code and fixed-point bucket sums of each value, a block at a time: the cell-table entries of the
+    values' order keys are gathered, one comparison places a value in a cell with at most one edge, a
+    forward probe over the sorted edges one in a crowded cell (looked for only if ``probe``: some cell
+    is). The sums and counts are kept in four interleaved copies (element i in copy i mod 4), which
+    breaks the chains of additions to one bucket."""
     bits = values.view(np.uint32)
     padded = np.empty(edges.size + 1, dtype=np.float32)
     padded[:-1] = edges
     padded[-1] = np.inf  # a sentinel above every value
-    for i in range(values.size):
-        v = values[i]
-        rank = np.int64(cells[order_key(bits[i]) >> np.uint32(16)])
-        rank += padded[rank] < v
-        while padded[rank] < v:
-            rank += 1
-        code = (rank + 1) * (v != 0)
+    n = values.size
+    m = sums.size
+    entries = np.empty(BLOCK, dtype=np.uint32)
+    fixed = np.empty(BLOCK, dtype=np.int64)
+    sums4 = np.zeros(4 * m, dtype=np.int64)  # copy c of bucket j at c·m + j
+    counts4 = np.zeros(4 * m, dtype=np.int64)
+    for start in range(0, n - n % BLOCK, BLOCK):
+        for k in range(BLOCK):
+            entries[k] = order_key(bits[start + k]) >> np.uint32(16)
+        for k in range(BLOCK):
+            fixed[k] = np.int64(np.float64(values[start + k]) * scale)
+        for k in range(0, BLOCK, 16):
+            gather16(cells, entries, entries, k)
+        for k in range(BLOCK):
+            codes[start + k] = _code(bits[start + k], entries[k])
+        if probe:
+            for k in range(BLOCK):
+                if entries[k] & CROWDED:
+                    codes[start + k] = _probe(values[start + k], bits[start + k], cells, padded)
+        for k in range(0, BLOCK, 4):
+            _add(sums4, counts4, codes[start + k], fixed[k])
+            _add(sums4, counts4, m + codes[start + k + 1], fixed[k + 1])
+            _add(sums4, counts4, 2 * m + codes[start + k + 2], fixed[k + 2])
+            _add(sums4, counts4, 3 * m + codes[start + k + 3], fixed[k + 3])
+    for i in range(n - n % BLOCK, n):
+        entry = cells[order_key(bits[i]) >> np.uint32(16)]
+        code = _probe(values[i], bits[i], cells, padded) if entry & CROWDED else _code(bits[i], entry)
         codes[i] = code
-        sums[code] += np.int64(np.float64(v) * scale)
-        counts[code] += 1
+        _add(sums4, counts4, code, np.int64(np.float64(values[i]) * scale))
+    for copy in range(4):
+        sums += sums4[copy * m:(copy + 1) * m]
+        counts += counts4[copy * m:(copy + 1) * m]
+
+
+@njit(cache=True, inline="always")
+def _add(sums, counts, at, fixed):  # pragma: no cover - compiled
+    sums[at] += fixed
+    counts[at] += 1
+
+
+@njit(cache=True, inline="always")
+def _code(b, entry):  # pragma: no cover - compiled
+    """1 + #{edges < v} for v with bits ``b`` in a cell with at most one edge; 0 for ±0."""
+    rank = rank_in_cell(order_key(b), entry)
+    return np.uint8((rank + np.uint32(1)) * np.uint32((b & np.uint32(0x7FFFFFFF)) != 0))
+
+
+@njit(cache=True, inline="always")
+def _probe(v, b, cells, padded):  # pragma: no cover - compiled
+    """:func:`_code` for v (bits ``b``) in a crowded cell: a forward probe over the sorted edges from
+    the first edge of the cell."""
+    rank = np.int64((cells[order_key(b) >> np.uint32(16)] >> np.uint32(16)) & np.uint32(0xFF))
+    while padded[rank] < v:
+        rank += 1
+    return np.uint8((rank + 1) * (v != 0))
