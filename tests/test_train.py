@@ -44,6 +44,14 @@ def test_reference_rows_count_what_their_hooks_send(name, expected):
 
 
 @needs_data
+def test_a_time_budget_ends_at_the_first_evaluation_past_it():
+    run = train(config(compressor="none", steps=None, seconds=1e-3, eval_every=3), progress=False)
+    assert [s.step for s in run.steps] == [1, 2, 3] and [e.step for e in run.evals] == [0, 3]
+    capped = train(config(compressor="none", steps=4, seconds=3600, eval_every=3), progress=False)
+    assert [e.step for e in capped.evals] == [0, 3, 4]  # --steps ends it first
+
+
+@needs_data
 def test_a_failing_worker_stops_the_run_with_its_error():
     with pytest.raises(TrainFailed, match="worker . exited with status"):
         train(config(compressor="topk", options={"min_numel": -1}), progress=False)
@@ -77,6 +85,9 @@ def test_config_and_options_are_checked():
         parse_options(["min_numel"])
     with pytest.raises(ValueError, match="not both"):
         TrainConfig(epochs=1, steps=3)
+    with pytest.raises(ValueError, match="--seconds"):
+        TrainConfig(seconds=0)
+    assert TrainConfig(seconds=5).epochs is None and TrainConfig().epochs == 1
     with pytest.raises(ValueError, match="unknown compressor"):
         TrainConfig(compressor="no-such-method")
     with pytest.raises(ValueError, match="100mbit"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -55,6 +56,7 @@ class TrainConfig:
     bandwidth: str | None = None
     epochs: int | None = None
     steps: int | None = None
+    seconds: float | None = None
     batch_size: int | None = None
     lr: float | None = None
     seed: int = 0
@@ -66,11 +68,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if (self.epochs is None) == (self.steps is None):
-            if self.epochs is None and self.steps is None:
-                self.epochs = 1
-            else:
-                raise ValueError("give --epochs or --steps, not both")
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("give --epochs or --steps, not both")
+        if self.seconds is not None and not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise ValueError(f"--seconds must be a positive number, got {self.seconds}")
+        if self.epochs is None and self.steps is None and self.seconds is None:
+            self.epochs = 1
         if self.bandwidth is not None:
             netem.rate_bits_per_second(self.bandwidth)
         if self.compressor not in REFERENCES:
@@ -181,19 +184,26 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
         clock = _Clock()
         bytes_total = 0
 
-        def measure(epoch: int, step: int) -> None:
+        def measure(epoch: int, step: int) -> bool:
+            """Evaluate (rank 0); whether the time budget is spent (rank 0 decides for every rank)."""
             with clock.paused():
                 if rank == 0:
                     quality = evaluate(model, dataset)
                     evals.append(Eval(epoch=epoch, step=step, wall_s=clock.elapsed(), bytes_total=bytes_total,
                                       metric=metric, value=quality[metric], higher_is_better=higher_is_better,
                                       loss=quality["loss"]))
-                dist.barrier()
+                if config.seconds is None:
+                    dist.barrier()
+                    return False
+                spent = torch.tensor([rank == 0 and clock.elapsed() >= config.seconds], dtype=torch.uint8)
+                dist.broadcast(spent, 0)
+                return bool(spent)
 
         per_epoch = len(shard.train) // batch_size
         if per_epoch == 0:
             raise ValueError(f"a shard of {len(shard.train)} samples holds no batch of {batch_size}")
-        total = config.steps if config.steps is not None else per_epoch * config.epochs
+        total = (config.steps if config.steps is not None else per_epoch * config.epochs
+                 if config.epochs is not None else math.inf)
         eval_every = config.eval_every or per_epoch
         bar = _progress_bar(total, rank, config)
         step, epoch = 0, 0
@@ -223,8 +233,8 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-                if step % eval_every == 0 or step == total:
-                    measure(epoch, step)
+                if (step % eval_every == 0 or step == total) and measure(epoch, step):
+                    total = step  # the time budget is spent
                 if step == total:
                     break
             epoch += 1
@@ -277,12 +287,12 @@ def _optimizer(name: str, parameters: Any, lr: float) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {name!r} (sgd, adam)")
 
 
-def _progress_bar(total: int, rank: int, config: TrainConfig):  # noqa: ANN202
+def _progress_bar(total: float, rank: int, config: TrainConfig):  # noqa: ANN202
     if rank != 0 or os.environ.get("GRADPRESS_PROGRESS", "1") == "0":
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"{config.compressor} · {config.model} · {config.workers} workers",
+    return tqdm(total=total if math.isfinite(total) else None, desc=f"{config.compressor} · {config.model} · {config.workers} workers",
                 unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
@@ -409,6 +419,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int)
     length.add_argument("--steps", type=int)
+    parser.add_argument("--seconds", type=float,
+                        help="train for this much wall-clock (evaluation excluded), ending at the first "
+                             "evaluation past it; with --steps or --epochs, whichever ends first")
     parser.add_argument("--batch-size", type=int, help="per-worker batch size (default: the model's)")
     parser.add_argument("--lr", type=float, help="learning rate (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -421,7 +434,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, compressor: str) -> TrainConfig:
     return TrainConfig(model=args.model, data=args.data, workers=args.workers, compressor=compressor,
-                       bandwidth=args.bandwidth, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
+                       bandwidth=args.bandwidth, epochs=args.epochs, steps=args.steps, seconds=args.seconds,
+                       batch_size=args.batch_size,
                        lr=args.lr, seed=args.seed, eval_every=args.eval_every,
                        options=parse_options(args.option), timeout=args.timeout, threads=args.threads)
 
