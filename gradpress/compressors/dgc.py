@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from gradpress.compressor import Compressor, register
+from gradpress.compressor import register
 from gradpress.compressors.onebit import as_float32
-from gradpress.compressors.sparsify import scatter
-from gradpress.compressors.threshold import draw_sample, sample_threshold, select_above, sparse_packet
+from gradpress.compressors.sparsify import Sparse
+from gradpress.compressors.threshold import draw_sample, packet_above, sample_threshold
 from gradpress.feedback import Feedback, feedback_registry
 from gradpress.packet import Packet
 from gradpress.rng import Context
@@ -38,7 +38,7 @@ WARMUP_DENSITY = 0.25  # kept fraction in the first stage, then × 0.25 per stag
 
 @register("dgc")
 @dataclass(repr=False)
-class DGC(Compressor):
+class DGC(Sparse):
     """Deep Gradient Compression (Lin et al., ICLR 2018): the elements above a sampled threshold, with
     int32 indices (variable size), the sparsity warmed up over ``warmup_steps``.
 
@@ -78,10 +78,10 @@ class DGC(Compressor):
         generator = ctx.private_generator(flat.device, "dgc")
         sample = draw_sample(as_float32(flat), self.sample_ratio, generator, density)
         threshold = sample_threshold(sample.abs(), density)
-        return sparse_packet(flat, select_above(flat, threshold))
+        return packet_above(flat, threshold)
 
-    def _decompress(self, packet: Packet) -> torch.Tensor:
-        return scatter(packet["values"], packet["indices"], packet.numel)
+    def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
+        return packet["indices"], packet["values"].float()
 
 
 @feedback_registry.register("dgc")

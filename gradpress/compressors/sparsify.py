@@ -35,10 +35,19 @@ def _check_ratio(name: str, ratio: float) -> None:
 
 
 def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
-    """Dense float32 vector of length ``numel`` with ``values`` at ``indices``."""
+    """Dense float32 vector of length ``numel`` with ``values`` at ``indices`` (distinct positions)."""
     dense = torch.zeros(numel, dtype=torch.float32, device=values.device)
-    dense[indices.long()] = values.float()
+    if use_numba(dense) and values.is_contiguous() and indices.is_contiguous():
+        _scatter(as_numpy(dense), as_numpy(values.float()), as_numpy(indices))
+    else:
+        dense[indices.long()] = values.float()
     return dense
+
+
+@jit
+def _scatter(dense, values, indices):  # pragma: no cover - compiled
+    for j in range(indices.size):
+        dense[indices[j]] = values[j]
 
 
 class Sparse(Compressor):

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from gradpress._numba import as_numpy, jit, use_numba
-from gradpress.compressor import Compressor, register
+from gradpress.compressor import register
 from gradpress.compressors.onebit import as_float32
-from gradpress.compressors.sparsify import scatter
+from gradpress.compressors.sparsify import Sparse
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -30,7 +30,7 @@ MIN_KEPT = 50      # a sample large enough to hold this many kept elements (±14
 
 @register("threshold")
 @dataclass(repr=False)
-class Threshold(Compressor):
+class Threshold(Sparse):
     """Threshold-v: the elements with |x| > v and their int32 indices (GRACE §3.2; Dutta et al. 2020).
 
     Deterministic, biased, data-dependent size (``expected_nbytes`` is None). ``v`` has no universal
@@ -47,16 +47,30 @@ class Threshold(Compressor):
             raise ValueError(f"threshold: v must be a finite number >= 0, got {self.v}")
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
-        indices = select_above(flat, self.v)
-        return sparse_packet(flat, indices)
+        return packet_above(flat, self.v)
 
-    def _decompress(self, packet: Packet) -> torch.Tensor:
-        return scatter(packet["values"], packet["indices"], packet.numel)
+    def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
+        return packet["indices"], packet["values"].float()
 
 
 def sparse_packet(flat: torch.Tensor, indices: torch.Tensor) -> Packet:
     """Values at ``indices`` (in the input dtype) and the indices as int32."""
     return Packet({"values": flat[indices], "indices": indices.to(torch.int32)}, flat.shape, flat.dtype)
+
+
+def packet_above(flat: torch.Tensor, threshold: float) -> Packet:
+    """:func:`sparse_packet` of the elements with |x| > threshold, values and int32 indices gathered in
+    the pass that finds them (numba); buffers are trimmed to the count found unless that keeps most."""
+    x = as_float32(flat)
+    if not use_numba(x) or x.numel() > torch.iinfo(torch.int32).max:
+        return sparse_packet(flat, select_above(flat, threshold))
+    n = x.numel()
+    values, indices = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32)
+    count = _gather_above(as_numpy(x), np.float32(threshold), as_numpy(values), as_numpy(indices))
+    values, indices = values[:count], indices[:count]
+    if 2 * count < n:  # don't hold n-sized buffers for a few values
+        values, indices = values.clone(), indices.clone()
+    return Packet({"values": values.to(flat.dtype), "indices": indices}, flat.shape, flat.dtype)
 
 
 def select_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -89,6 +103,18 @@ def sample_threshold(magnitudes: torch.Tensor, fraction: float) -> float:
     if keep >= s:
         return 0.0
     return float(torch.kthvalue(magnitudes.float(), s - keep).values)
+
+
+@jit
+def _gather_above(x, threshold, values, indices):  # pragma: no cover - compiled
+    count = 0
+    for i in range(x.size):
+        v = x[i]
+        if abs(v) > threshold:
+            values[count] = v
+            indices[count] = i
+            count += 1
+    return count
 
 
 @jit

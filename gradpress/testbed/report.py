@@ -20,6 +20,7 @@ there is no target and its columns read n/a, unless a target is given.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -335,6 +336,19 @@ def _quality_axes(ax: object, rows: Sequence[Row], goal: Target | None) -> None:
         ax.legend(fontsize="small")
 
 
+def _save(fig: Figure, path: Path) -> None:
+    """Write the PNG. Log-scale tick labels are set with mathtext, whose Computer Modern and STIX fonts a
+    minimal system lacks: matplotlib then logs a "findfont" warning per font and falls back to DejaVu
+    Sans, which draws them correctly; those warnings are kept out of the console."""
+    font_log = logging.getLogger("matplotlib.font_manager")
+    level = font_log.level
+    font_log.setLevel(logging.ERROR)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        font_log.setLevel(level)
+
+
 def plot_quality_vs_time(rows: Sequence[Row], goal: Target | None, path: Path) -> Path:
     """Quality against training wall-clock, one line per run (GRACE Figure 1b)."""
     fig, ax = _figure()
@@ -345,7 +359,7 @@ def plot_quality_vs_time(rows: Sequence[Row], goal: Target | None, path: Path) -
     ax.set_xlabel("training wall-clock (s)")
     ax.set_title("Quality vs wall-clock")
     _quality_axes(ax, rows, goal)
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     return path
 
 
@@ -363,7 +377,7 @@ def plot_quality_vs_bytes(rows: Sequence[Row], goal: Target | None, path: Path) 
     ax.set_xlabel("bytes sent by one worker (log scale)")
     ax.set_title("Quality vs data volume")
     _quality_axes(ax, rows, goal)
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     return path
 
 
@@ -384,5 +398,5 @@ def plot_throughput(rows: Sequence[Row], path: Path) -> Path:
     ax.grid(axis="y", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     return path
