@@ -56,12 +56,13 @@ class FP16(_Cast):
     by the runtime's finiteness check, small ones lose precision below 2^-24."""
 
     wire_dtype = torch.float16
+    checks_finite = True  # NaN/Inf input is NaN/Inf in the half-precision values, which are checked anyway
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         packet = super()._compress(flat, ctx)
         overflowed = count_nonfinite(packet["values"])
         if overflowed:
-            check_finite(flat, self.spec)  # NaN/Inf input, when the caller left the check to the aggregate
+            check_finite(flat, self.spec)  # NaN/Inf in the input itself: a NonFiniteError
             limit = torch.finfo(torch.float16).max
             raise OverflowError(f"fp16: {overflowed} value(s) beyond ±{limit:g} cannot be sent in half precision")
         return packet

@@ -18,8 +18,8 @@ from numba import njit
 from gradpress._numba import as_numpy, jit, use_numba
 from gradpress.bits import packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, register
-from gradpress.compressors.onebit import (as_float32, decode_two_levels, extreme, fixed_point_scale,
-                                          mean_of, pack_mask, to_fixed)
+from gradpress.compressors.onebit import (as_float32, checked_max_magnitude, decode_two_levels,
+                                          fixed_point_scale, mean_of, pack_mask, to_fixed)
 from gradpress.feedback import KeyedMemory, feedback_registry
 from gradpress.packet import Packet
 from gradpress.rng import Context
@@ -96,13 +96,15 @@ class EFSignSGD(Compressor):
     reproduces the paper's scaling exactly when the optimizer's learning rate is 1).
     """
 
+    checks_finite = True  # the max |x| that sets the fixed-point scale is NaN/Inf exactly when x holds one
+
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return packed_nbytes(numel, 1) + 4
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         x = as_float32(flat)
         n = x.numel()
-        scale = fixed_point_scale(abs(extreme(x)), n)
+        scale = fixed_point_scale(checked_max_magnitude(x, self.spec), n)
         if use_numba(x):
             signs = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
             total = _pack_signs_l1(as_numpy(x), scale, as_numpy(signs))
