@@ -217,3 +217,14 @@ def test_topk_sampled_path_finds_every_nonfinite_value(numel, bad):
     with pytest.raises(NonFiniteError):
         topk_indices(y, numel // 100)
     assert torch.equal(topk_indices(x, 1000), torch.topk(x.abs(), 1000).indices.sort().values)
+
+
+def test_randomk_receivers_regenerate_the_senders_indices():
+    """random-k's packet keeps the indices it drew; a receiver that has only the seed draws the same."""
+    from gradpress.packet import Packet
+
+    c = gradpress.make("randomk:ratio=0.01,scale=true")
+    packet = c.compress(torch.randn(100_000), gradpress.Context(seed=5, step=3, key="w"))
+    received = Packet(dict(packet.tensors), packet.shape, packet.dtype, {"seed": packet.meta["seed"]})
+    assert torch.equal(c.decompress(received), c.decompress(packet))
+    assert torch.equal(c.sparse(received)[0], packet.meta["indices"])

@@ -237,19 +237,23 @@ class RandomK(Sparse):
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         k = keep_count(flat.numel(), self.ratio)
         indices = random_indices(flat.numel(), k, ctx.shared_generator(flat.device, "randomk"), flat.device)
-        meta = {"seed": ctx.shared_seed("randomk")}
+        # every receiver regenerates the indices from the seed; the sender's packet keeps them as well
+        meta = {"seed": ctx.shared_seed("randomk"), "indices": indices}
         return Packet({"values": flat[indices]}, flat.shape, flat.dtype, meta)
 
     def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
         """The values (scaled by d/k if ``scale``) at the k positions regenerated from the packet's seed."""
         n = packet.numel
         k = keep_count(n, self.ratio)
-        generator = torch.Generator(device=packet.device)
-        generator.manual_seed(packet.meta["seed"])
         values = packet["values"].float()
         if self.scale:
             values = values * (n / k)
-        return random_indices(n, k, generator, packet.device), values
+        indices = packet.meta.get("indices")
+        if indices is None:
+            generator = torch.Generator(device=packet.device)
+            generator.manual_seed(packet.meta["seed"])
+            indices = random_indices(n, k, generator, packet.device)
+        return indices, values
 
 
 def random_indices(n: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
