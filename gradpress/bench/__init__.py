@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+from typing import Callable
+
+Main = Callable[[argparse.Namespace], int]
 
 BENCHES = [
     "gradpress.bench.ops",
@@ -19,3 +23,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     benches = bench.add_subparsers(dest="bench", required=True)
     for module in BENCHES:
         importlib.import_module(module).add_bench_parser(benches)
+
+
+def add_bench(bench_subparsers: argparse._SubParsersAction, name: str, help: str, doc: str | None,
+              add_arguments: Callable[[argparse.ArgumentParser], None], main: Main) -> None:
+    """``gradpress bench NAME``: a subparser described by the module's ``doc``, its arguments, its ``main``."""
+    parser = bench_subparsers.add_parser(name, help=help, description=doc,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=main)
+
+
+def run_as_script(doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None], main: Main) -> None:
+    """``python -m gradpress.bench.MODULE …``: the same arguments as its ``gradpress bench`` subcommand."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

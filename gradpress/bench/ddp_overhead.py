@@ -16,7 +16,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from gradpress.bench import add_bench, run_as_script
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -130,13 +131,8 @@ def main(args: argparse.Namespace) -> int:
 
 def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     """Adds ``gradpress bench ddp`` under the ``bench`` subcommand's subparsers."""
-    parser = bench_subparsers.add_parser("ddp", help="DDP step time: gradpress hook vs built-in all-reduce",
-                                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parser.set_defaults(func=main)
+    add_bench(bench_subparsers, "ddp", "DDP step time: gradpress hook vs built-in all-reduce", __doc__, add_arguments, main)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    run_as_script(__doc__, add_arguments, main)

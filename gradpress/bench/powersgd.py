@@ -36,7 +36,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -45,6 +44,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from gradpress.bench import add_bench, run_as_script
 
 VARIANTS = ("torch-allreduce", "torch-powersgd", "gradpress-powersgd")
 
@@ -384,13 +385,8 @@ def main(args: argparse.Namespace) -> int:
 
 def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     """Adds ``gradpress bench powersgd`` under the ``bench`` subcommand's subparsers."""
-    parser = bench_subparsers.add_parser("powersgd", help="PowerSGD beside torch's powerSGD_hook",
-                                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parser.set_defaults(func=main)
+    add_bench(bench_subparsers, "powersgd", "PowerSGD beside torch's powerSGD_hook", __doc__, add_arguments, main)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    run_as_script(__doc__, add_arguments, main)

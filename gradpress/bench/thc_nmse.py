@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 import gradpress
+from gradpress.bench import add_bench
 
 DEFAULT_BITS = (2, 3, 4)
 DEFAULT_GRANULARITIES = (3, 7, 8, 12, 15, 16, 20, 24, 30, 36, 44, 51)
@@ -251,11 +252,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     """Adds ``gradpress bench thc`` under the ``bench`` subcommand's subparsers."""
-    parser = bench_subparsers.add_parser(
-        "thc", help="THC's NMSE vs granularity and vs workers (App. D.4, §8.4)", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parser.set_defaults(func=main)
+    add_bench(bench_subparsers, "thc", "THC's NMSE vs granularity and vs workers (App. D.4, §8.4)", __doc__,
+              add_arguments, main)
 
 
 __all__ = ["GranularityRecord", "WorkersRecord", "add_bench_parser", "nmse_vs_granularity", "nmse_vs_workers"]
