@@ -54,7 +54,7 @@ class Communicator:
         self._driver.advance()
         out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
         for members, future in started:
-            for i, averaged in zip(members, future.wait()):
+            for i, averaged in zip(members, self._driver.wait(future)):
                 out[i] = averaged
         return {key: averaged for (key, _), averaged in zip(items, out)}
 

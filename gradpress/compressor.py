@@ -79,6 +79,10 @@ class Compressor:
       values (no error-feedback memory, every worker aggregated): the sum is finite exactly when every
       worker's gradient was and no sum overflowed, so every worker raises, together, from one pass that
       also divides by n.
+    * ``elementwise``: compress and decode map each element alone, with no per-tensor statistics,
+      randomness or state (no compression, a cast): the packet of a concatenation is the
+      concatenation of the packets. The runtime then exchanges tensors that lie back to back in one
+      storage (a DDP bucket's gradients) as one tensor, with the same result bit for bit.
 
     Runtime hooks (all optional, with defaults that fit single-round methods; see gradpress.strategy):
 
@@ -105,6 +109,7 @@ class Compressor:
     max_summand: ClassVar[int | None] = None
     linear: ClassVar[bool] = True
     propagates_nonfinite: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self._calls = itertools.count()

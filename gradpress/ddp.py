@@ -5,8 +5,9 @@
 call ``state = gradpress.register(ddp, spec, **options)``.
 
 DDP hands the hook one bucket at a time, in the same order on every rank; the hook compresses each of
-the bucket's gradients (keyed by parameter name), starts the exchange and returns a future of the
-averaged bucket. Buckets overlap as with DDP's own all-reduce: single-round exchanges complete
+the bucket's gradients (keyed by parameter name; element-wise methods such as ``none`` compress the
+bucket as one tensor, with the same result), starts the exchange and returns a future of the averaged
+bucket, which decodes and fills the bucket in one callback on the backend's thread. Buckets overlap as with DDP's own all-reduce: single-round exchanges complete
 asynchronously, and any later round of a multi-round exchange (a preliminary exchange, a sizes
 header, the second half of a rank-order sum) is issued at the next bucket or after the last one,
 points that are the same on every rank (DESIGN invariant 3). DDP's bucket rebuild after the first
@@ -85,25 +86,24 @@ class GradpressState:
         grads = bucket.gradients()
         items = [(self._key(p), g) for p, g in zip(bucket.parameters(), grads)]
         devices = [buffer.device] if buffer.device.type != "cpu" else None
-        started = [(g.members, driver.start(g.protocol, g.step, devices))
-                   for g in pipeline.groups(items, writable=True)]
-        if bucket.is_last():
-            driver.advance()
+        groups = pipeline.groups(items, bucket=buffer)
 
-        def assemble(_: Any) -> torch.Tensor:
-            for members, future in started:
-                for i, averaged in zip(members, future.value()):
-                    if averaged.data_ptr() != grads[i].data_ptr() or averaged.dtype != grads[i].dtype:
-                        grads[i].copy_(averaged)
+        def assemble(averages: list[list[torch.Tensor]]) -> torch.Tensor:
+            for group, averaged in zip(groups, averages):
+                outputs = [group.flat] if group.flat is not None else [grads[i] for i in group.members]
+                for output, average in zip(outputs, averaged):
+                    if average.data_ptr() != output.data_ptr() or average.dtype != output.dtype:
+                        output.copy_(average.view(output.shape))
             return buffer
 
-        if not started:
-            done: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-            done.set_result(buffer)
-            return done
-        if len(started) == 1:
-            return started[0][1].then(assemble)
-        return torch.futures.collect_all([future for _, future in started]).then(assemble)
+        if len(groups) == 1:  # decoding and assembling in one callback (see Driver)
+            future = driver.start(groups[0].protocol, groups[0].step, devices, then=lambda one: assemble([one]))
+        else:
+            started = [driver.start(g.protocol, g.step, devices) for g in groups]
+            future = _all(started, devices).then(lambda done: assemble([f.value() for f in done.value()]))
+        if bucket.is_last():
+            driver.advance()
+        return future
 
     # -- state and statistics ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -128,6 +128,15 @@ class GradpressState:
         if self._pipeline is None:
             return Stats().report()
         return self._pipeline.report()
+
+
+def _all(futures: list[torch.futures.Future], devices: list[torch.device] | None) -> torch.futures.Future:
+    """A future of ``futures`` (all of them done); an already completed one when there are none."""
+    if futures:
+        return torch.futures.collect_all(futures)
+    done: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+    done.set_result([])
+    return done
 
 
 def hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares the annotations literally

@@ -49,6 +49,12 @@ class Feedback:
         cls = type(self)
         return cls.update is not Feedback.update or cls.update_from is not Feedback.update_from
 
+    @property
+    def inert(self) -> bool:
+        """Whether this memory leaves gradients as they are and keeps nothing (``none``): then the
+        keys it is called with do not matter."""
+        return not self.updates and type(self).compensate is Feedback.compensate
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -8,7 +8,9 @@ memory, step counter and random streams follow the name, so they survive DDP's b
 restart into a fresh DDP, and methods that need a tensor's shape (PowerSGD's matrices, S2's rows) get
 it. The unit of communication is a group of tensors (a DDP bucket, or the tensors handed to one
 ``Communicator.reduce_many`` call): their packets travel together, in as few collectives as the
-strategy allows.
+strategy allows. Where compressing a group tensor by tensor and as a whole give the same bits (an
+:attr:`~gradpress.compressor.Compressor.elementwise` method such as ``none``, with nothing keyed per
+tensor), a DDP bucket's gradients travel as one flat view of the bucket: one packet, one decoding pass.
 
 The :class:`Driver` issues the rounds of many groups' protocols so that every rank issues the same
 collectives in the same order (DESIGN invariant 3), also with several DDP buckets in flight: a final
@@ -27,17 +29,16 @@ import fnmatch
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from gradpress.compressor import Compressor, NonFiniteError, check_finite, make
 from gradpress.feedback import make_feedback
 from gradpress.rng import Context
-from gradpress.strategy import MODES, OVERFLOW, Protocol, Strategy, check_partial
+from gradpress.strategy import MODES, OVERFLOW, Protocol, Round, Strategy, adjacent, check_partial
 
 FORMAT = 1
 
@@ -140,20 +141,19 @@ class Stats:
 
     def add(self, step: int, **values: float) -> None:
         with self._lock:
-            current = self._steps.setdefault(step, dict.fromkeys(COUNTERS, 0))
+            current = self._steps.get(step)
+            if current is None:
+                current = self._steps[step] = dict.fromkeys(COUNTERS, 0)
+                while len(self._steps) > 2:
+                    del self._steps[min(self._steps)]
+            total = self._total
             for name, value in values.items():
                 current[name] += value
-                self._total[name] += value
-            while len(self._steps) > 2:
-                del self._steps[min(self._steps)]
+                total[name] += value
 
-    @contextmanager
-    def timer(self, step: int, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(step, **{name: time.perf_counter() - start})
+    def timer(self, step: int, name: str) -> _Timer:
+        """A context manager adding the seconds it encloses to ``name``."""
+        return _Timer(self, step, name)
 
     def report(self, pattern: str = "") -> dict[str, Any]:
         """``{"pattern": traffic pattern, "steps": count, "step": index of the latest step, "last": its
@@ -167,6 +167,17 @@ class Stats:
                 "last": dict(self._steps[latest]) if latest is not None else dict.fromkeys(COUNTERS, 0),
                 "total": dict(self._total),
             }
+
+
+class _Timer:
+    def __init__(self, stats: Stats, step: int, name: str) -> None:
+        self.stats, self.step, self.name = stats, step, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *_: Any) -> None:
+        self.stats.add(self.step, **{self.name: time.perf_counter() - self.start})
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------
@@ -188,11 +199,14 @@ def compressor_of(spec: str | Compressor) -> Compressor:
 
 @dataclass
 class Group:
-    """Some of a group's items (their positions), the protocol exchanging them, and its step."""
+    """Some of a group's items (their positions), the protocol exchanging them, and its step. The
+    protocol returns each member's average; or, when the members travel as one ``flat`` tensor (a view
+    of the bucket holding them, see :meth:`Pipeline._as_one`), a list holding the average of ``flat``."""
 
     members: list[int]
     protocol: Protocol
     step: int
+    flat: torch.Tensor | None = None
 
 
 class Pipeline:
@@ -220,10 +234,11 @@ class Pipeline:
             return False
         return not any(fnmatch.fnmatchcase(key, pattern) for pattern in o.exclude)
 
-    def groups(self, items: Sequence[tuple[str, torch.Tensor]], writable: bool = False) -> list[Group]:
+    def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None) -> list[Group]:
         """The protocols exchanging ``items`` (key, gradient): the compressed ones, then the plain ones.
 
-        Starts the items' steps. ``writable``: the gradients may be overwritten (a DDP bucket).
+        Starts the items' steps. ``bucket``: a flat tensor the gradients are views of, which the
+        exchange may overwrite (a DDP bucket's buffer): collectives then work in it where they can.
         """
         keys = [key for key, _ in items]
         if len(set(keys)) != len(keys):
@@ -231,21 +246,52 @@ class Pipeline:
         for key, tensor in items:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{key!r}: expected a tensor, got {type(tensor).__name__}")
-        flags = [self.compresses(key, tensor) for key, tensor in items]
+        o = self.options
+        if o.min_numel or o.warmup_steps or o.exclude:
+            flags = [self.compresses(key, tensor) for key, tensor in items]
+        else:
+            flags = [True] * len(items)
         steps = [self.steps.get(key, 0) for key in keys]
         for key, step in zip(keys, steps):
             self.steps[key] = step + 1
+        writable = bucket is not None
         groups = []
         for compressed in (True, False):
             members = [i for i, flag in enumerate(flags) if flag == compressed]
             if members:
                 chosen = [items[i] for i in members]
-                protocol = self._protocol(chosen, [steps[i] for i in members], compressed, writable)
-                groups.append(Group(members, protocol, max(steps[i] for i in members)))
+                chosen_steps = [steps[i] for i in members]
+                step = max(chosen_steps)
+                flat = self._as_one(compressed, [t for _, t in chosen], bucket) if writable else None
+                if flat is None:
+                    protocol = self._protocol(chosen, chosen_steps, compressed, writable)
+                else:
+                    protocol = self._protocol([(chosen[0][0], flat)], [step], compressed, writable,
+                                              members=[key for key, _ in chosen])
+                groups.append(Group(members, protocol, step, flat))
         return groups
 
-    def _protocol(self, items, steps, compressed: bool, writable: bool) -> Protocol:
-        """GRACE Algorithm 1 lines 4-14 for a group of tensors, THC's preliminary stage included."""
+    def _as_one(self, compressed: bool, tensors: list[torch.Tensor], bucket: torch.Tensor) -> torch.Tensor | None:
+        """The tensors as one flat view of ``bucket``, when exchanging them as one tensor gives the same
+        result as one by one: an :attr:`~gradpress.compressor.Compressor.elementwise` method, no
+        feedback memory (nothing keyed per tensor), no per-tensor draws (partial aggregation, a master
+        compressor). None otherwise, or when they do not lie back to back in ``bucket``."""
+        strategy = self.strategy if compressed else self.plain
+        feedback = self.feedback if compressed else self.no_feedback
+        if (len(tensors) < 2 or not strategy.compressor.elementwise or not feedback.inert
+                or strategy.master is not None or strategy.partial != 1):
+            return None
+        flat = bucket.detach().reshape(-1)
+        if (flat.is_contiguous() and tensors[0].data_ptr() == flat.data_ptr()
+                and sum(t.numel() for t in tensors) == flat.numel() and tensors[0].dtype == flat.dtype):
+            return flat  # the whole bucket (DDP's bucket gradients are views of it, in order)
+        return adjacent(tensors, {flat.untyped_storage().data_ptr()})
+
+    def _protocol(self, items, steps, compressed: bool, writable: bool,
+                  members: Sequence[str] | None = None) -> Protocol:
+        """GRACE Algorithm 1 lines 4-14 for a group of tensors, THC's preliminary stage included.
+        ``members``: the keys of the tensors one flat item stands for (see :meth:`_as_one`), which
+        errors name."""
         strategy = self.strategy if compressed else self.plain
         feedback = self.feedback if compressed else self.no_feedback
         compressor, stats, step = strategy.compressor, self.stats, max(steps)
@@ -276,7 +322,8 @@ class Pipeline:
                 packet = (compressor.compress(given, ctx, prepared=ready) if compressor.prepares
                           else compressor.compress(given, ctx, check=check))
             except NonFiniteError as error:
-                raise NonFiniteError(f"gradient {key!r}: {error}") from None
+                raise NonFiniteError(f"gradient {key!r}: {error}" if members is None
+                                     else f"gradients {_names(members)}: {error}") from None
             if updates:
                 feedback.update_from(key, x, packet, compressor, owned=x is not grad)
             packets.append(packet)
@@ -287,7 +334,7 @@ class Pipeline:
             return (yield from strategy.exchange(packets, ctxs, grads if writable else None,
                                                  lambda: stats.timer(step, "decompress_s")))
         except NonFiniteError as error:
-            names = ", ".join(repr(key) for key, _ in items)
+            names = _names(members if members is not None else [key for key, _ in items])
             raise NonFiniteError(f"gradients {names}: {error}") from None
 
     def _checks_aggregate(self, compressor: Compressor, updates: bool) -> bool:
@@ -324,6 +371,10 @@ class Pipeline:
             self.master.load_state_dict(state["master"])
 
 
+def _names(keys: Sequence[str]) -> str:
+    return ", ".join(repr(key) for key in keys)
+
+
 def _check_finite(flat: torch.Tensor, key: str, compressor: Compressor) -> None:
     try:
         check_finite(flat, compressor.spec)
@@ -339,13 +390,24 @@ class ExchangeFailed(RuntimeError):
 @dataclass
 class _Run:
     protocol: Protocol
-    future: torch.futures.Future
     step: int
+    then: Callable[[Any], Any]
+    future: torch.futures.Future | None = None
     handle: Any = None
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
 class Driver:
-    """Runs protocols on an executor in the order DESIGN invariant 3 needs (see the module docstring)."""
+    """Runs protocols on an executor in the order DESIGN invariant 3 needs (see the module docstring).
+
+    A protocol whose first round is its last (most methods) completes in one callback on the
+    backend's thread: the round's results, the decoding and ``then``, holding the GIL once. Python
+    threads hand the GIL over at most every few milliseconds, so each further callback in a chain can
+    wait that long behind the training loop's own Python (DDP's backward thread).
+    """
 
     def __init__(self, executor: Any, stats: Stats) -> None:
         self.executor, self.stats = executor, stats
@@ -357,13 +419,21 @@ class Driver:
             raise ExchangeFailed(f"gradpress: an earlier exchange failed ({type(self.failure).__name__}: "
                                  f"{self.failure}); the ranks may be out of step") from self.failure
 
-    def start(self, protocol: Protocol, step: int, devices: list[torch.device] | None = None) -> torch.futures.Future:
-        """Run ``protocol`` up to its first round and issue it; a future of the protocol's result."""
+    def start(self, protocol: Protocol, step: int, devices: list[torch.device] | None = None,
+              then: Callable[[Any], Any] = _same) -> torch.futures.Future:
+        """Run ``protocol`` up to its first round and issue it; a future of ``then(its result)``
+        (``then`` runs where the result is formed, on a backend thread for asynchronous rounds)."""
         self.check()
-        run = _Run(protocol, torch.futures.Future(devices=devices) if devices else torch.futures.Future(), step)
-        self._continue(run, None)
-        if run.handle is not None:
+        run = _Run(protocol, step, then)
+        round_ = self._resume(run, None)
+        if isinstance(round_, Round) and round_.final:
+            return self._issue(run, round_).future(lambda results: self._finish(run, results), self._record)
+        run.future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        if isinstance(round_, Round):
+            run.handle = self._issue(run, round_)
             self._pending.append(run)
+        else:
+            self._complete(run, round_.value)
         return run.future
 
     def advance(self) -> None:
@@ -377,51 +447,90 @@ class Driver:
                 except BaseException as error:
                     self._fail(run, error)
                     raise
-                self._continue(run, results)
+                round_ = self._resume(run, results)
+                if not isinstance(round_, Round):
+                    self._complete(run, round_.value)
+                elif round_.final:
+                    self._issue(run, round_).future(lambda results, run=run: self._settle(run, results),
+                                                    lambda error, run=run: self._abandon(run, error))
+                else:
+                    run.handle = self._issue(run, round_)
 
     def run(self, protocol: Protocol, step: int) -> Any:
         """Run ``protocol`` to its end (blocking) and return its result."""
         future = self.start(protocol, step)
         self.advance()
-        return future.wait()
+        return self.wait(future)
 
-    def _continue(self, run: _Run, results: list | None) -> None:
+    def wait(self, future: torch.futures.Future) -> Any:
+        """``future.wait()``, raising the exchange's own error: one raised in a backend callback
+        reaches the future as a RuntimeError that only quotes it."""
         try:
-            round_ = run.protocol.send(results)
+            return future.wait()
+        except RuntimeError as error:
+            if self.failure is None or self.failure is error:
+                raise
+            raise self.failure from None
+
+    def _resume(self, run: _Run, results: list | None) -> Round | StopIteration:
+        """The protocol's next round, or its StopIteration (whose ``value`` is the protocol's result)."""
+        try:
+            return run.protocol.send(results)
         except StopIteration as stop:
-            run.future.set_result(stop.value)
-            return
+            return stop
         except BaseException as error:
             self._fail(run, error)
             raise
+
+    def _issue(self, run: _Run, round_: Round) -> Any:
         step = run.step
-        handle = self.executor.issue(
+        return self.executor.issue(
             round_,
             lambda sent, received: self.stats.add(step, sent_bytes=sent, received_bytes=received, collectives=1),
             lambda seconds: self.stats.add(step, comm_s=seconds))
-        if round_.final:
-            handle.future().then(lambda done: self._finish(run, done))
-        else:
-            run.handle = handle
 
-    def _finish(self, run: _Run, done: torch.futures.Future) -> None:
-        """Continuation of a final round (on a backend thread): decode, complete the run's future."""
+    def _record(self, error: BaseException) -> None:
+        self.failure = self.failure or error
+
+    def _complete(self, run: _Run, value: Any) -> None:
+        """Complete ``run.future`` with ``run.then(value)`` (on the calling thread)."""
         try:
-            results = done.value()
+            result = run.then(value)
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+            run.future.set_exception(error)
+            return
+        run.future.set_result(result)
+
+    def _finish(self, run: _Run, results: list) -> Any:
+        """Continuation of a final round (on a backend thread): decode, then ``run.then``."""
+        try:
             try:
                 run.protocol.send(results)
             except StopIteration as stop:
-                run.future.set_result(stop.value)
-                return
+                return run.then(stop.value)
             raise RuntimeError("a protocol issued collectives after its final round")
+        except BaseException as error:
+            self._record(error)
+            raise
+
+    def _settle(self, run: _Run, results: list) -> None:
+        """:meth:`_finish` for a run that started with a non-final round: completes its future."""
+        try:
+            value = self._finish(run, results)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
-            self.failure = self.failure or error
-            if not run.future.done():
-                run.future.set_exception(error)
+            self._abandon(run, error)
+            return
+        run.future.set_result(value)
+
+    def _abandon(self, run: _Run, error: BaseException) -> None:
+        """A run's final round failed (on a backend thread): record it, fail the run's future."""
+        self._record(error)
+        if not run.future.done():
+            run.future.set_exception(error)
 
     def _fail(self, run: _Run, error: BaseException) -> None:
         self.failure = self.failure or error
         for other in [run, *self._pending]:
-            if not other.future.done():
+            if other.future is not None and not other.future.done():
                 other.future.set_exception(error)
         self._pending.clear()

@@ -158,6 +158,8 @@ def parallel(protocols: Sequence[Protocol]) -> Protocol:
     """Run several protocols side by side: their k-th rounds are issued together (in list order), so
     the merged protocol issues the same collectives in the same order on every rank. Returns their
     results in order. A merged round is final only when every protocol still running is final."""
+    if len(protocols) == 1:
+        return [(yield from protocols[0])]
     results: list[Any] = [None] * len(protocols)
     current: dict[int, Round] = {}
     for i, protocol in enumerate(protocols):
@@ -275,25 +277,36 @@ def received_layout(numels: Sequence[int], local: Sequence[torch.Tensor]) -> lis
     return layout
 
 
-def concat(tensors: Sequence[torch.Tensor], writable: set[int]) -> torch.Tensor:
-    """One flat tensor holding ``tensors`` in order. Tensors that already lie back to back in one
-    storage the caller allows to overwrite (``writable``: storage pointers) are viewed, not copied:
-    a DDP bucket's uncompressed gradients are all-reduced in place, as DDP itself does."""
-    flat = [t.reshape(-1) for t in tensors]
-    first = flat[0]
+def adjacent(tensors: Sequence[torch.Tensor], writable: set[int]) -> torch.Tensor | None:
+    """One flat view of ``tensors`` when they lie back to back, in order and of one dtype, in one
+    storage the caller allows to overwrite (``writable``: storage pointers); None otherwise."""
+    if not tensors:
+        return None
+    first = tensors[0]
     storage = first.untyped_storage()
-    if storage.data_ptr() in writable and all(t.is_contiguous() for t in tensors):
-        position, adjacent = first.data_ptr(), True
-        for t in flat:
-            adjacent = adjacent and t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() == position
-            position += t.numel() * t.element_size()
-        if adjacent:
-            total = sum(t.numel() for t in flat)
-            return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
-    return torch.cat(flat)
+    if storage.data_ptr() not in writable:
+        return None
+    if len(tensors) == 1:
+        return first.detach().view(-1) if first.is_contiguous() else None
+    position = first.data_ptr()
+    for t in tensors:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.data_ptr() != position
+                or t.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+        position += t.numel() * t.element_size()
+    total = sum(t.numel() for t in tensors)
+    return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
 
 
-def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def concat(tensors: Sequence[torch.Tensor], writable: set[int]) -> torch.Tensor:
+    """One flat tensor holding ``tensors`` in order: a view where :func:`adjacent` finds one (a DDP
+    bucket's uncompressed gradients are all-reduced in place, as DDP itself does), else a copy."""
+    view = adjacent(tensors, writable)
+    return view if view is not None else torch.cat([t.reshape(-1) for t in tensors])
+
+
+def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``like``, in order (the inverse of :func:`concat`)."""
     out, offset = [], 0
     for t in like:
         out.append(flat[offset:offset + t.numel()].view(t.shape))
@@ -383,7 +396,7 @@ class Strategy:
         combined = yield from parallel(protocols)
         out: list[torch.Tensor | None] = [None] * len(prelims)
         for members, flat in zip(groups.values(), combined):
-            for i, values in zip(members, _split(flat, [prelims[i].values for i in members])):  # type: ignore[union-attr]
+            for i, values in zip(members, split(flat, [prelims[i].values for i in members])):  # type: ignore[union-attr]
                 out[i] = values
         return out
 
@@ -437,9 +450,11 @@ class Strategy:
 
     @staticmethod
     def _unflatten(sums, members, summands) -> list[list[torch.Tensor]]:
+        if len(summands) == 1 and len(summands[0]) == 1:  # one tensor (a bucket exchanged as one)
+            return [[sums[0].view(summands[0][0].shape)]]
         per_item: list[list[torch.Tensor]] = [[None] * len(s) for s in summands]  # type: ignore[list-item]
         for flat, group in zip(sums, members):
-            for (i, j), part in zip(group, _split(flat, [summands[i][j] for i, j in group])):
+            for (i, j), part in zip(group, split(flat, [summands[i][j] for i, j in group])):
                 per_item[i][j] = part
         return per_item
 
@@ -651,17 +666,25 @@ class Handle:
             work.wait()
         return self._finish()
 
-    def future(self) -> torch.futures.Future:
-        """A future of the round's results, completed by the backend's own threads."""
+    def future(self, then: Callable[[list], Any], failed: Callable[[BaseException], None] | None = None
+               ) -> torch.futures.Future:
+        """A future of ``then(the round's results)``, run by the backend thread that completes the
+        round, in the same callback (one hold of the GIL). A failed collective (an error, a timeout)
+        is handed to ``failed`` first, then reaches the future."""
         if not self._works:
             future: torch.futures.Future = torch.futures.Future()
-            future.set_result(self._finish())
+            future.set_result(then(self._finish()))
             return future
 
-        def finish(every: torch.futures.Future) -> list:
-            for sub in every.value() if len(self._works) > 1 else [every]:
-                sub.value()  # re-raises the error of a failed collective
-            return self._finish()
+        def finish(every: torch.futures.Future) -> Any:
+            try:
+                for sub in every.value() if len(self._works) > 1 else [every]:
+                    sub.value()  # re-raises the error of a failed collective
+            except BaseException as error:
+                if failed is not None:
+                    failed(error)
+                raise
+            return then(self._finish())
 
         if len(self._works) == 1:
             return self._works[0].get_future().then(finish)

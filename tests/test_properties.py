@@ -200,6 +200,31 @@ def _sum(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.stack([t.double() for t in tensors]).sum(dim=0).to(tensors[0].dtype)
 
 
+ELEMENTWISE = [s for s in SPECS if gradpress.make(s).elementwise]
+
+
+def test_elementwise_methods_are_the_casts():
+    assert sorted(ELEMENTWISE) == ["bf16", "fp16", "none"]
+
+
+@pytest.mark.parametrize("spec", ELEMENTWISE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_elementwise_packet_of_a_concatenation_is_the_concatenation(spec, dtype):
+    """What lets the runtime exchange a DDP bucket's gradients as one tensor: the same wire bits and
+    the same decoded sums, whatever the split and whatever the keys."""
+    c = gradpress.make(spec)
+    parts = [gradient((5, 7), dtype, seed=1), gradient((13,), dtype, seed=2), gradient((2, 3), dtype, seed=3)]
+    whole = torch.cat([p.reshape(-1) for p in parts])
+    one = c.compress(whole, Context(seed=1, step=0, key="bucket"))
+    each = [c.compress(p, Context(seed=2, step=5, key=f"p{i}", rank=1)) for i, p in enumerate(parts)]
+    for name, wire in one.tensors.items():
+        assert torch.equal(wire, torch.cat([e[name].reshape(-1) for e in each])), name
+    summed = [2 * t for t in c.summands(one)]
+    mean = c.decode_sum(one, summed, 2)
+    expected = [c.decode_sum(e, [2 * t for t in c.summands(e)], 2).reshape(-1) for e in each]
+    assert torch.equal(mean, torch.cat(expected))
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_spec_round_trips(spec):
     c = gradpress.make(spec)

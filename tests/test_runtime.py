@@ -10,8 +10,8 @@ from torch import nn
 import gradpress
 from gradpress.compressor import NonFiniteError
 from gradpress.rng import Context
-from gradpress.runtime import Driver, ExchangeFailed, Options, Stats
-from gradpress.strategy import AllReduce, Round, concat, fold_sum, pack, parallel, sum_dtype, unpack
+from gradpress.runtime import Driver, ExchangeFailed, Options, Pipeline, Stats
+from gradpress.strategy import AllReduce, Round, adjacent, concat, fold_sum, pack, parallel, sum_dtype, unpack
 from test_runtime_compressors import LeaderTopK, PowerIteration, UniformInt, WideInt
 
 
@@ -288,6 +288,91 @@ def test_concat_views_adjacent_writable_tensors():
     assert copied.data_ptr() != base.data_ptr() and torch.equal(copied, base)
 
 
+def test_adjacent_needs_back_to_back_tensors_of_one_dtype():
+    base = torch.randn(10)
+    storage = {base.untyped_storage().data_ptr()}
+    assert adjacent([base[:4], base[4:]], storage).data_ptr() == base.data_ptr()
+    assert adjacent([base[:4], base[5:]], storage) is None  # a gap
+    assert adjacent([base[4:], base[:4]], storage) is None  # out of order
+    assert adjacent([base[:4], base[4:].view(torch.int32)], storage) is None  # another dtype
+    assert adjacent([base[:4], base[4:]], set()) is None  # not writable
+
+
+@pytest.mark.parametrize("spec, options, as_one", [
+    ("none", {}, True),
+    ("bf16", {"feedback": "none"}, True),
+    ("bf16", {}, False),  # a residual memory is keyed per tensor
+    ("natural", {}, False),  # per-tensor random streams
+    ("none", {"mode": "ps", "partial": 0.5}, False),  # per-tensor arrivals
+    ("topk:ratio=0.5", {"min_numel": 100}, True),  # the small, plain ones travel as one
+])
+def test_elementwise_exchanges_a_bucket_as_one_tensor(spec, options, as_one):
+    """A DDP bucket's gradients (views of its buffer, back to back) travel as one flat view of the
+    buffer when that gives the same result as tensor by tensor; results are checked against simulate
+    by the 3-process tests."""
+    bucket = torch.randn(4 + 6 + 5)
+    items = [("a", bucket[:4].view(2, 2)), ("b", bucket[4:10].view(2, 3)), ("c", bucket[10:])]
+    groups = Pipeline(spec, Options(**options), 0, 2).groups(items, bucket=bucket)
+    assert [g.flat is not None for g in groups] == [as_one]
+    if as_one:
+        assert groups[0].flat.data_ptr() == bucket.data_ptr() and groups[0].flat.numel() == bucket.numel()
+    assert Pipeline(spec, Options(**options), 0, 2).groups(items)[0].flat is None  # no bucket: no view
+
+
+class _Later:
+    """An executor whose collectives complete (or fail) when told to, on torch futures, as a process
+    group's do."""
+
+    def issue(self, round_, sent, done):
+        from gradpress.strategy import Handle
+
+        results = [r.tensor for r in round_.requests]
+
+        class Work:  # what a process group's async collective returns
+            def __init__(self):
+                self.source = torch.futures.Future()
+
+            def get_future(self):
+                return self.source
+
+        work = Work()
+        self.complete = lambda: work.source.set_result(None)
+        self.fail = lambda: work.source.set_exception(RuntimeError("Connection closed by peer"))
+        return Handle([work], lambda: results, done)
+
+
+def test_driver_decodes_and_assembles_in_one_callback_and_keeps_the_error():
+    def decodes(fail):
+        (total,) = yield Round([AllReduce(torch.ones(2))], final=True)
+        if fail:
+            raise NonFiniteError("the aggregate holds NaN")
+        return total / 2
+
+    executor = _Later()
+    driver = Driver(executor, Stats())
+    future = driver.start(decodes(False), 0, then=lambda mean: mean.sum())
+    assert not future.done()
+    executor.complete()
+    assert float(driver.wait(future)) == 1.0
+
+    future = driver.start(decodes(True), 1)
+    executor.complete()
+    with pytest.raises(RuntimeError):  # what a backend thread's callback error becomes in the future
+        future.wait()
+    with pytest.raises(NonFiniteError, match="holds NaN"):  # the driver re-raises the original
+        driver.wait(future)
+    with pytest.raises(ExchangeFailed):
+        driver.check()
+
+    driver = Driver(executor, Stats())  # a collective that fails (a dead peer) is recorded as well
+    future = driver.start(decodes(False), 2)
+    executor.fail()
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        driver.wait(future)
+    with pytest.raises(ExchangeFailed, match="Connection closed"):
+        driver.check()
+
+
 def _two_rounds(name, log):
     (a,) = yield Round([AllReduce(torch.ones(1), "max")])
     log.append(f"{name} resumed")
@@ -309,9 +394,9 @@ class _Recorder:
             def wait(self):
                 return results
 
-            def future(self):
+            def future(self, then, failed=None):
                 f = torch.futures.Future()
-                f.set_result(results)
+                f.set_result(then(results))
                 return f
 
         return Handle()

@@ -19,6 +19,7 @@ class NoCompression(Compressor):
     summable = True
     kept = "values"
     propagates_nonfinite = True
+    elementwise = True
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel * torch.empty((), dtype=dtype).element_size()
@@ -38,6 +39,7 @@ class _Cast(Compressor):
     summable = True
     kept = "values"
     propagates_nonfinite = True  # NaN stays NaN, Inf (and overflow) becomes Inf
+    elementwise = True
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return 2 * numel

@@ -67,7 +67,8 @@ class Step:
     """One optimizer step on the rank that records (rank 0).
 
     ``wall_s``: training wall-clock at the end of the step; ``compute_s``: forward, backward and
-    optimizer; ``compress_s``: compress + decompress (and feedback); ``comm_s``: time in collectives;
+    optimizer on the training thread, outside the hooks and the wait for the exchange; ``compress_s``:
+    compress + decompress (and feedback), on whichever thread; ``comm_s``: time in collectives;
     ``bytes_sent``: this rank's data volume this step (module doc); ``samples``: samples of all
     workers together this step.
     """

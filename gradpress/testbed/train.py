@@ -213,7 +213,7 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
             generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch * 1009 + rank)
             for x, y in shard.training_set(generator).batches(batch_size, generator, drop_last=True):
                 started = time.perf_counter()
-                before = meter.snapshot()
+                before, hooked = meter.snapshot(), meter.in_hooks
                 optimizer.zero_grad(set_to_none=True)
                 loss = loss_fn(ddp(x), y)
                 loss.backward()
@@ -226,7 +226,7 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
                 bytes_total += int(spent.bytes)
                 step += 1
                 steps.append(Step(step=step, epoch=epoch, wall_s=clock.elapsed(),
-                                  compute_s=max(0.0, elapsed - spent.compress_s - waited),
+                                  compute_s=max(0.0, elapsed - (meter.in_hooks - hooked) - waited),
                                   compress_s=spent.compress_s,
                                   comm_s=spent.comm_s, bytes_sent=int(spent.bytes),
                                   samples=len(y) * config.workers))
@@ -308,20 +308,24 @@ class Spent:
 
 
 class _Meter:
-    """Cumulative compression time, communication time and bytes, read before and after each step, and
-    when the last bucket of the step was handed to its hook (after which DDP's backward only waits)."""
+    """Cumulative compression time, communication time and bytes, read before and after each step; the
+    time the training thread spent inside hooks, and when the last bucket of the step was handed to its
+    hook (after which DDP's backward only waits)."""
 
     def __init__(self, read: Callable[[], Spent]) -> None:
         self.snapshot = read
         self.handed_off = 0.0
+        self.in_hooks = 0.0
 
     def stamped(self, hook: Callable) -> Callable:
-        """``hook`` recording when it returns: the exposed communication of a step is the time from the
-        last bucket's hand-off to the end of ``backward()``."""
+        """``hook`` recording how long it runs and when it returns: the exposed communication of a step
+        is the time from the last bucket's hand-off to the end of ``backward()``."""
 
         def stamped_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks hook annotations literally
+            began = time.perf_counter()
             future = hook(state, bucket)
             self.handed_off = time.perf_counter()
+            self.in_hooks += self.handed_off - began
             return future
 
         return stamped_hook
