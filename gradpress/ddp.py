@@ -7,12 +7,13 @@ call ``state = gradpress.register(ddp, spec, **options)``.
 DDP hands the hook one bucket at a time, in the same order on every rank; the hook compresses each of
 the bucket's gradients (keyed by parameter name; element-wise methods such as ``none`` compress the
 bucket as one tensor, with the same result), starts the exchange and returns a future of the averaged
-bucket, which decodes and fills the bucket in one callback on the backend's thread. Buckets overlap as with DDP's own all-reduce: single-round exchanges complete
-asynchronously, and any later round of a multi-round exchange (a preliminary exchange, a sizes
-header, the second half of a rank-order sum) is issued at the next bucket or after the last one,
-points that are the same on every rank (DESIGN invariant 3). DDP's bucket rebuild after the first
-iteration changes which gradients share a bucket, never their keys, so feedback memory carries over;
-``no_sync()`` skips the hook and DDP accumulates locally, as without one.
+bucket, decoded and written into the bucket in one callback on the backend's thread. Buckets overlap
+as with DDP's own all-reduce: single-round exchanges complete asynchronously, and any later round
+of a multi-round exchange (a preliminary exchange, a sizes header, the second half of a rank-order
+sum) is issued at the next bucket or after the last one, points that are the same on every rank
+(DESIGN invariant 3). DDP's bucket rebuild after the first iteration changes which gradients share a
+bucket, never their keys, so feedback memory carries over; ``no_sync()`` skips the hook and DDP
+accumulates locally, as without one.
 """
 from __future__ import annotations
 

@@ -305,8 +305,7 @@ def concat(tensors: Sequence[torch.Tensor], writable: set[int]) -> torch.Tensor:
     return view if view is not None else torch.cat([t.reshape(-1) for t in tensors])
 
 
-def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped as ``like``, in order (the inverse of :func:`concat`)."""
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     out, offset = [], 0
     for t in like:
         out.append(flat[offset:offset + t.numel()].view(t.shape))
@@ -396,7 +395,7 @@ class Strategy:
         combined = yield from parallel(protocols)
         out: list[torch.Tensor | None] = [None] * len(prelims)
         for members, flat in zip(groups.values(), combined):
-            for i, values in zip(members, split(flat, [prelims[i].values for i in members])):  # type: ignore[union-attr]
+            for i, values in zip(members, _split(flat, [prelims[i].values for i in members])):  # type: ignore[union-attr]
                 out[i] = values
         return out
 
@@ -454,7 +453,7 @@ class Strategy:
             return [[sums[0].view(summands[0][0].shape)]]
         per_item: list[list[torch.Tensor]] = [[None] * len(s) for s in summands]  # type: ignore[list-item]
         for flat, group in zip(sums, members):
-            for (i, j), part in zip(group, split(flat, [summands[i][j] for i, j in group])):
+            for (i, j), part in zip(group, _split(flat, [summands[i][j] for i, j in group])):
                 per_item[i][j] = part
         return per_item
 
