@@ -79,6 +79,9 @@ class Compressor:
       values (no error-feedback memory, every worker aggregated): the sum is finite exactly when every
       worker's gradient was and no sum overflowed, so every worker raises, together, from one pass that
       also divides by n.
+    * ``stateful_decode``: :meth:`decode_sum` updates per-key state that every rank must keep alike
+      (PowerSGD's warm start). In ``ps`` mode with a master compressor the server then broadcasts the
+      sums as well, and every rank decodes them.
     * ``elementwise``: compress and decode map each element alone, with no per-tensor statistics,
       randomness or state (no compression, a cast): the packet of a concatenation is the
       concatenation of the packets. The runtime then exchanges tensors that lie back to back in one
@@ -110,6 +113,7 @@ class Compressor:
     linear: ClassVar[bool] = True
     propagates_nonfinite: ClassVar[bool] = False
     elementwise: ClassVar[bool] = False
+    stateful_decode: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self._calls = itertools.count()

@@ -505,7 +505,8 @@ class Strategy:
     def _server_sum(self, packets, ctxs, timer) -> Protocol:
         """Parameter server / switch for summable packets: the workers upload to the root, which adds
         the arrivals' summands in rank order (integers only in switch mode) and broadcasts the sums, or
-        C_M of the mean; every rank decodes with the count of arrivals.
+        C_M of the mean (and the sums too for a method whose decoding keeps state, e.g. PowerSGD's warm
+        start, so that every rank's stays alike); every rank decodes with the count of arrivals.
 
         The upload is the packets themselves where their size is fixed and smaller than the summands
         (THC Fig. 4: b-bit table indices, which the server looks up); otherwise the summands (PowerSGD:
@@ -524,12 +525,27 @@ class Strategy:
                 totals = [self._add(p, mine, parts, arrived, wire) for p, mine, parts, arrived
                           in zip(packets, own, self._by_item(rows, counts), arrivals)]
         if self.master is not None:
-            means = None
-            if totals is not None:
+            if self.compressor.stateful_decode:  # every rank decodes the sums, to keep its state alike
+                per_item = yield from self._broadcast_sums(totals, own, final=False)
                 with timer():
-                    means = [self.compressor.decode_sum(p, s, len(a))
-                             for p, s, a in zip(packets, totals, arrivals)]
+                    decoded = [self.compressor.decode_sum(p, s, len(a))
+                               for p, s, a in zip(packets, per_item, arrivals)]
+                means = decoded if totals is not None else None
+            else:
+                means = None
+                if totals is not None:
+                    with timer():
+                        means = [self.compressor.decode_sum(p, s, len(a))
+                                 for p, s, a in zip(packets, totals, arrivals)]
             return (yield from self._master_broadcast(means, packets, ctxs, timer))
+        per_item = yield from self._broadcast_sums(totals, own, final=True)
+        with timer():
+            return [self.compressor.decode_sum(p, s, len(a)) for p, s, a in zip(packets, per_item, arrivals)]
+
+    def _broadcast_sums(self, totals: list[list[torch.Tensor]] | None, own: list[list[torch.Tensor]],
+                        final: bool) -> Protocol:
+        """The server's sums (``totals``, None on other ranks) broadcast to every rank, one collective
+        per dtype; each item's sums, shaped as its summands ``own``."""
         members, flats = self._by_dtype(own), []
         for group in members:
             if totals is not None:
@@ -537,10 +553,8 @@ class Strategy:
             else:  # a buffer for the root's sums
                 (i, j), size = group[0], sum(own[i][j].numel() for i, j in group)
                 flats.append(own[i][j].new_empty(size))
-        sums = yield Round([Broadcast(f, self.root) for f in flats], final=True)
-        per_item = self._unflatten(sums, members, own)
-        with timer():
-            return [self.compressor.decode_sum(p, s, len(a)) for p, s, a in zip(packets, per_item, arrivals)]
+        sums = yield Round([Broadcast(f, self.root) for f in flats], final=final)
+        return self._unflatten(sums, members, own)
 
     def _uploads_packets(self, packets: Sequence[Packet], own: Sequence[Sequence[torch.Tensor]]) -> bool:
         """Whether workers send the server their packets rather than their summands: when every

@@ -49,6 +49,7 @@ def configs() -> list[tuple[str, Any, dict, dict]]:
     runs += [
         ("ps topk", "topk:ratio=0.2", {"mode": "ps", "root": 1}, {}),
         ("ps randomk master topk", "randomk:ratio=0.5", {"mode": "ps", "master": "topk:ratio=0.5"}, {}),
+        ("ps powersgd master natural", "powersgd:rank=2", {"mode": "ps", "master": "natural", "root": 1}, {}),
         ("switch uniform", UniformInt(), {"mode": "switch"}, {}),
         ("ps thc", "thc", {"mode": "ps", "root": 2}, {}),
         ("switch thc_uniform partial", "thc_uniform", {"mode": "switch", "partial": 0.6}, {}),

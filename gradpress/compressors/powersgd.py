@@ -76,6 +76,7 @@ class PowerSGD(Compressor):
     warm_start: bool = True
     summable = True
     checks_finite = True  # NaN/Inf of any worker's M reach the summed P (see _compress)
+    stateful_decode = True  # decode_sum keeps the mean Q as the next step's warm start
     examples = ("powersgd:rank=2", "powersgd:rank=4,min_compression_rate=0,warm_start=false")
     _warm: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
