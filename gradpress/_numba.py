@@ -1,4 +1,5 @@
-"""Numba CPU kernels' shared pieces: the JIT decorator, the ``mix32`` hash, and the on/off switch.
+"""Numba CPU kernels' shared pieces: the JIT decorator, the ``mix32`` hash, bit casts, LLVM intrinsics
+(wide vectors, a 16-lane gather) and the on/off switch.
 
 Element-wise compressors run a numba kernel on CPU tensors (one pass, fused randomness and bit
 packing) and a torch implementation elsewhere; tests check that both give the same bits. Set
@@ -77,16 +78,50 @@ f64_from_bits = _bitcast(types.float64, types.uint64, ir.DoubleType())
 bits_of_f64 = _bitcast(types.uint64, types.float64, ir.IntType(64))
 
 
+GOLDEN = np.uint32(0x9E3779B1)  # mix32's multiplier of the index
+
+
 @njit(cache=True, inline="always")
-def mix32(i, seed):  # pragma: no cover - compiled
-    """MurmurHash3 fmix32 of ``i * 0x9E3779B1 ^ seed``, bit for bit :func:`gradpress.rng.mix32_torch`."""
+def mix32_from(h, seed):  # pragma: no cover - compiled
+    """``mix32(i, seed)``, bit for bit, given h = i·GOLDEN mod 2^32.
+
+    A loop over consecutive i advances h by adding GOLDEN: one vectorized multiply (of three) fewer per
+    hash, which is the largest cost of natural compression's and dithering's kernels (measured 0.39 →
+    0.25 ms per 2^21 hashes). The numba-vs-torch tests check the bits against
+    :func:`gradpress.rng.mix32_torch`.
+    """
     u = np.uint32
-    h = u(mul32(u(i), u(0x9E3779B1)) ^ u(seed))
+    h = u(h ^ u(seed))
     h = u(h ^ u(h >> u(16)))
     h = mul32(h, u(0x85EBCA6B))
     h = u(h ^ u(h >> u(13)))
     h = mul32(h, u(0xC2B2AE35))
     return u(h ^ u(h >> u(16)))
+
+
+@njit(cache=True, inline="always")
+def mix32(i, seed):  # pragma: no cover - compiled
+    """MurmurHash3 fmix32 of ``i * GOLDEN ^ seed``, bit for bit :func:`gradpress.rng.mix32_torch`."""
+    return mix32_from(mul32(np.uint32(i), GOLDEN), seed)
+
+
+@intrinsic
+def wide_vectors(typingctx):  # pragma: no cover - compiled
+    """Let LLVM vectorize the calling kernel at the widest width the CPU has (AVX-512: 16 float32 lanes).
+
+    LLVM's x86 tuning prefers 256-bit vectors on AVX-512 CPUs; for the integer-heavy loops of natural
+    compression and dithering (hashing, quantizing, packing) 512 bits measured 1.3-1.7× faster. This
+    sets the function attribute clang's ``-mprefer-vector-width=512`` sets, on the calling kernel only
+    (no process-wide setting); it changes no result, and nothing on CPUs without wider vectors.
+    llvmlite's attribute set accepts flag attributes only, so this key-value one is added as its IR text.
+    """
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(cache=True, inline="always")

@@ -49,11 +49,11 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from gradpress._numba import (as_numpy, bits_of_f32, bits_of_f64, f32_from_bits, f64_from_bits, jit, mix32, mul32,
-                              use_numba)
+from gradpress._numba import (GOLDEN, as_numpy, bits_of_f32, bits_of_f64, f32_from_bits, f64_from_bits, jit, mix32,
+                              mix32_from, mul32, use_numba, wide_vectors)
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
-from gradpress.compressors.natural import GOLDEN, Natural, mix32_from, wide_vectors
+from gradpress.compressors.natural import Natural
 from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch, seed32
 

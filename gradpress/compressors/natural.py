@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
-from gradpress._numba import as_numpy, bits_of_f32, f32_from_bits, jit, mix32, mul32, use_numba
+from gradpress._numba import (GOLDEN, as_numpy, bits_of_f32, f32_from_bits, jit, mix32, mix32_from, mul32,
+                              use_numba, wide_vectors)
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch, seed32
@@ -92,45 +92,6 @@ def decode_table(top: int, device: torch.device | str = "cpu") -> torch.Tensor:
     table = torch.cat([powers, -powers])
     table[WINDOW + 1] = 0.0  # code 128 (a sign without a power) is never sent; it reads as zero
     return table.to(device)
-
-
-# -- numba helpers (shared with gradpress.compressors.dither) ------------------------------------------------
-@intrinsic
-def wide_vectors(typingctx):  # pragma: no cover - compiled
-    """Let LLVM vectorize the calling kernel at the widest width the CPU has (AVX-512: 16 float32 lanes).
-
-    LLVM's x86 tuning prefers 256-bit vectors on AVX-512 CPUs; for these integer-heavy loops (hashing,
-    quantizing, packing) 512 bits measured 1.3-1.7× faster. This sets the function attribute clang's
-    ``-mprefer-vector-width=512`` sets, on the calling kernel only (no process-wide setting); it changes
-    no result, and nothing on CPUs without wider vectors. llvmlite's attribute set accepts flag
-    attributes only, so this key-value one is added as its IR text.
-    """
-    sig = types.void()
-
-    def codegen(context, builder, signature, args):
-        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-GOLDEN = U(0x9E3779B1)  # mix32's multiplier of the index
-
-
-@njit(cache=True, inline="always")
-def mix32_from(h, seed):  # pragma: no cover - compiled
-    """``mix32(i, seed)`` of :mod:`gradpress._numba`, bit for bit, given h = i·GOLDEN mod 2^32.
-
-    A loop over consecutive i advances h by adding GOLDEN: one vectorized multiply (of three) fewer per
-    hash, which is these kernels' largest cost (measured 0.39 → 0.25 ms per 2^21 hashes). The
-    numba-vs-torch tests check the bits against :func:`gradpress.rng.mix32_torch`.
-    """
-    h = U(h ^ seed)
-    h = U(h ^ U(h >> U(16)))
-    h = mul32(h, U(0x85EBCA6B))
-    h = U(h ^ U(h >> U(13)))
-    h = mul32(h, U(0xC2B2AE35))
-    return U(h ^ U(h >> U(16)))
 
 
 # -- numba kernels ------------------------------------------------------------------------------------------
