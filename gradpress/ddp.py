@@ -101,7 +101,7 @@ class GradpressState:
             future = driver.start(groups[0].protocol, groups[0].step, devices, then=lambda one: assemble([one]))
         else:
             started = [driver.start(g.protocol, g.step, devices) for g in groups]
-            future = _all(started, devices).then(lambda done: assemble([f.value() for f in done.value()]))
+            future = torch.futures.collect_all(started).then(lambda done: assemble([f.value() for f in done.value()]))
         if bucket.is_last():
             driver.advance()
         return future
@@ -129,15 +129,6 @@ class GradpressState:
         if self._pipeline is None:
             return Stats().report()
         return self._pipeline.report()
-
-
-def _all(futures: list[torch.futures.Future], devices: list[torch.device] | None) -> torch.futures.Future:
-    """A future of ``futures`` (all of them done); an already completed one when there are none."""
-    if futures:
-        return torch.futures.collect_all(futures)
-    done: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-    done.set_result([])
-    return done
 
 
 def hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares the annotations literally

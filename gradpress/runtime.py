@@ -529,7 +529,7 @@ class Driver:
             run.future.set_exception(error)
 
     def _fail(self, run: _Run, error: BaseException) -> None:
-        self.failure = self.failure or error
+        self._record(error)
         for other in [run, *self._pending]:
             if other.future is not None and not other.future.done():
                 other.future.set_exception(error)
