@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from gradpress.testbed import data
+from gradpress.testbed import train as train_module
 from gradpress.testbed.compare import available, compare
-from gradpress.testbed.train import TrainConfig, TrainFailed, parse_options, train
+from gradpress.testbed.results import Run
+from gradpress.testbed.train import TrainConfig, TrainFailed, _Clock, parse_options, train
 
 needs_data = pytest.mark.skipif(not data.FASHION_MNIST_DIR.exists(),
                                 reason="Fashion-MNIST is not installed (gradpress data fashion-mnist, as root)")
@@ -65,6 +68,62 @@ def test_training_over_the_emulated_network_cleans_up():
     run = train(config(compressor="topk:ratio=0.1", steps=4, eval_every=4, bandwidth="1gbit"), progress=False)
     assert run.bandwidth == "1gbit" and len(run.steps) == 4
     assert netem.namespaces_of(os.getpid()) == []
+
+
+def test_the_training_clock_stands_still_while_an_evaluation_runs():
+    """Inside a pause the clock reads the training time at which the pause began, also after the
+    evaluation ran (a controlled time source: no sleeping, no thresholds on machine speed)."""
+    now = [100.0]
+    clock = _Clock(now=lambda: now[0])
+    with clock.paused():  # the evaluation before training: nothing to count, nothing subtracted later
+        now[0] += 5.0
+        assert clock.elapsed() == 0.0
+    clock.start()
+    now[0] += 2.0  # two seconds of steps
+    with clock.paused():
+        assert clock.elapsed() == 2.0
+        now[0] += 30.0  # an evaluation far longer than the steps between two evaluations
+        assert clock.elapsed() == 2.0  # read after it: still the training time before it
+    now[0] += 1.0
+    assert clock.elapsed() == 3.0
+    with clock.paused():
+        now[0] += 0.5
+        with clock.paused():  # a nested pause is part of the outer one
+            now[0] += 4.0
+        assert clock.elapsed() == 3.0
+    now[0] += 1.0
+    assert clock.elapsed() == 4.0
+
+
+@needs_data
+def test_evaluations_are_stamped_with_the_training_time_before_them(tmp_path, monkeypatch):
+    """An evaluation's wall_s is the training wall-clock when it begins, never its own duration: it lies
+    between the wall_s of the step before it and of the step after it, also when an evaluation takes
+    far longer than the steps between two evaluations (here 1000 s of a controlled clock, then none:
+    counting each evaluation in its own wall_s made wall_s go backwards, "Run.evals[2]: step, wall_s
+    and bytes_total must not decrease"). One worker, in this process."""
+    from gradpress.testbed import models
+
+    offset, durations = [0.0], iter([0.0, 1000.0, 0.0, 1000.0])  # evaluations at steps 0, 2, 4, 6
+    evaluate = models.evaluate
+
+    def slow_evaluate(model, dataset, batch_size=None):
+        offset[0] += next(durations)  # the evaluation "takes" this long on the training clock's source
+        return evaluate(model, dataset, batch_size)
+
+    monkeypatch.setattr(models, "evaluate", slow_evaluate)
+    monkeypatch.setattr(train_module, "_Clock", lambda: _Clock(now=lambda: time.perf_counter() + offset[0]))
+    monkeypatch.setenv("GRADPRESS_PROGRESS", "0")
+    result = tmp_path / "run.json"
+    train_module.worker(config(compressor="none", workers=1, steps=6, eval_every=2), 0, "127.0.0.1",
+                        train_module._free_port(), result)
+    run = Run.from_json(result.read_text())
+    assert [e.step for e in run.evals] == [0, 2, 4, 6] and run.evals[0].wall_s == 0.0
+    walls = [s.wall_s for s in run.steps]
+    for e in run.evals[1:]:
+        assert walls[e.step - 1] <= e.wall_s, e
+        assert e.step == len(walls) or e.wall_s <= walls[e.step], e
+    assert all(a.wall_s <= b.wall_s for a, b in zip(run.evals, run.evals[1:]))
 
 
 @needs_data

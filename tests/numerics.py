@@ -1,0 +1,56 @@
+"""Floating-point tolerances for the tests: from the dtype's epsilon and the problem's size and conditioning,
+never from what one CPU printed.
+
+BLAS libraries (OpenBLAS, MKL, …), SIMD widths and thread counts add the terms of a product or a reduction
+in different orders, with or without fused multiply-adds, so a floating-point result is only as exact as
+the worst of those orders allows. The bounds are Higham's (*Accuracy and Stability of Numerical
+Algorithms*, 2nd ed., SIAM 2002), with u = eps/2 the unit roundoff (fl(a ∘ b) = (a ∘ b)(1 + δ), |δ| ≤ u):
+
+* a sum or dot product of n terms, in any order: |fl(Σ) − Σ| ≤ γ_{n−1}·Σ|terms| (γ_n for a dot product),
+  γ_n = n·u / (1 − n·u) (§3.1, Eq. 3.4–3.5; §4.2 for sums);
+* a matrix product with inner dimension k: |fl(A·B) − A·B| ≤ γ_k·|A|·|B| elementwise (§3.5, Eq. 3.13).
+
+Bit-exact promises (simulate == a real run, numba == torch) are checked with ``torch.equal``, not here.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def eps(dtype: torch.dtype = torch.float32) -> float:
+    """Machine epsilon of ``dtype`` (2u: the gap between 1 and the next number)."""
+    return torch.finfo(dtype).eps
+
+
+def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
+    """u = eps/2: the largest relative error of one rounding to nearest."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """Higham's γ_n = n·u / (1 − n·u): the relative error bound of n roundings in a row (Lemma 3.1)."""
+    nu = n * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"gamma({n}) is unbounded in {dtype}: n·u = {nu} ≥ 1")
+    return nu / (1 - nu)
+
+
+def sum_error(terms: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Elementwise bound on the rounding error of Σ terms computed in ``dtype`` in any order:
+    γ_{n−1}·Σ|terms| (Higham §4.2), as a float64 tensor."""
+    magnitude = sum(t.double().abs() for t in terms)
+    return gamma(max(len(terms) - 1, 1), dtype) * magnitude
+
+
+def log2ceil(n: int) -> int:
+    """⌈log2 n⌉ (0 for n ≤ 1): the depth of a pairwise sum or of a fast Walsh-Hadamard transform."""
+    return max(0, math.ceil(math.log2(n))) if n > 1 else 0
+
+
+def mean_error(terms: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Elementwise bound on the rounding error of the mean of ``terms`` computed in ``dtype``: the sum in any
+    order, then a division by n (or a product with a rounded 1/n), γ_{n+1}·Σ|terms| / n, as float64."""
+    magnitude = sum(t.double().abs() for t in terms)
+    return gamma(len(terms) + 1, dtype) * magnitude / len(terms)
