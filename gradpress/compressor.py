@@ -18,14 +18,19 @@ from numba import njit
 
 from gradpress._numba import as_numpy, bits_of_f32, jit, use_numba
 from gradpress.packet import Packet
-from gradpress.registry import Registry, format_spec
+from gradpress.registry import Registry, check_params_of, format_spec
 from gradpress.rng import Context
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class NonFiniteError(ValueError):
-    """A gradient holds NaN or Inf: reported instead of spread into every worker (DESIGN invariant 5)."""
+    """A gradient holds NaN or Inf: reported instead of spread into every worker (DESIGN invariant 5).
+
+    ``ranks``: in a distributed exchange, the ranks whose gradients held them (the same list, and the
+    same message, on every rank); None where a single process found them."""
+
+    ranks: list[int] | None = None
 
 
 PreliminaryOp = Literal["sum", "max", "min", "broadcast"]
@@ -70,15 +75,22 @@ class Compressor:
     * ``checks_finite``: the method itself raises :class:`NonFiniteError` (with :func:`check_finite`'s
       message) on NaN/Inf input, e.g. seen in a pass its kernel makes anyway, so neither
       :meth:`compress` nor the runtime makes a read-only check pass of its own. A method with a
-      preliminary exchange may let NaN/Inf through :meth:`prepare` into the combined values (a sum or
-      max of NaN/Inf is NaN/Inf) and raise in ``_compress`` on seeing them there: every worker then
-      raises together, at the same point of the exchange.
+      preliminary exchange may instead let NaN/Inf through :meth:`prepare` into its preliminary
+      values (a norm, P = MQ): the runtime looks for them there, on the worker's own small values,
+      before they are combined (a finite input must then give finite preliminary values, or
+      :meth:`prepare` raises ``OverflowError``).
     * ``propagates_nonfinite`` (summable methods): every NaN/Inf of the input reaches the summed wire
       tensors at its own position (no compression, or a cast), and :meth:`decode_sum` checks the
-      mean it forms. The runtime then skips the input check when nothing else would keep the bad
-      values (no error-feedback memory, every worker aggregated): the sum is finite exactly when every
-      worker's gradient was and no sum overflowed, so every worker raises, together, from one pass that
-      also divides by n.
+      mean it forms, in the pass that divides by n. The runtime checks every rank's input before it is
+      sent (a NaN/Inf gradient is flagged in-band: see :mod:`gradpress.strategy`), so a non-finite
+      mean there means that the sum overflowed: an ``OverflowError`` on every rank.
+    * ``saturates``: decoded float32 values may lie beyond the range of an fp16/bf16 input dtype
+      although the input did not (an unbiased estimate's support, as QSGD's norm·l/s; a rounding up, as
+      65504 to bf16's 65536): where the base class casts a decoded mean back to such a dtype it first
+      clamps it to ±``finfo(dtype).max`` (:func:`saturate`), so finite input gives finite output. Only
+      such outliers move, towards the range the true mean lies in. A float32 decode is never clamped:
+      a method whose float32 arithmetic may overflow (random-k's d/k·x, the sketch's sums) deals with
+      it itself; methods that decode themselves (THC, PowerSGD, the sketch) saturate in their decode.
     * ``stateful_decode``: :meth:`decode_sum` updates per-key state that every rank must keep alike
       (PowerSGD's warm start). In ``ps`` mode with a master compressor the server then broadcasts the
       sums as well, and every rank decodes them.
@@ -114,8 +126,10 @@ class Compressor:
     propagates_nonfinite: ClassVar[bool] = False
     elementwise: ClassVar[bool] = False
     stateful_decode: ClassVar[bool] = False
+    saturates: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        check_params_of(self)  # the declared ranges (gradpress.registry.param), also when built directly
         self._calls = itertools.count()
 
     @property
@@ -123,14 +137,12 @@ class Compressor:
         return "none" if self.unbiased else "residual"
 
     # -- public API -------------------------------------------------------------------------------
-    def compress(self, x: torch.Tensor, ctx: Context | None = None, *, prepared: torch.Tensor | None = None,
-                 check: bool = True) -> Packet:
+    def compress(self, x: torch.Tensor, ctx: Context | None = None, *,
+                 prepared: torch.Tensor | None = None) -> Packet:
         """Compress ``x`` (fp32, fp16 or bf16, any shape, contiguous or not) into a :class:`Packet`.
 
         ``prepared``: the combined result of the preliminary exchange, for a method that has one
         (:meth:`prepare`); without it the method prepares alone, as a world of one worker.
-        ``check=False``: leave NaN/Inf to whoever checks the aggregate (the runtime, for methods
-        that :attr:`propagates_nonfinite`); other methods check as always.
         """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.spec}: expected a tensor, got {type(x).__name__}")
@@ -143,7 +155,7 @@ class Compressor:
             flat = flat.contiguous()
         if flat.numel() == 0:
             return Packet({}, x.shape, x.dtype)
-        if not self.checks_finite and (check or not self.propagates_nonfinite):
+        if not self.checks_finite:
             check_finite(flat, self.spec)
         if self.prepares:
             if prepared is None:
@@ -162,6 +174,10 @@ class Compressor:
         if packet.numel == 0:
             return torch.zeros(packet.shape, dtype=packet.dtype, device=packet.device)
         flat = self._decompress(packet)
+        if self.saturates and packet.dtype != torch.float32:
+            storage = flat.untyped_storage().data_ptr()  # a wire tensor itself is not clamped in place
+            owned = all(t.untyped_storage().data_ptr() != storage for t in packet.wire())
+            flat = saturate(flat, packet.dtype, inplace=owned)
         return flat.to(packet.dtype).view(packet.shape)
 
     def aggregate(self, packets: list[Packet], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,7 +197,14 @@ class Compressor:
             total = torch.zeros(first.numel, dtype=torch.float32, device=first.device)
         for packet in packets:
             self.accumulate(total, packet)
-        return total.div_(len(packets)).to(first.dtype).view(first.shape)
+        if divide_counting_nonfinite(total, len(packets)):  # finite decodes whose float32 sum overflowed?
+            wide = torch.zeros(first.numel, dtype=torch.float64, device=first.device)
+            for packet in packets:  # the mean in float64 (rare: only near float32's largest values)
+                wide += self._decompress(packet).double()
+            total.copy_(wide.div_(len(packets)))
+        if self.saturates and first.dtype != torch.float32:
+            saturate(total, first.dtype)
+        return total.to(first.dtype).view(first.shape)
 
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
         """``total += decompress(packet)`` on a flat float32 ``total``, the same bits (:meth:`aggregate`
@@ -251,10 +274,13 @@ class Compressor:
         if self.propagates_nonfinite:
             bad = divide_counting_nonfinite(flat, count)
             if bad:
-                raise NonFiniteError(f"{self.spec}: the aggregate holds {bad} NaN/Inf value(s) out of "
-                                     f"{flat.numel()}: a worker's gradient held NaN/Inf, or their sum overflowed")
+                raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed: the aggregate "
+                                    f"holds {bad} Inf/NaN value(s) out of {flat.numel()} (a worker's NaN/Inf "
+                                    "gradient is flagged before it is sent)")
         else:
             flat.div_(count)
+        if self.saturates and packet.dtype != torch.float32:
+            saturate(flat, packet.dtype)
         return flat.to(packet.dtype).view(packet.shape)
 
     def state_dict(self) -> dict[str, Any]:
@@ -263,6 +289,10 @@ class Compressor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def check_state(self, state: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+        """Raise ``ValueError`` naming the key if :meth:`state_dict`'s ``state`` does not fit tensors of
+        ``shapes`` (key -> shape); the runtime calls it before loading (finiteness is checked there)."""
 
     @property
     def spec(self) -> str:
@@ -330,6 +360,10 @@ class Compose(Compressor):
         return self.first.summable and self.second.summable
 
     @property
+    def saturates(self) -> bool:  # type: ignore[override]
+        return self.first.saturates or self.second.saturates
+
+    @property
     def spec(self) -> str:
         return f"{self.first.spec}+{self.second.spec}"
 
@@ -357,6 +391,21 @@ class Compose(Compressor):
         tensors = dict(packet.tensors)
         tensors[self.kept] = self.second.decompress(inner)
         return self.first._decompress(Packet(tensors, packet.shape, packet.dtype, packet.meta))
+
+
+# -- output range ---------------------------------------------------------------------------------
+def saturate(flat: torch.Tensor, dtype: torch.dtype, inplace: bool = True) -> torch.Tensor:
+    """``flat`` (a float32 decode) clamped to ±``finfo(dtype).max``: decoded values beyond the range of
+    the gradient's dtype become its largest finite value (±Inf too; NaN stays NaN). ``flat`` itself for
+    a float32 ``dtype``: nothing to do but for an overflow, which the caller reports or avoids."""
+    if dtype == torch.float32 and flat.dtype == torch.float32:
+        return flat
+    if flat.dtype != torch.float32:
+        if torch.finfo(flat.dtype).max <= torch.finfo(dtype).max:  # e.g. bf16 wire values, fp32 out
+            return flat
+        flat, inplace = flat.float(), True  # a copy of its own
+    largest = torch.finfo(dtype).max
+    return flat.clamp_(-largest, largest) if inplace else flat.clamp(-largest, largest)
 
 
 # -- input checks ---------------------------------------------------------------------------------

@@ -11,20 +11,27 @@ an optimizer's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from gradpress.registry import Registry, format_spec
+from gradpress.registry import Registry, check_params_of, format_spec, param
 
 if TYPE_CHECKING:
     from gradpress.compressor import Compressor
     from gradpress.packet import Packet
 
 
+_MISSING = object()
+
+
 class Feedback:
-    """Base class: per-key memory with ``compensate`` before compression and ``update`` after."""
+    """Base class: per-key memory with ``compensate`` before compression and ``update`` after.
+
+    A memory keeps its state in dict fields keyed by tensor name and replaces an entry on update,
+    never writing into a stored tensor: then :meth:`snapshot` and :meth:`restore` put the entries of
+    an exchange that failed back as they were (references, no copies)."""
 
     name: ClassVar[str] = ""
 
@@ -54,6 +61,20 @@ class Feedback:
         """Whether this memory leaves gradients as they are and keeps nothing (``none``): then the
         keys it is called with do not matter."""
         return not self.updates and type(self).compensate is Feedback.compensate
+
+    def snapshot(self, keys: list[str]) -> list[tuple[dict, dict]]:
+        """The current entries of ``keys`` in every per-key dict of this memory."""
+        keyed = [getattr(self, f.name) for f in fields(self)] if hasattr(self, "__dataclass_fields__") else []
+        return [(d, {key: d.get(key, _MISSING) for key in keys}) for d in keyed if isinstance(d, dict)]
+
+    def restore(self, snapshot: list[tuple[dict, dict]]) -> None:
+        """Put back the entries :meth:`snapshot` saw (an exchange failed: its step never happened)."""
+        for keyed, entries in snapshot:
+            for key, value in entries.items():
+                if value is _MISSING:
+                    keyed.pop(key, None)
+                else:
+                    keyed[key] = value
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -119,9 +140,12 @@ class Residual(KeyedMemory):
     the small values they exist to keep.
     """
 
-    beta: float = 1.0
-    gamma: float = 1.0
+    beta: float = param(1.0, "[0, 1]")
+    gamma: float = param(1.0, "(0, inf)")
     _spare: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_params_of(self)  # also when built directly, not from a spec
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """φ = β·m + γ·g, a new float32 tensor (the memory's dtype wins the promotion). With β = γ = 1

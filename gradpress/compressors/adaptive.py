@@ -21,6 +21,7 @@ from gradpress.compressor import Compressor, register
 from gradpress.compressors.onebit import as_float32, extreme, fixed_point_scale, mean_of, to_fixed
 from gradpress.compressors.threshold import draw_sample, sample_threshold
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context
 
 
@@ -31,16 +32,9 @@ class Adaptive(Compressor):
     elements, as int32 indices per side plus one float32 mean per side (variable size). Deterministic
     given the sample stream; biased."""
 
-    alpha: float = 0.01
-    sample_ratio: float = 0.01
+    alpha: float = param(0.01, "(0, 1]")
+    sample_ratio: float = param(0.01, "(0, 1]")
     examples = ("adaptive:alpha=0.1",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 < self.alpha <= 1.0:
-            raise ValueError(f"adaptive: alpha must be in (0, 1], got {self.alpha}")
-        if not 0.0 < self.sample_ratio <= 1.0:
-            raise ValueError(f"adaptive: sample_ratio must be in (0, 1], got {self.sample_ratio}")
 
     def thresholds(self, x: torch.Tensor, ctx: Context) -> tuple[float, float]:
         """τ⁺ and τ⁻ (both ≥ 0): about α of the sampled positives lie above τ⁺, of the negatives below −τ⁻."""

@@ -47,6 +47,7 @@ from gradpress.compressor import Compressor, Preliminary, register
 from gradpress.compressors.sparsify import scatter, topk_indices
 from gradpress.feedback import KeyedMemory, feedback_registry
 from gradpress.packet import Packet
+from gradpress.registry import check_params_of, param
 from gradpress.rng import Context
 
 Select = Literal["chunk", "exact"]
@@ -63,22 +64,16 @@ class CLTK(Compressor):
     the preliminary broadcast, counted by the runtime's traffic statistics, not in the packet.
     """
 
-    chunk: int = 4
-    per_chunk: int = 1
+    chunk: int = param(4, "[1, 2^20]")  # the torch path pads to whole chunks: bounded, not absurd
+    per_chunk: int = param(1, "[1, 2^20]")  # and at most chunk
     select: Select = "chunk"
     summable = True
     examples = ("cltk:chunk=16,per_chunk=3", "cltk:chunk=10,select=exact", "cltk:chunk=1")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("chunk", "per_chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"cltk: {name} must be a positive integer, got {value!r}")
+        super().__post_init__()  # checks the declared ranges
         if self.per_chunk > self.chunk:
             raise ValueError(f"cltk: per_chunk ({self.per_chunk}) cannot exceed chunk ({self.chunk})")
-        if self.select not in ("chunk", "exact"):
-            raise ValueError(f"cltk: select must be 'chunk' or 'exact', got {self.select!r}")
 
     @property
     def default_feedback(self) -> str:
@@ -194,11 +189,10 @@ class LowPass(KeyedMemory):
     The memory is float32 whatever the gradient's dtype.
     """
 
-    beta: float = 1.0
+    beta: float = param(1.0, "[0, 1]")
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"lowpass: beta must be in [0, 1], got {self.beta}")
+        check_params_of(self)  # also when built directly, not from a spec
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """x = m + g."""

@@ -30,6 +30,7 @@ from gradpress.compressors.sparsify import Sparse
 from gradpress.compressors.threshold import draw_sample, packet_above, sample_threshold
 from gradpress.feedback import Feedback, feedback_registry
 from gradpress.packet import Packet
+from gradpress.registry import check_params_of, param
 from gradpress.rng import Context
 
 WARMUP_STAGES = 4      # the paper's four warm-up epochs
@@ -46,20 +47,11 @@ class DGC(Sparse):
     (none) and ``masking`` (true).
     """
 
-    ratio: float = 0.001
-    sample_ratio: float = 0.01
-    warmup_steps: int = 0
+    ratio: float = param(0.001, "(0, 1]")
+    sample_ratio: float = param(0.01, "(0, 1]")
+    warmup_steps: int = param(0, "[0, inf)")
     kept = "values"
     examples = ("dgc:ratio=0.01", "dgc:ratio=0.01,warmup_steps=8")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 < self.ratio <= 1.0:
-            raise ValueError(f"dgc: ratio must be in (0, 1], got {self.ratio}")
-        if not 0.0 < self.sample_ratio <= 1.0:
-            raise ValueError(f"dgc: sample_ratio must be in (0, 1], got {self.sample_ratio}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"dgc: warmup_steps must be >= 0, got {self.warmup_steps}")
 
     @property
     def default_feedback(self) -> str:
@@ -94,18 +86,15 @@ class DGCMemory(Feedback):
     ≥ 0), v ← 0 and, with ``masking``, u ← 0. State in float32, per key.
     """
 
-    momentum: float = 0.9
-    clip: float | None = None
+    momentum: float = param(0.9, "[0, 1)")
+    clip: float | None = param(None, "(0, inf)")
     masking: bool = True
     _momentum: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _velocity: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _pending: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"dgc: momentum must be in [0, 1), got {self.momentum}")
-        if self.clip is not None and not self.clip > 0.0:
-            raise ValueError(f"dgc: clip must be > 0 (or none), got {self.clip}")
+        check_params_of(self)  # also when built directly, not from a spec
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         g = grad.float()

@@ -55,6 +55,7 @@ from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.compressors.natural import Natural
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context, mix32_torch, seed32
 
 U = np.uint32
@@ -695,7 +696,8 @@ class Dithering:
         sigma = float(x.std(correction=0))
         if not math.isfinite(sigma):  # x² overflowed float32
             sigma = float(x.double().std(correction=0))
-        return float(np.float32(self.clip * sigma))
+        # beyond float32's largest, c·σ clips nothing: say so without an overflowing cast
+        return float(np.float32(min(self.clip * sigma, float(np.finfo(np.float32).max))))
 
 
 # -- the compressors -----------------------------------------------------------------------------------------
@@ -704,6 +706,7 @@ class _Dithered(Compressor):
 
     unbiased = True
     checks_finite = True
+    saturates = True  # a value rounds up to the next level, up to the norm: possibly beyond fp16's range
     mechanism: Dithering
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
@@ -730,11 +733,11 @@ class Dither(_Dithered):
     second norm; App. A.4 leaves the norm uncompressed); bucket 0 = the whole tensor, as in Def. 3.
     """
 
-    levels: int = 8
+    levels: int = param(8, "[1, 127]")  # 1 + ceil(log2(s+1)) <= 8 bits
     norm: Norm = "2"
     partition: Partition = "natural"
     natural_norm: bool = False
-    bucket: int | None = 0
+    bucket: int | None = param(0, "[0, inf)")  # 0 (or none): the whole tensor
     examples = ("dither:partition=standard,levels=5,norm=1", "dither:natural_norm=true,bucket=100,norm=inf",
                 "dither:levels=3,bucket=128")
 
@@ -753,8 +756,8 @@ class QSGD(_Dithered):
     1 + ⌈log2(s+1)⌉ bits (GRACE Fig. 3), plus one float32 norm per bucket.
     """
 
-    levels: int = 16
-    bucket: int | None = 512
+    levels: int = param(16, "[1, 127]")  # 1 + ceil(log2(s+1)) <= 8 bits
+    bucket: int | None = param(512, "[0, inf)")  # 0 (or none): the whole tensor
     norm: Norm = "2"
     examples = ("qsgd:levels=4,bucket=0,norm=inf", "qsgd:levels=127,bucket=100")
 
@@ -772,7 +775,7 @@ class TernGrad(_Dithered):
     which makes it biased; 0 (the default) keeps it unbiased.
     """
 
-    clip: float = 0.0
+    clip: float = param(0.0, "[0, inf)")  # 0: no clipping
     examples = ("terngrad:clip=2.5",)
 
     def __post_init__(self) -> None:

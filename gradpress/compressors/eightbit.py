@@ -9,7 +9,8 @@ goes along: 8 bits per element plus one float32.
 
 Dettmers divides by the largest magnitude; here the scale is the largest magnitude divided by the
 largest table value (0.99297), so that the largest element lands exactly on the top code instead of
-being rounded down by 0.7 %.
+being rounded down by 0.7 %. Where that quotient is beyond float32 (a largest magnitude within 0.7 % of
+float32's largest value) the scale is Dettmers' own, the largest magnitude.
 
 **Lookups without a per-element search.** A value's position among sorted edges is read from a table
 indexed by the top 16 bits of its order-preserving bit pattern (a cell spans a 2^-7 relative range).
@@ -70,6 +71,8 @@ class EightBit(Compressor):
         x = as_float32(flat)
         largest = checked_max_magnitude(x, self.spec)
         scale = torch.tensor([largest / TOP], dtype=torch.float32, device=x.device)
+        if not torch.isfinite(scale * TOP).all():  # near float32's largest: Dettmers' scale, max |x|
+            scale = torch.tensor([largest], dtype=torch.float32, device=x.device)
         if largest == 0.0:
             codes = torch.zeros(x.numel(), dtype=torch.uint8, device=x.device)
         else:

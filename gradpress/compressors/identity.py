@@ -51,28 +51,43 @@ class _Cast(Compressor):
         return packet["values"]
 
 
-@register("fp16")
 @dataclass(repr=False)
-class FP16(_Cast):
-    """IEEE half precision: 16 bits per element; values beyond ±65504 overflow to Inf and are reported
-    by the runtime's finiteness check, small ones lose precision below 2^-24."""
+class _CheckedCast(_Cast):
+    """A cast whose rounding may overflow the wire format: the wire values are checked (one pass over
+    16-bit values), NaN/Inf of the input raising :class:`~gradpress.compressor.NonFiniteError`, finite
+    values that round to ±Inf an ``OverflowError``."""
 
-    wire_dtype = torch.float16
-    checks_finite = True  # NaN/Inf input is NaN/Inf in the half-precision values, which are checked anyway
+    checks_finite = True  # NaN/Inf input is NaN/Inf in the 16-bit values, which are checked anyway
+    precision = ""
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         packet = super()._compress(flat, ctx)
         overflowed = count_nonfinite(packet["values"])
         if overflowed:
             check_finite(flat, self.spec)  # NaN/Inf in the input itself: a NonFiniteError
-            limit = torch.finfo(torch.float16).max
-            raise OverflowError(f"fp16: {overflowed} value(s) beyond ±{limit:g} cannot be sent in half precision")
+            limit = torch.finfo(self.wire_dtype).max
+            raise OverflowError(f"{self.name}: {overflowed} value(s) beyond ±{limit:g} cannot be sent in "
+                                f"{self.precision}")
         return packet
+
+
+@register("fp16")
+@dataclass(repr=False)
+class FP16(_CheckedCast):
+    """IEEE half precision: 16 bits per element; values beyond ±65504 raise ``OverflowError`` (they would
+    be Inf), small ones lose precision below 2^-24."""
+
+    wire_dtype = torch.float16
+    precision = "half precision"
 
 
 @register("bf16")
 @dataclass(repr=False)
-class BF16(_Cast):
-    """bfloat16: fp32's exponent range with an 8-bit mantissa; 16 bits per element."""
+class BF16(_CheckedCast):
+    """bfloat16: fp32's exponent range with an 8-bit mantissa; 16 bits per element. fp32 values that
+    round beyond bf16's largest (±3.39e38) raise ``OverflowError``; an fp16 gradient's ±65504 rounds to
+    ±65536 and decodes saturated at ±65504."""
 
     wire_dtype = torch.bfloat16
+    precision = "bfloat16"
+    saturates = True  # fp16 gradients: 65504 rounds to bf16's 65536

@@ -41,6 +41,7 @@ from gradpress.compressor import Compressor, check_finite, register
 from gradpress.compressors import inceptionn_simd as simd
 from gradpress.compressors.onebit import as_float32
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context
 
 FINE_STEP = 2.0**-15  # the 16-bit form's resolution
@@ -54,14 +55,13 @@ class INCEPTIONN(Compressor):
     its range, with error bound ε (a power of two in [2^-15, 2^-7]); the table is in the module
     docstring."""
 
-    error_bound: float = 2.0**-10
+    error_bound: float = param(2.0**-10, "[2^-15, 2^-7]")  # and a power of two
     examples = ("inceptionn:error_bound=1/128", "inceptionn:error_bound=1/32768")
     checks_finite = True  # the numba kernel's first pass spots NaN/Inf; the torch path checks first
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        mantissa, exponent = math.frexp(self.error_bound)
-        if mantissa != 0.5 or not -15 <= exponent - 1 <= -7:
+        super().__post_init__()  # checks the declared range
+        if math.frexp(self.error_bound)[0] != 0.5:
             raise ValueError(f"inceptionn: error_bound must be a power of two in [2^-15, 2^-7], "
                              f"got {self.error_bound}")
 

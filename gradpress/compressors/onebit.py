@@ -26,6 +26,7 @@ from gradpress._numba import as_numpy, jit, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context
 
 
@@ -132,7 +133,7 @@ class OneBit(Compressor):
     above τ): d + 64 bits. Deterministic and biased; used with residual error feedback, as in the paper.
     """
 
-    tau: float = 0.0
+    tau: float = param(0.0, "[0, inf)")  # Seide et al. split at 0; τ > 0 sends small positives with the negatives
     examples = ("onebit:tau=0.5",)
     checks_finite = True  # the pass for the fixed-point scale shows NaN/Inf
 

@@ -43,8 +43,10 @@ from typing import Any
 
 import torch
 
-from gradpress.compressor import Compressor, NonFiniteError, Preliminary, check_finite, register
+from gradpress.compressor import (Compressor, NonFiniteError, Preliminary, check_finite, count_nonfinite, register,
+                                  saturate)
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context
 
 
@@ -57,7 +59,9 @@ class PowerSGD(Compressor):
 
     * ``rank``: r, the rank of the approximation (default 1, the default of GRACE's and PyTorch's
       implementations; the paper compares ranks 1, 2 and 4); it is lowered to min(m, n) for small
-      matrices.
+      matrices. At most 1024 (``MAX_RANK``): the paper's largest rank is 4 (32 in PyTorch's hook
+      examples), and a rank-r packet only pays off for matrices of both sides well beyond 2r, i.e.
+      beyond any layer's at r = 1024; a larger rank would silently send every tensor uncompressed.
     * ``min_compression_rate``: a matrix is compressed only if (m + n)·r·rate < m·n (default 2, as in
       PyTorch's ``PowerSGDState``); 0 compresses every tensor of two or more dimensions.
     * ``warm_start``: start each step's power iteration from the previous step's mean Q (the paper's
@@ -71,22 +75,14 @@ class PowerSGD(Compressor):
     :meth:`nbytes_for` gives the formula. Uncompressed tensors send their values in their own dtype.
     """
 
-    rank: int = 1
-    min_compression_rate: float = 2.0
+    rank: int = param(1, "[1, 1024]")  # MAX_RANK
+    min_compression_rate: float = param(2.0, "[0, inf)")
     warm_start: bool = True
     summable = True
     checks_finite = True  # NaN/Inf of any worker's M reach the summed P (see _compress)
     stateful_decode = True  # decode_sum keeps the mean Q as the next step's warm start
     examples = ("powersgd:rank=2", "powersgd:rank=4,min_compression_rate=0,warm_start=false")
     _warm: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"powersgd: rank must be an integer >= 1, got {self.rank!r}")
-        if not (math.isfinite(self.min_compression_rate) and self.min_compression_rate >= 0):
-            raise ValueError(f"powersgd: min_compression_rate must be a finite number >= 0, "
-                             f"got {self.min_compression_rate!r}")
 
     # -- the matrix view -----------------------------------------------------------------------------
     def factors(self, shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int] | None:
@@ -122,14 +118,23 @@ class PowerSGD(Compressor):
             return None
         m, n, r = dims
         matrix = _float32(x).reshape(m, n)
-        return Preliminary(torch.mm(self._start(ctx, n, r, x.device), matrix.t()), "sum")  # Pᵀ = Qᵀ Mᵀ
+        pt = torch.mm(self._start(ctx, n, r, x.device), matrix.t())  # Pᵀ = Qᵀ Mᵀ
+        if not math.isfinite(float(pt.sum())) and not count_nonfinite(matrix.reshape(-1)):
+            # NaN/Inf in M is what the summed P reports (see _compress); a finite M whose P overflows
+            # float32 (values near its largest, times √n) is an error of its own
+            raise OverflowError(f"{self.spec}: P = M Q overflows float32: the gradient's values (up to "
+                                f"{float(matrix.abs().max()):.3g}) are too close to float32's largest")
+        return Preliminary(pt, "sum")
 
     def _start(self, ctx: Context, n: int, r: int, device: torch.device) -> torch.Tensor:
         """The Qᵀ (r × n) this step's power iteration starts from: the previous mean (warm start, the
         same on every rank), else one drawn from the shared stream; a factor that has become all zero
         is drawn afresh, since P = M·0 would keep it at zero for good."""
         qt = self._warm.get(ctx.key) if self.warm_start else None
-        if qt is not None and qt.shape == (r, n) and qt.device == device:
+        if qt is not None and qt.shape != (r, n):
+            raise ValueError(f"powersgd: the warm start of {ctx.key!r} is {tuple(qt.shape)}, a tensor of this "
+                             f"shape needs ({r}, {n}) (a state saved for another model?)")
+        if qt is not None and qt.device == device:
             dead = ~qt.any(dim=1, keepdim=True)
             if not bool(dead.any()):
                 return qt
@@ -149,7 +154,10 @@ class PowerSGD(Compressor):
         arithmetic carries NaN/Inf through it (NaN·q = NaN, Inf·0 = NaN, Inf·q = ±Inf, and a sum with a
         NaN or with both infinities is NaN), so the r × m values of ΣP are finite only if every worker's
         M is (or the sum overflowed: then P̂ would be NaN anyway). Every worker holds the same ΣP, so all
-        of them raise together, before the second all-reduce.
+        of them raise together, before the second all-reduce: :class:`NonFiniteError` if its own M holds
+        NaN/Inf, ``OverflowError`` if its own M is finite but its P or ΣP overflowed float32 (values near
+        float32's largest, |M_ij|·√n beyond it), else (another worker's M) :class:`NonFiniteError`.
+        A Q = Mᵀ P̂ beyond float32 (|M_ij|·√m beyond its range) raises ``OverflowError`` as well.
         """
         if prepared is None:
             check_finite(flat, self.spec)
@@ -160,12 +168,26 @@ class PowerSGD(Compressor):
                              f"of {flat.numel()} elements")
         bad = 0 if math.isfinite(float(prepared.sum())) else int((~torch.isfinite(prepared)).sum())
         if bad:  # (a finite sum is the one-reduction test; a sum that overflowed alone is no error)
-            raise NonFiniteError(f"{self.spec}: the gradient holds NaN/Inf value(s), on this worker or "
-                                 f"another (or M Q overflowed float32): the summed P = M Q holds {bad} "
-                                 f"NaN/Inf value(s) out of {prepared.numel()}")
+            self._raise_for_summed_p(flat, ctx, prepared, bad)
         pt = orthonormal_columns(prepared.t()).t().contiguous()  # P̂ᵀ (QR's factor is column-major: a view)
         qt = torch.mm(pt, _float32(flat).view(m, -1))  # Qᵀ = P̂ᵀ M
+        if not math.isfinite(float(qt.abs().max())):  # r × n values; M is finite (its P was)
+            raise OverflowError(f"{self.spec}: Q = Mᵀ P̂ overflows float32: the gradient's values (up to "
+                                f"{float(flat.abs().max()):.3g}) are too close to float32's largest")
         return Packet({"p": pt, "q": qt}, flat.shape, flat.dtype, {"key": ctx.key})
+
+    def _raise_for_summed_p(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor, bad: int) -> None:
+        """ΣP holds NaN/Inf: tell NaN/Inf in this worker's M from an overflow of its P or of the sum
+        (a rare path: one check of M and one product)."""
+        where = f"the summed P = M Q holds {bad} NaN/Inf value(s) out of {prepared.numel()}"
+        check_finite(flat, f"{self.spec}: {where}; this worker's gradient")  # its own NaN/Inf
+        (r, m), n = prepared.shape, flat.numel() // prepared.shape[-1]
+        own = torch.mm(self._start(ctx, n, r, flat.device), _float32(flat).view(m, n).t())  # its own Pᵀ
+        if not bool(torch.isfinite(own).all()):
+            raise OverflowError(f"{self.spec}: {where}: this worker's M Q overflowed float32 (its gradient "
+                                f"is finite, with values up to {float(flat.abs().max()):.3g})")
+        raise NonFiniteError(f"{self.spec}: {where}: another worker's gradient holds NaN/Inf value(s), or "
+                             f"the sum of the workers' finite P overflowed float32")
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         """Algorithm 1, DECOMPRESS: M̂ = P̂ Qᵀ."""
@@ -184,13 +206,28 @@ class PowerSGD(Compressor):
         if "values" in packet.tensors or packet.numel == 0:
             return super().decode_sum(packet, summed, count)
         qt = summed[0].float().div_(count)
+        if not math.isfinite(float(qt.abs().max())):  # every worker's Q was finite: their sum overflowed
+            raise OverflowError(f"{self.spec}: the sum of {count} workers' Q overflowed float32")
         if self.warm_start:
             self._warm[packet.meta["key"]] = qt.clone()
-        return torch.mm(packet["p"].t(), qt).to(packet.dtype).view(packet.shape)
+        return saturate(torch.mm(packet["p"].t(), qt), packet.dtype).to(packet.dtype).view(packet.shape)
 
     def state_dict(self) -> dict[str, Any]:
         """The warm start of every tensor: key -> the mean Qᵀ, a float32 (r, n) tensor."""
         return {"warm": {key: qt.clone() for key, qt in dict(self._warm).items()}}
+
+    def check_state(self, state: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+        """Each warm start is the (r, n) Qᵀ of its tensor's matrix view (:meth:`factors`), where the
+        state knows the tensor's shape (else :meth:`_start` checks it when the tensor arrives)."""
+        for key, q in state.get("warm", {}).items():
+            if key not in shapes:
+                continue
+            dims = self.factors(shapes[key])
+            expected = None if dims is None else (dims[2], dims[1])
+            if not isinstance(q, torch.Tensor) or tuple(q.shape) != expected:
+                got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+                raise ValueError(f"powersgd: warm start of {key!r} is {got}, expected "
+                                 f"{expected if expected else 'none (not a compressed matrix)'}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         warm = state.get("warm", {})

@@ -21,6 +21,7 @@ import torch
 
 from gradpress.compressor import Compose, Compressor, make, register
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context
 
 
@@ -32,9 +33,9 @@ class QSparse(Compressor):
     values, with error feedback."""
 
     sparsifier: Literal["topk", "randomk"] = "topk"
-    ratio: float = 0.01
+    ratio: float = param(0.01, "(0, 1]")
     quantizer: Literal["qsgd", "efsignsgd"] = "qsgd"
-    levels: int | None = None
+    levels: int | None = param(None, "[1, 127]")  # qsgd's levels (none: its default)
     examples = ("qsparse:sparsifier=randomk,ratio=0.1", "qsparse:levels=4,ratio=0.25",
                 "qsparse:quantizer=efsignsgd")
     _inner: Compose = field(init=False, repr=False)
@@ -55,6 +56,10 @@ class QSparse(Compressor):
     @property
     def summable(self) -> bool:  # type: ignore[override]
         return self._inner.summable
+
+    @property
+    def saturates(self) -> bool:  # type: ignore[override]
+        return self._inner.saturates
 
     @property
     def default_feedback(self) -> str:

@@ -22,6 +22,7 @@ from gradpress.compressors.onebit import (as_float32, checked_max_magnitude, dec
                                           fixed_point_scale, mean_of, pack_mask, to_fixed)
 from gradpress.feedback import KeyedMemory, feedback_registry
 from gradpress.packet import Packet
+from gradpress.registry import check_params_of, param
 from gradpress.rng import Context
 
 
@@ -188,12 +189,11 @@ class SignumMomentum(KeyedMemory):
     """SIGNUM's momentum (Bernstein et al. 2018, Algorithm 3; GRACE §3.1): the worker compresses
     z ← δ·z + (1 − δ)·g, z₀ = 0, kept in float32 per key. δ = 0 is plain signSGD."""
 
-    momentum: float = 0.9
+    momentum: float = param(0.9, "[0, 1)")
     state_name = "momentum"
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"signum: momentum must be in [0, 1), got {self.momentum}")
+        check_params_of(self)  # also when built directly, not from a spec
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         z = self._stored_for(key, grad)

@@ -17,6 +17,12 @@ rows of s_j(i)·S[j, h_j(i)].
 ``blocktopk`` is block-wise top-K sparsification (Section 2.2): the K blocks of largest L2 norm,
 sent as their values and block indices; ``sketch:ratio=…`` applies it before sketching, which is S2
 Reducer with block sparsification (Thm 2), still all-reducible.
+
+Finite in, finite out: block norms are ranked without overflowing (:func:`block_norms`), and the
+sketch's table holds its sums scaled by a power of two that every worker derives from the tensor's
+size and dtype alone, so that neither one worker's bucket sums nor the all-reduced sum of up to
+:data:`SUM_WORKERS` workers' tables can overflow float32 (:meth:`Sketch.table_exponent`); estimates
+beyond the input dtype's range saturate at its largest value.
 """
 from __future__ import annotations
 
@@ -29,9 +35,10 @@ import numpy as np
 import torch
 
 from gradpress._numba import as_numpy, jit, mix32, use_numba
-from gradpress.compressor import Compressor, register
+from gradpress.compressor import Compressor, count_nonfinite, register
 from gradpress.compressors.sparsify import keep_count, topk_indices
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context, mix32_torch, seed32
 
 # How many rows the tensor being compressed has (None: 1-D, or unknown). ``Compressor.compress``
@@ -39,6 +46,8 @@ from gradpress.rng import Context, mix32_torch, seed32
 _ROWS: ContextVar[int | None] = ContextVar("gradpress_sketch_rows", default=None)
 
 _TABLE_DTYPE = torch.float32
+SUM_WORKERS = 1 << 10  # the table's scale leaves room for the all-reduced sum of this many workers' tables
+MAX_BLOCK = 1 << 20  # a block is padded to its full size: the most values a block may hold
 
 
 class _Blocks(Compressor):
@@ -53,15 +62,6 @@ class _Blocks(Compressor):
 
     block: int
     ratio: float
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 0:
-            raise ValueError(
-                f"{self.name}: block must be an integer >= 0 (0: one block per row), got {self.block!r}"
-            )
-        if not 0.0 < self.ratio <= 1.0:
-            raise ValueError(f"{self.name}: ratio must be in (0, 1], got {self.ratio}")
 
     def compress(self, x: torch.Tensor, ctx: Context | None = None, **options: Any) -> Packet:
         """As :meth:`Compressor.compress`, noting the row count of ``x`` for the block layout."""
@@ -97,9 +97,20 @@ def as_blocks(flat: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def block_norms(blocks: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of every block, in float32 (the ranking of Section 2.2's block top-K)."""
+    """The ranking of Section 2.2's block top-K: every block's squared L2 norm in float32, finite for
+    any finite input.
+
+    Squares of values beyond 2^64 (fp32, bf16) overflow float32; when a norm comes out infinite, every
+    block is first scaled by the same power of two 2^-e, with 2^e > max|x|, so that each square is below
+    1 and each sum below B, and ranked by those: the order of blocks whose norms did not overflow is
+    kept (scaling by a power of two is exact, short of underflow for blocks below 2^-75 of the largest,
+    which then tie). Without overflow the result is the plain sum of squares, the same bits as ever."""
     values = blocks if blocks.dtype == torch.float32 else blocks.float()
-    return values.square().sum(dim=1)
+    norms = values.square().sum(dim=1)
+    if norms.numel() and not math.isfinite(float(norms.max())):  # blocks are finite: the squares overflowed
+        exponent = math.frexp(float(values.abs().max()))[1]  # max|x| < 2^exponent
+        norms = (values * math.ldexp(1.0, -exponent)).square_().sum(dim=1)
+    return norms
 
 
 def element_indices(blocks: torch.Tensor, size: int, numel: int) -> torch.Tensor:
@@ -121,8 +132,8 @@ class BlockTopK(_Blocks):
     selected block.
     """
 
-    ratio: float = 1 / 32
-    block: int = 0
+    ratio: float = param(1 / 32, "(0, 1]")
+    block: int = param(0, "[0, 2^20]")  # MAX_BLOCK; 0: one block per row
     kept = "values"
     examples = ("blocktopk:ratio=0.25", "blocktopk:ratio=1,block=8", "blocktopk:ratio=0.5,block=5")
 
@@ -171,6 +182,10 @@ class Sketch(_Blocks):
       fraction of rows a step touches: it sizes the sketch and drops nothing while the bound holds.
     * ``block`` — the block layout (see :class:`_Blocks`): 0 = one block per row.
 
+    Ranges: ``rows`` 1..64 (r rows cost r hashes per value; count-sketches use a handful), ``lam``
+    in (0, 64] (λ = 1 already sends as many table entries as the values it holds), ``ratio`` in (0, 1],
+    ``block`` 0..2^20 (blocks are zero-padded to their full size).
+
     Error: with one row, each decoded value collects the other M − 1 decoded values' collisions with
     probability 1/c each, so E‖ĝ − g‖² = (M − 1)/c·‖g‖², an NMSE of about 1/λ for one worker. The
     sketch holds the *sum* of the workers' values in the union of their blocks, so n workers touching
@@ -188,6 +203,21 @@ class Sketch(_Blocks):
     a logical or (Gloo; NCCL maps it to MAX), where a uint8 count would wrap at 256 workers. Bit-packing
     the bitmap would cut it 8× but bits cannot be summed: it needs a bitwise-OR reduction (Gloo has
     ReduceOp.BOR, NCCL does not).
+
+    Range: the table holds the sums times 2^-s, s = :meth:`table_exponent`, a power of two every worker
+    derives from N and the input dtype alone (packet metadata, not sent): one bucket sums at most N
+    values of one worker, each below 2^E (E = 128 for fp32 and bf16, 16 for fp16), so the all-reduced
+    sum of up to W = :data:`SUM_WORKERS` = 1024 workers' tables stays below 2^(⌈log2(N·W)⌉ + E − s) ≤
+    2^127 and cannot overflow float32. s = 0 for fp16 gradients (65504·N·W fits float32 for any
+    N < 2^32): their table bits are what they always were. For fp32 and bf16 s = ⌈log2(N·W)⌉ + 1 (e.g.
+    34 for N = 2^23): scaling by a power of two is exact, so the decoded estimates keep their bits, but
+    the wire values are 2^-s times the plain count-sketch, and inputs below 2^(s-126) in magnitude lose
+    precision to float32's subnormal range (below 2^(s-149): flushed to 0) — for N = 2^23 that is below
+    about 2e-28, far below the noise of any sketch of gradients with a norm of that size or more. A sum
+    of more than W workers' tables of near-overflow values can still overflow: :meth:`decode_sum` then
+    raises ``OverflowError``. An estimate (the value plus collision noise) beyond the input dtype's range
+    saturates at ±its largest value (the true mean lies within that range, so this only moves the
+    estimate towards it).
 
     Hashes: h_j(i) and s_j(i) come from the counter hash ``mix32(i, seed)`` of :mod:`gradpress.rng`
     (h from the high bits by multiply-shift, s from the top bit of a second hash),
@@ -209,30 +239,34 @@ class Sketch(_Blocks):
     two agree for r ≤ 2 (the mean of two) when every worker marks the same blocks.
     """
 
-    rows: int = 1
-    lam: float = 0.5
-    ratio: float = 1.0
-    block: int = 0
+    rows: int = param(1, "[1, 64]")
+    lam: float = param(0.5, "(0, 64]")
+    ratio: float = param(1.0, "(0, 1]")
+    block: int = param(0, "[0, 2^20]")  # MAX_BLOCK; 0: one block per row
     summable = True
     linear = False
     examples = ("sketch:lam=2", "sketch:block=4", "sketch:lam=0.25,block=16", "sketch:rows=2,lam=1",
                 "sketch:rows=3", "sketch:ratio=0.25,block=8")
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1:
-            raise ValueError(f"sketch: rows must be a positive integer, got {self.rows!r}")
-        if not (self.lam > 0.0 and math.isfinite(self.lam)):
-            raise ValueError(f"sketch: lam must be a positive number, got {self.lam}")
-
     @property
     def unbiased(self) -> bool:  # type: ignore[override]
         return self.ratio == 1.0
 
+    def inserted(self, numel: int, size: int) -> int:
+        """N = min(numel, K·B): the most values one worker inserts into each row."""
+        return min(numel, self.kept_blocks(-(-numel // size)) * size)
+
     def width(self, numel: int, size: int) -> int:
         """c = ceil(λ · N / r), N = min(numel, K·B): the same on every worker."""
-        bound = min(numel, self.kept_blocks(-(-numel // size)) * size)
-        return max(1, math.ceil(self.lam * bound / self.rows))
+        return max(1, math.ceil(self.lam * self.inserted(numel, size) / self.rows))
+
+    def table_exponent(self, numel: int, size: int, dtype: torch.dtype) -> int:
+        """s, the table holding the bucket sums times 2^-s: s = max(0, ⌈log2(N·W)⌉ + 1 + E − 128) for
+        N inserted values per row, W = :data:`SUM_WORKERS` and inputs below 2^E in magnitude. Then
+        |Σ of W tables| < N·W·2^(E−s) ≤ 2^127 (see the class docstring)."""
+        top = math.frexp(torch.finfo(dtype).max)[1]  # every finite value of dtype is below 2^top
+        bound = self.inserted(numel, size) * SUM_WORKERS
+        return max(0, (bound - 1).bit_length() + 1 + top - 128)
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         size = self.block_size(numel)
@@ -249,8 +283,12 @@ class Sketch(_Blocks):
             for j in range(self.rows)
         )
         indices = element_indices(marked.nonzero().squeeze(1), size, numel)
-        table = insert(indices, flat[indices].to(_TABLE_DTYPE), seeds, self.width(numel, size))
-        meta = {"block": size, "seeds": seeds}
+        exponent = self.table_exponent(numel, size, flat.dtype)
+        values = flat[indices].to(_TABLE_DTYPE)
+        if exponent:
+            values.mul_(math.ldexp(1.0, -exponent))  # exact, short of float32's subnormal range
+        table = insert(indices, values, seeds, self.width(numel, size))
+        meta = {"block": size, "seeds": seeds, "exponent": exponent}
         return Packet({"table": table, "bitmap": marked}, flat.shape, flat.dtype, meta)
 
     def _marked_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -265,8 +303,30 @@ class Sketch(_Blocks):
         return marked
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
+        return self._query(packet, 1)
+
+    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
+        """The S2 estimate of the mean over ``count`` workers from their summed tables and OR-ed bitmaps:
+        the median over rows, divided by ``count``, saturated at the input dtype's range, rescaled by
+        2^s. Raises ``OverflowError`` if the summed table overflowed float32, which takes more than
+        :data:`SUM_WORKERS` workers with values near their dtype's largest (every worker's input is
+        checked finite before it is sketched, so a NaN/Inf in the sum can only be an overflow)."""
+        if packet.numel == 0:
+            return self.decompress(packet)
+        bad = count_nonfinite(summed[0].reshape(-1))
+        if bad:
+            raise OverflowError(
+                f"{self.spec}: the sum of {count} workers' sketches overflowed float32 in {bad} of "
+                f"{summed[0].numel()} buckets (the table's scale 2^-{packet.meta['exponent']} leaves room "
+                f"for {SUM_WORKERS} workers' {packet.dtype} values)")
+        return self._query(packet.with_wire(summed), count).to(packet.dtype).view(packet.shape)
+
+    def _query(self, packet: Packet, count: int) -> torch.Tensor:
+        """Estimates of the mean of ``count`` workers' values, float32, within the input dtype's range."""
+        exponent = packet.meta["exponent"]
+        largest = math.ldexp(torch.finfo(packet.dtype).max, -exponent)  # exact: a float32 value scaled
         return query(packet["bitmap"] != 0, packet.meta["block"], packet.numel, packet["table"].float(),
-                     packet.meta["seeds"])
+                     packet.meta["seeds"], count, largest, math.ldexp(1.0, exponent))
 
 
 # -- the sketch's element-wise work: numba on the CPU, torch elsewhere (same bits) -------------------
@@ -295,21 +355,30 @@ def insert(
 
 
 def query(
-    marked: torch.Tensor, size: int, numel: int, table: torch.Tensor, seeds: tuple[tuple[int, int], ...]
+    marked: torch.Tensor, size: int, numel: int, table: torch.Tensor, seeds: tuple[tuple[int, int], ...],
+    count: int = 1, largest: float = math.inf, scale: float = 1.0,
 ) -> torch.Tensor:
     """Algorithm 1 lines 9-15: for every value of a marked block, the median over rows of
-    s_j(i)·S[j, h_j(i)]; zero elsewhere."""
+    s_j(i)·S[j, h_j(i)], divided by ``count``, clamped to ±``largest`` and multiplied by ``scale``
+    (float32 operations in that order); zero elsewhere."""
     out = torch.zeros(numel, dtype=torch.float32, device=table.device)
     if use_numba(table):
         table_np, seeds_np = as_numpy(table.contiguous()), np.array(seeds, dtype=np.uint32)
-        _query(as_numpy(marked), size, table_np, seeds_np, as_numpy(out))
+        _query(as_numpy(marked), size, table_np, seeds_np, np.float32(count), np.float32(largest),
+               np.float32(scale), as_numpy(out))
         return out
     indices = element_indices(marked.nonzero().squeeze(1), size, numel)
     estimates = torch.stack([
         _signs(indices, sign_seed) * table[j, _buckets(indices, bucket_seed, table.shape[1])]
         for j, (bucket_seed, sign_seed) in enumerate(seeds)
     ])
-    out[indices] = median_over_rows(estimates)
+    mean = median_over_rows(estimates)
+    if count != 1:
+        mean = mean / torch.tensor(count, dtype=torch.float32, device=mean.device)
+    mean = mean.clamp(-largest, largest)
+    if scale != 1.0:
+        mean = mean * torch.tensor(scale, dtype=torch.float32, device=mean.device)
+    out[indices] = mean
     return out
 
 
@@ -366,7 +435,7 @@ def _insert(indices, values, seeds, table):  # pragma: no cover - compiled
 
 
 @jit
-def _query(marked, size, table, seeds, out):  # pragma: no cover - compiled
+def _query(marked, size, table, seeds, count, largest, scale, out):  # pragma: no cover - compiled
     rows = table.shape[0]
     width = np.uint64(table.shape[1])
     numel = out.size
@@ -379,7 +448,7 @@ def _query(marked, size, table, seeds, out):  # pragma: no cover - compiled
                 bucket, sign = _bucket_and_sign(i, seeds, j, width)
                 estimates[j] = sign * table[j, bucket]
             if rows == 1:
-                out[i] = estimates[0]
+                out[i] = _finish(estimates[0], count, largest, scale)
                 continue
             for j in range(1, rows):  # insertion sort: r is small
                 value = estimates[j]
@@ -389,6 +458,16 @@ def _query(marked, size, table, seeds, out):  # pragma: no cover - compiled
                     k -= 1
                 estimates[k + 1] = value
             if rows % 2:
-                out[i] = estimates[rows // 2]
+                median = estimates[rows // 2]
             else:
-                out[i] = np.float32(0.5) * (estimates[rows // 2 - 1] + estimates[rows // 2])
+                median = np.float32(0.5) * (estimates[rows // 2 - 1] + estimates[rows // 2])
+            out[i] = _finish(median, count, largest, scale)
+
+
+@jit
+def _finish(median, count, largest, scale):  # pragma: no cover - compiled
+    """(median / count) clamped to ±largest, times scale: :func:`query`'s torch steps, in float32."""
+    mean = median / count
+    mean = -largest if mean < -largest else mean
+    mean = largest if mean > largest else mean
+    return mean * scale

@@ -35,6 +35,7 @@ from gradpress.compressors.eightbit import BLOCK, CROWDED, cell_table, lookup, o
 from gradpress.compressors.onebit import as_float32, checked_extreme_and_nonzeros, fixed_point_scale, to_fixed
 from gradpress.compressors.threshold import draw_sample, select_above
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context
 
 
@@ -44,17 +45,10 @@ class SketchML(Compressor):
     """SketchML (Jiang et al., SIGMOD 2018): the non-zero values in equal-frequency quantile buckets,
     sent as packed bucket codes plus the buckets' means (see the module docstring)."""
 
-    bits: int = 8
-    sample_ratio: float = 0.01
+    bits: int = param(8, "[1, 8]")
+    sample_ratio: float = param(0.01, "(0, 1]")
     examples = ("sketchml:bits=4", "sketchml:bits=1")
     checks_finite = True  # the pass for the fixed-point scale shows NaN/Inf
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 1 <= self.bits <= 8:
-            raise ValueError(f"sketchml: bits must be in 1..8, got {self.bits}")
-        if not 0.0 < self.sample_ratio <= 1.0:
-            raise ValueError(f"sketchml: sample_ratio must be in (0, 1], got {self.sample_ratio}")
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         x = as_float32(flat)

@@ -17,6 +17,7 @@ import torch
 from gradpress._numba import as_numpy, jit, use_numba
 from gradpress.compressor import Compressor, check_finite, count_nonfinite, nonfinite_error, register
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context
 
 
@@ -27,11 +28,6 @@ def keep_count(numel: int, ratio: float) -> int:
 
 def _element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _check_ratio(name: str, ratio: float) -> None:
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"{name}: ratio must be in (0, 1], got {ratio}")
 
 
 def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
@@ -93,14 +89,10 @@ class TopK(Sparse):
     the exact top-k either way.
     """
 
-    ratio: float = 0.01
+    ratio: float = param(0.01, "(0, 1]")
     kept = "values"
     examples = ("topk:ratio=0.1", "topk:ratio=1")
     checks_finite = True  # topk_indices sees every NaN/Inf among its candidates
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_ratio("topk", self.ratio)
 
     def kept_numel(self, numel: int) -> int:
         return keep_count(numel, self.ratio)
@@ -211,18 +203,16 @@ class RandomK(Sparse):
 
     With ``scale=true`` the kept values are multiplied by d/k, which makes it unbiased (Wangni et al.;
     the Natural compression paper's S^q, Def. 5, with ω = d/q − 1, Thm 10); GRACE's version does not
-    scale and relies on error feedback.
+    scale and relies on error feedback. A scaled value beyond the dtype's range saturates at its
+    largest (d/k·x is an estimate of x, which is within it); the mean of several workers' values is
+    formed in float64 where d/k·Σx overflows float32.
     """
 
-    ratio: float = 0.01
+    ratio: float = param(0.01, "(0, 1]")
     scale: bool = False
     summable = True
     kept = "values"
     examples = ("randomk:scale=true", "randomk:ratio=0.5,scale=true")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_ratio("randomk", self.ratio)
 
     @property
     def unbiased(self) -> bool:  # type: ignore[override]
@@ -247,13 +237,40 @@ class RandomK(Sparse):
         k = keep_count(n, self.ratio)
         values = packet["values"].float()
         if self.scale:
-            values = values * (n / k)
+            values = _saturated(values * (n / k), packet.dtype)  # k values: finite, within the dtype
+        return self._indices(packet, n, k), values
+
+    def _indices(self, packet: Packet, n: int, k: int) -> torch.Tensor:
         indices = packet.meta.get("indices")
         if indices is None:
             generator = torch.Generator(device=packet.device)
             generator.manual_seed(packet.meta["seed"])
             indices = random_indices(n, k, generator, packet.device)
-        return indices, values
+        return indices
+
+    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
+        """The mean over ``count`` workers of their scaled values: (d/k·Σ)/count on the k values, the
+        float32 operations (and bits) of the base class's dense decode; in float64 where d/k·Σ
+        overflows float32 (values near its largest); saturated at the dtype's range."""
+        if not self.scale or packet.numel == 0:
+            return super().decode_sum(packet, summed, count)
+        n = packet.numel
+        k = keep_count(n, self.ratio)
+        total = summed[0].float()
+        values = (total * (n / k)).div_(count)
+        if count_nonfinite(values):  # every worker's values are finite: d/k·Σ overflowed float32
+            values = (total.double() * (n / k) / count).clamp(-_F32_MAX, _F32_MAX).float()
+        values = _saturated(values, packet.dtype)
+        return scatter(values, self._indices(packet, n, k), n).to(packet.dtype).view(packet.shape)
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _saturated(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 ``values`` clamped in place to ±``finfo(dtype).max`` (±Inf of an overflow included)."""
+    largest = torch.finfo(dtype).max
+    return values.clamp_(-largest, largest)
 
 
 def random_indices(n: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -55,9 +55,10 @@ from scipy.stats import norm
 
 from gradpress._numba import as_numpy, jit, uniform24, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, Preliminary, register
+from gradpress.compressor import Compressor, Preliminary, register, saturate
 from gradpress.hadamard import DEFAULT_PARTITION, apply_rht, inverse_rht, rht_layout
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context, seed32, uniform24_torch
 from gradpress.thc_table import thc_table
 
@@ -173,16 +174,12 @@ def _lookup_numba(packed, bits, values, out):  # pragma: no cover - compiled
         have -= bits
 
 
-def _check_bits(name: str, bits: int) -> None:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"{name}: bits must be an integer in 1..8, got {bits!r}")
-
-
 # -- the shared mechanism ----------------------------------------------------------------------------------
 class _Homomorphic(Compressor):
     """Packed b-bit table indices on the wire, table values as summands, an affine decode of their sum."""
 
     summable = True
+    saturates = True  # the inverse Hadamard transform of quantized values may exceed fp16's range
     bits: int
     grid: Grid
 
@@ -214,7 +211,7 @@ class _Homomorphic(Compressor):
             return self.decompress(packet)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{self.spec}: count must be a positive integer, got {count!r}")
-        return self._decode(packet, summed[0], count).to(packet.dtype).view(packet.shape)
+        return saturate(self._decode(packet, summed[0], count), packet.dtype).to(packet.dtype).view(packet.shape)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         return self._decode(packet, self.summands(packet)[0], 1)
@@ -234,13 +231,12 @@ class UniformTHC(_Homomorphic):
     preliminary exchange (two floats each way) and is not part of the packet.
     """
 
-    bits: int = 4
+    bits: int = param(4, "[1, 8]")
     unbiased = True
     examples = ("thc_uniform:bits=1", "thc_uniform:bits=8")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_bits("thc_uniform", self.bits)
+        super().__post_init__()  # checks the declared ranges
         self.grid = Grid.of(range(1 << self.bits))
 
     def prepare(self, x: torch.Tensor, ctx: Context, world_size: int) -> Preliminary:
@@ -283,20 +279,17 @@ class THC(_Homomorphic):
     ⌈log2(g·n + 1)⌉ bits per coordinate for n workers (:meth:`downstream_bits`).
     """
 
-    bits: int = 4
-    granularity: int = 30
-    p: float = 1 / 32
-    partition: int = DEFAULT_PARTITION
+    bits: int = param(4, "[1, 8]")
+    granularity: int = param(30, "[1, 4096]")  # and >= 2^b - 1; the table solver is O(2^b · g²)
+    p: float = param(1 / 32, "(0, 1)")
+    partition: int = param(DEFAULT_PARTITION, "[1, inf)")
     symmetric: bool = True
     examples = ("thc:bits=2,granularity=8", "thc:bits=3,granularity=12,p=1/512,partition=64",
                 "thc:granularity=16,symmetric=false")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_bits("thc", self.bits)
-        if isinstance(self.partition, bool) or not isinstance(self.partition, int) or self.partition < 1:
-            raise ValueError(f"thc: partition must be a positive integer, got {self.partition!r}")
-        # checks g >= 2^b − 1 and p ∈ (0, 1)
+        super().__post_init__()  # checks the declared ranges
+        # checks g >= 2^b − 1 (and the symmetric solver's size)
         self.table = thc_table(self.bits, self.granularity, self.p, symmetric=self.symmetric)
         self.grid = Grid.of(self.table)
         self.t_p = float(norm.isf(self.p / 2))

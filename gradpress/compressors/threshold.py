@@ -22,6 +22,7 @@ from gradpress.compressor import register
 from gradpress.compressors.onebit import as_float32
 from gradpress.compressors.sparsify import Sparse
 from gradpress.packet import Packet
+from gradpress.registry import param
 from gradpress.rng import Context
 
 MIN_SAMPLE = 4096  # below this many elements the threshold comes from the whole tensor, exactly
@@ -37,14 +38,9 @@ class Threshold(Sparse):
     default (it depends on the model); 0.01 is ours. GRACE Table 1 runs it with error feedback.
     """
 
-    v: float = 0.01
+    v: float = param(0.01, "[0, inf)")
     kept = "values"
     examples = ("threshold:v=0.001", "threshold:v=0")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.v >= 0.0 or math.isinf(self.v):
-            raise ValueError(f"threshold: v must be a finite number >= 0, got {self.v}")
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         return packet_above(flat, self.v)
