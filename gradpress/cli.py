@@ -2,12 +2,27 @@
 
 Each subcommand lives in its own module that exposes ``add_parser(subparsers)``; the parser it adds sets
 ``func`` to the function that runs it. Add a module to ``SUBCOMMANDS`` to add a subcommand.
+
+Bad arguments are answered in one line on stderr, ``gradpress: error: MESSAGE``, with exit status 2
+(argparse's status for usage errors), before any worker, simulation or benchmark starts. Each value is
+checked as it is parsed by the ``type=`` converters below (numbers and their ranges, sizes such as
+``2^22``, link rates, compressor and model specs, ``--option KEY=VALUE``, output paths), which raise
+``argparse.ArgumentTypeError``; what needs several arguments or the data (a model for another task than
+the dataset's, a batch larger than a worker's shard, options that do not fit the compressor) is checked
+by the subcommand before it starts anything, raising :class:`UsageError`. argparse's own errors
+(unknown arguments, a missing subcommand) take the same one-line form, without the usage text. Errors of
+the program itself still end in a traceback.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import re
 import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, NoReturn
 
 SUBCOMMANDS = [
     "gradpress.bench",
@@ -17,9 +32,29 @@ SUBCOMMANDS = [
     "gradpress.testbed.sim",
 ]
 
+PREFIX = "gradpress: error: "
+
+
+class UsageError(Exception):
+    """A mistake in the command line found after parsing: reported as ``gradpress: error: MESSAGE``,
+    exit status 2, by :func:`main`."""
+
+
+def one_line(message: object) -> str:
+    """``message`` on one line: its non-empty lines joined by ``; ``."""
+    return "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser answering usage errors in one line, ``gradpress: error: MESSAGE``, exit status 2
+    (subparsers are made of the same class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, PREFIX + one_line(message) + "\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradpress", description=__doc__.splitlines()[0])
+    parser = Parser(prog="gradpress", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the registered compressors and feedback memories").set_defaults(func=_list)
     for module in SUBCOMMANDS:
@@ -39,9 +74,270 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen ``func``; a :class:`UsageError` becomes ``gradpress: error: …``
+    and exit status 2 (argparse's own errors exit with 2 as they are found)."""
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as error:
+        print(PREFIX + one_line(error), file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return run(build_parser(), argv)
+
+
+# -- argument types: each raises argparse.ArgumentTypeError, which argparse reports as
+# -- "gradpress: error: argument --NAME: MESSAGE" -------------------------------------------------------
+_POWER = re.compile(r"^\s*(\d+)\s*(?:\^|\*\*)\s*(\d+)\s*$")
+
+
+def _words(low: float | None, high: float | None, noun: str, strict: bool = False) -> str:
+    """``a positive integer``, ``a non-negative number``, ``an integer in 0..9``, ``an integer >= 2``."""
+    article = "an" if noun[0] in "aeiou" else "a"
+    if low == 0 and high is None:
+        return f"a positive {noun}" if strict else f"a non-negative {noun}"
+    if low == 1 and high is None and noun == "integer":
+        return "a positive integer"
+    if low is None and high is None:
+        return f"{article} {noun}"
+    if high is None:
+        return f"{article} {noun} {'>' if strict else '>='} {low}"
+    return f"{article} {noun} in {low}..{high}"
+
+
+def integer(low: int | None = None, high: int | None = None, powers: bool = False) -> Callable[[str], int]:
+    """A converter to an integer in ``low..high`` (``powers``: ``2^22`` and ``2**22`` allowed too)."""
+    what = _words(low, high, "integer") + (" (2^k allowed)" if powers else "")
+
+    def convert(text: str) -> int:
+        power = _POWER.match(text) if powers else None
+        try:
+            if power and int(power[2]) > 64:  # not a size: refuse before computing it
+                raise ValueError(text)
+            value = int(power[1]) ** int(power[2]) if power else int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    convert.__name__ = "integer"
+    return convert
+
+
+def number(low: float | None = None, strict: bool = False) -> Callable[[str], float]:
+    """A converter to a finite float ``>= low`` (``strict``: ``> low``); fractions such as ``1/32`` allowed."""
+    what = _words(low, None, "finite number", strict)
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            from fractions import Fraction
+
+            try:
+                value = float(Fraction(text.strip()))
+            except (ValueError, ZeroDivisionError):
+                raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or (low is not None and (value <= low if strict else value < low)):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    convert.__name__ = "number"
+    return convert
+
+
+positive_int = integer(1)
+non_negative_int = integer(0)
+seed = integer(0, 2**32 - 1)
+size = integer(1, powers=True)
+positive_float = number(0, strict=True)
+non_negative_float = number(0)
+
+
+def int_list(low: int = 1, powers: bool = False) -> Callable[[str], list[int]]:
+    """A converter of comma-separated integers ``>= low`` (e.g. ``4,16,64``; ``powers``: ``2^20`` too)."""
+    one = integer(low, powers=powers)
+
+    def convert(text: str) -> list[int]:
+        pieces = [piece for piece in text.split(",") if piece.strip()]
+        if not pieces:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        values = []
+        for piece in pieces:
+            try:
+                values.append(one(piece))
+            except argparse.ArgumentTypeError as error:
+                raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+        return values
+
+    convert.__name__ = "integers"
+    return convert
+
+
+sizes = int_list(1, powers=True)
+
+
+def rate(text: str) -> str:
+    """A link rate in tc's units (``100mbit``, ``1gbit``), kept as written."""
+    from gradpress.testbed.netem import rate_bits_per_second
+
+    try:
+        bits = rate_bits_per_second(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not bits > 0:
+        raise argparse.ArgumentTypeError(f"bandwidth {text!r}: expected a positive rate, e.g. 100mbit")
+    return text
+
+
+def _check_spec(spec: str, references: bool, name_it: bool = True) -> None:
+    import gradpress
+
+    if references:
+        from gradpress.testbed.results import REFERENCES
+
+        if spec.strip() in REFERENCES:
+            return
+    try:
+        gradpress.make(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{spec}: {one_line(error)}" if name_it else one_line(error)) from None
+
+
+def compressor(text: str) -> str:
+    """A gradpress compressor spec (``topk:ratio=0.01``), checked by :func:`gradpress.make`."""
+    _check_spec(text, references=False, name_it=False)
+    return text
+
+
+def compressor_or_reference(text: str) -> str:
+    """A compressor spec or one of the testbed's reference rows (``noop``, ``torch-allreduce``, …)."""
+    _check_spec(text, references=True, name_it=False)
+    return text
+
+
+def compressor_list(references: bool = False, keywords: tuple[str, ...] = (), separator: str = ",",
+                    ) -> Callable[[str], str]:
+    """A converter of a list of specs (``separator``-separated; with ``,`` a spec's own parameters continue
+    it, :func:`gradpress.registry.split_specs`), each checked; a keyword (``all``, ``demo``) is taken
+    as it is. Returns the text as written."""
+
+    def convert(text: str) -> str:
+        if text.strip() in keywords:
+            return text.strip()
+        if separator == ",":
+            from gradpress.registry import split_specs
+
+            try:
+                specs = split_specs(text)
+            except ValueError as error:
+                raise argparse.ArgumentTypeError(str(error)) from None
+        else:
+            specs = [piece.strip() for piece in text.split(separator) if piece.strip()]
+        if not specs:
+            raise argparse.ArgumentTypeError(f"expected at least one compressor spec, got {text!r}")
+        for spec in specs:
+            _check_spec(spec, references)
+        return text
+
+    convert.__name__ = "specs"
+    return convert
+
+
+def model(text: str) -> str:
+    """A testbed model spec (``mlp-wide:width=8192``): known name and keys, values the model accepts."""
+    from gradpress.testbed.train import check_model
+
+    try:
+        check_model(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(one_line(error)) from None
+    return text
+
+
+def option(text: str) -> str:
+    """``KEY=VALUE``: a runtime option (:class:`gradpress.runtime.Options`) with a value of its type."""
+    from gradpress.testbed.train import check_options, parse_options
+
+    if "=" not in text or not text.partition("=")[0].strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        check_options(parse_options([text]))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(one_line(error)) from None
+    return text
+
+
+def _probe(directory: Path) -> None:
+    """Raise OSError unless a file can be created in ``directory`` (nothing is left behind)."""
+    with tempfile.TemporaryFile(dir=directory):
+        pass
+
+
+def check_writable(path: str | Path, directory: bool = False) -> None:
+    """Raise ValueError unless ``path`` can be written: a file (``directory``: a directory, created with
+    its parents) that exists and is writable, or whose nearest existing ancestor is a directory in which
+    files can be created. Nothing is created."""
+    path = Path(path).expanduser().absolute()
+    try:
+        if path.exists():
+            if directory and not path.is_dir():
+                raise ValueError(f"{path} is not a directory")
+            if not directory and path.is_dir():
+                raise ValueError(f"{path} is a directory")
+            if directory:
+                _probe(path)
+            else:
+                with open(path, "a"):
+                    pass
+            return
+        ancestor = path.parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise ValueError(f"cannot create {path}: {ancestor} is not a directory")
+        try:
+            _probe(ancestor)
+        except OSError as error:
+            raise ValueError(f"cannot create {path}: no file can be created in {ancestor} "
+                             f"({error.strerror or error})") from None
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def output_file(text: str) -> str:
+    """A file to write at the end: checked now, so that a long run does not fail at its end."""
+    try:
+        check_writable(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A directory to write into (created if missing), checked now."""
+    try:
+        check_writable(text, directory=True)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def writable_parent(path: str | Path) -> Path:
+    """``path`` with its parent directory created (for writers of ``--json`` and ``--plot``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+__all__ = ["Parser", "UsageError", "build_parser", "check_writable", "compressor", "compressor_list",
+           "compressor_or_reference", "int_list", "integer", "main", "model", "non_negative_float",
+           "non_negative_int", "number", "one_line", "option", "output_dir", "output_file", "positive_float",
+           "positive_int", "rate", "run", "seed", "size", "sizes", "writable_parent"]
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import importlib
 import sys
 from typing import Callable
 
+from gradpress import cli
+
 Main = Callable[[argparse.Namespace], int]
 
 BENCHES = [
@@ -15,6 +17,7 @@ BENCHES = [
     "gradpress.bench.sketch_embedding",
     "gradpress.bench.thc_nmse",
     "gradpress.bench.powersgd",
+    "gradpress.bench.faults",
 ]
 
 
@@ -35,7 +38,9 @@ def add_bench(bench_subparsers: argparse._SubParsersAction, name: str, help: str
 
 
 def run_as_script(doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None], main: Main) -> None:
-    """``python -m gradpress.bench.MODULE …``: the same arguments as its ``gradpress bench`` subcommand."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """``python -m gradpress.bench.MODULE …``: the same arguments as its ``gradpress bench`` subcommand,
+    and the same one-line answers to bad ones (:mod:`gradpress.cli`)."""
+    parser = cli.Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    parser.set_defaults(func=main)
+    sys.exit(cli.run(parser))

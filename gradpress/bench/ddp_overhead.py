@@ -8,6 +8,10 @@ the gradpress hook with each ``--specs`` entry, ``none`` by default) from the sa
 weights, and times training steps (forward, backward with the exchange, SGD step) on the same batches,
 variants interleaved round by round so drift in machine load hits all alike. Reports each variant's
 median step time and its ratio to the built-in one (issue 3's target for ``none``: at most 1.1×).
+
+``--model`` picks a preset MLP (``mlp-4m``: 4 × 1024, 4.2 M parameters, the default; ``mlp-1m``:
+4 × 512, 1.05 M parameters, where Python's fixed cost per bucket weighs more); ``--width``/``--depth``
+give any other square MLP.
 """
 from __future__ import annotations
 
@@ -24,7 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradpress import cli
 from gradpress.bench import add_bench, run_as_script
+
+
+# preset MLPs of ``--model``: (width, depth)
+MODELS = {"mlp-4m": (1024, 4), "mlp-1m": (512, 4)}
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -103,19 +112,31 @@ def run(specs: list[str], workers: int = 2, width: int = 1024, depth: int = 4, b
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--specs", default="none", help="comma-separated gradpress specs to time (default: none)")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=1024, help="width of the MLP's square layers")
-    parser.add_argument("--depth", type=int, default=4, help="number of linear layers")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--specs", type=cli.compressor_list(), default="none",
+                        help="comma-separated gradpress specs to time (default: none)")
+    parser.add_argument("--workers", type=cli.positive_int, default=2)
+    parser.add_argument("--model", choices=sorted(MODELS), default=None,
+                        help="preset MLP: " + ", ".join(f"{name} = {d} × {w}" for name, (w, d) in MODELS.items())
+                        + " (default mlp-4m; or give --width/--depth)")
+    parser.add_argument("--width", type=cli.positive_int, default=None,
+                        help="width of the MLP's square layers (default 1024)")
+    parser.add_argument("--depth", type=cli.positive_int, default=None, help="number of linear layers (default 4)")
+    parser.add_argument("--batch", type=cli.positive_int, default=32)
+    parser.add_argument("--rounds", type=cli.positive_int, default=5)
+    parser.add_argument("--steps", type=cli.positive_int, default=5, help="timed steps per variant per round")
+    parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads per worker")
+    parser.add_argument("--json", type=cli.output_file, help="write the figures to this file")
 
 
 def main(args: argparse.Namespace) -> int:
-    specs = [s for s in args.specs.split(",") if s]
+    from gradpress.registry import split_specs
+
+    specs = split_specs(args.specs)
+    if args.model is not None and (args.width is not None or args.depth is not None):
+        raise cli.UsageError("give either --model or --width/--depth, not both")
+    width, depth = MODELS[args.model] if args.model is not None else MODELS["mlp-4m"]
+    args.width = args.width if args.width is not None else width
+    args.depth = args.depth if args.depth is not None else depth
     result = run(specs, args.workers, args.width, args.depth, args.batch, args.rounds, args.steps, args.threads)
     params = args.depth * (args.width * args.width + args.width)
     print(f"{args.workers} Gloo workers, MLP {args.depth}×{args.width} ({params / 1e6:.1f} M parameters), "
@@ -125,7 +146,8 @@ def main(args: argparse.Namespace) -> int:
             name, f"gradpress hook, {name}")
         print(f"  {label:32s} {1e3 * figures['median_s']:8.1f} ms   {figures['ratio']:.3f}×")
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": vars(args), "result": result}, indent=2, default=str))
+        cli.writable_parent(args.json).write_text(json.dumps({"config": vars(args), "result": result}, indent=2,
+                                                             default=str))
     return 0
 
 

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 import gradpress
+from gradpress import cli
 from gradpress.registry import split_specs
 from gradpress.rng import Context
 
@@ -122,7 +123,7 @@ def parse_size(text: str) -> int:
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     specs = resolve_compressors(args.compressors)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = args.sizes  # a list: checked as it was parsed (cli.sizes)
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -142,14 +143,18 @@ def add_bench_parser(bench: argparse._SubParsersAction) -> None:
     """Adds ``gradpress bench ops``."""
     ops = bench.add_parser("ops", help="bits, NMSE and speed of each compressor on one tensor",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ops.add_argument("--compressors", default="all",
+    ops.add_argument("--compressors", type=cli.compressor_list(keywords=("all",)), default="all",
                      help="'all' or a comma-separated list of specs (e.g. topk:ratio=0.01,qsgd:levels=16,bucket=512)")
-    ops.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma-separated sizes, 2^22 allowed")
-    ops.add_argument("--workers", type=int, default=4, help="workers whose packets are aggregated for 'NMSE avg n'")
-    ops.add_argument("--repeats", type=int, default=7, help="timed repetitions (the median is reported)")
-    ops.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as in the README's table)")
-    ops.add_argument("--seed", type=int, default=0)
-    ops.add_argument("--json", help="write one record per (compressor, size) to this file")
+    ops.add_argument("--sizes", type=cli.sizes, default=",".join(map(str, DEFAULT_SIZES)),
+                     help="comma-separated sizes, 2^22 allowed")
+    ops.add_argument("--workers", type=cli.positive_int, default=4,
+                     help="workers whose packets are aggregated for 'NMSE avg n'")
+    ops.add_argument("--repeats", type=cli.positive_int, default=7,
+                     help="timed repetitions (the median is reported)")
+    ops.add_argument("--threads", type=cli.positive_int, default=1,
+                     help="torch threads (default 1, as in the README's table)")
+    ops.add_argument("--seed", type=cli.seed, default=0)
+    ops.add_argument("--json", type=cli.output_file, help="write one record per (compressor, size) to this file")
     ops.set_defaults(func=main)
 
 

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 import gradpress
+from gradpress import cli
 from gradpress.bench import add_bench
 
 DEFAULT_BITS = (2, 3, 4)
@@ -198,23 +199,29 @@ def plot(by_granularity: list[GranularityRecord], by_workers: list[WorkersRecord
     plt.close(fig)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+def _check(args: argparse.Namespace) -> None:
+    """Every THC of the granularity sweep can be built (bits, granularity, p), before anything runs."""
+    symmetric = str(not args.asymmetric).lower()
+    for b in args.bits:
+        for g in args.granularities:
+            if g >= (1 << b) - 1 or not 1 <= b <= 8:  # the sweep skips g < 2^b - 1
+                try:
+                    gradpress.make(f"thc:bits={b},granularity={g},p={args.p!r},symmetric={symmetric}")
+                except ValueError as error:
+                    raise cli.UsageError(f"--bits {b}, --granularities {g}, --p {args.p!r}: {error}") from None
 
 
 def main(args: argparse.Namespace) -> int:
+    _check(args)
     torch.set_num_threads(args.threads)
-    from fractions import Fraction
-
     from rich.console import Console
 
-    p = float(Fraction(args.p))
     with Console(stderr=True).status("benchmarking") as status:
         update = lambda what: status.update(f"benchmarking {what}")  # noqa: E731
-        by_granularity = nmse_vs_granularity(_ints(args.bits), _ints(args.granularities), args.workers, p,
+        by_granularity = nmse_vs_granularity(args.bits, args.granularities, args.workers, args.p,
                                              args.dim, args.repeats, args.seed, update, not args.asymmetric)
-        by_workers = nmse_vs_workers(args.specs.split(";"), _ints(args.workers_list), args.dim,
-                                     args.worker_repeats, args.seed, update)
+        by_workers = nmse_vs_workers([s.strip() for s in args.specs.split(";") if s.strip()], args.workers_list,
+                                     args.dim, args.worker_repeats, args.seed, update)
     render(by_granularity, by_workers)
     if args.json:
         path = Path(args.json)
@@ -227,27 +234,30 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bits", default=",".join(map(str, DEFAULT_BITS)),
+    parser.add_argument("--bits", type=cli.int_list(1), default=",".join(map(str, DEFAULT_BITS)),
                         help="bit budgets b (Figure 15: 2,3,4)")
-    parser.add_argument("--granularities", default=",".join(map(str, DEFAULT_GRANULARITIES)),
+    parser.add_argument("--granularities", type=cli.int_list(1),
+                        default=",".join(map(str, DEFAULT_GRANULARITIES)),
                         help="granularities g (those below 2^b − 1 are skipped for that b)")
-    parser.add_argument("--workers", type=int, default=10,
+    parser.add_argument("--workers", type=cli.positive_int, default=10,
                         help="workers of the granularity sweep (App. D.4: 10)")
-    parser.add_argument("--p", default="1/1024", help="THC's p of the granularity sweep (App. D.4: 1/1024)")
+    parser.add_argument("--p", type=cli.positive_float, default="1/1024",
+                        help="THC's p of the granularity sweep (App. D.4: 1/1024)")
     parser.add_argument("--asymmetric", action="store_true",
                         help="granularity sweep with the unrestricted optimal tables (thc:symmetric=false)")
-    parser.add_argument("--dim", type=int, default=1 << 14, help="values per vector")
-    parser.add_argument("--repeats", type=int, default=10,
+    parser.add_argument("--dim", type=cli.size, default=1 << 14, help="values per vector (2^14 allowed)")
+    parser.add_argument("--repeats", type=cli.positive_int, default=10,
                         help="vectors per granularity point (the paper: 100)")
-    parser.add_argument("--workers-list", default=",".join(map(str, DEFAULT_WORKERS)),
+    parser.add_argument("--workers-list", type=cli.int_list(1), default=",".join(map(str, DEFAULT_WORKERS)),
                         help="numbers of workers of the scalability sweep")
-    parser.add_argument("--specs", default=";".join(SAME_BITS),
+    parser.add_argument("--specs", type=cli.compressor_list(separator=";"), default=";".join(SAME_BITS),
                         help="';'-separated specs of the scalability sweep (default: 4 bits per value each)")
-    parser.add_argument("--worker-repeats", type=int, default=3, help="draws per (spec, workers) point")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="write every record to this file")
-    parser.add_argument("--plot", help="write both sweeps as a PNG figure to this file")
+    parser.add_argument("--worker-repeats", type=cli.positive_int, default=3,
+                        help="draws per (spec, workers) point")
+    parser.add_argument("--threads", type=cli.positive_int, default=1)
+    parser.add_argument("--seed", type=cli.seed, default=0)
+    parser.add_argument("--json", type=cli.output_file, help="write every record to this file")
+    parser.add_argument("--plot", type=cli.output_file, help="write both sweeps as a PNG figure to this file")
 
 
 def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:

@@ -13,10 +13,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from gradpress import cli
 from gradpress.registry import split_specs
 from gradpress.testbed.report import write_report
 from gradpress.testbed.results import REFERENCES, Run
-from gradpress.testbed.train import TrainConfig, TrainFailed, add_arguments, config_from_args, train
+from gradpress.testbed.train import (
+    TrainConfig, TrainFailed, add_arguments, check_exchange, checked_config, train,
+)
 
 #: the README's demo set (the issue's list); methods not registered in this version are reported, not run
 DEMO_SET = ("none", "fp16", "topk:ratio=0.01", "qsgd", "natural", "thc", "powersgd", "torch-allreduce",
@@ -42,14 +45,27 @@ def available(specs: list[str]) -> tuple[list[str], list[str]]:
 
 def compare(base: TrainConfig, specs: list[str], out_dir: str | Path, progress: bool = True,
             say=print) -> tuple[Path, list[Run], dict[str, str]]:  # noqa: ANN001
-    """Train ``base`` once per spec; returns the report's path, the runs, and the failures by spec."""
+    """Train ``base`` once per spec; returns the report's path, the runs, and the failures by spec.
+
+    A spec that cannot run with ``base``'s options and workers (:func:`~gradpress.testbed.train.check_exchange`)
+    fails before its workers start; every failure is reported with its reason, and
+    :class:`~gradpress.testbed.train.TrainFailed` names every reason if no run is left."""
+    if not specs:
+        raise ValueError("no compressor to compare")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs, failures = [], {}
     for spec in specs:
         say(f"== {spec}")
         try:
-            runs.append(train(replace(base, compressor=spec), out / f"run-{_slug(spec)}.json", progress))
+            config = replace(base, compressor=spec)
+            check_exchange(config)
+        except ValueError as error:
+            failures[spec] = cli.one_line(error)
+            say(f"   failed: {failures[spec]}")
+            continue
+        try:
+            runs.append(train(config, out / f"run-{_slug(spec)}.json", progress))
         except TrainFailed as error:
             failures[spec] = str(error).splitlines()[0]
             say(f"   failed: {failures[spec]}")
@@ -66,19 +82,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("compare", help="train with several compressors and write a report",
                                    description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    parser.add_argument("--compressors", default="demo",
+    parser.add_argument("--compressors", type=cli.compressor_list(references=True, keywords=("demo",)),
+                        default="demo",
                         help="comma-separated specs and references, or 'demo' for: " + ", ".join(DEMO_SET))
-    parser.add_argument("--out", default="out/compare", help="directory for report.md, results.json and plots")
+    parser.add_argument("--out", type=cli.output_dir, default="out/compare",
+                        help="directory for report.md, results.json and plots")
     parser.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    wanted = list(DEMO_SET) if args.compressors == "demo" else split_specs(args.compressors)
-    specs, missing = available(wanted)
-    if missing:
-        print(f"not in this version of gradpress, skipped: {', '.join(missing)}", file=sys.stderr)
-    base = config_from_args(args, "none")
-    report, runs, failures = compare(base, specs, args.out)
+    base = checked_config(args, "none")
+    demo = args.compressors == "demo"
+    specs, skipped = [], {}
+    for spec in DEMO_SET if demo else split_specs(args.compressors):
+        try:
+            check_exchange(replace(base, compressor=spec))
+            specs.append(spec)
+        except ValueError as error:
+            if not demo:  # the user's own list: every run must be able to start
+                raise cli.UsageError(f"--compressors: {spec}: {cli.one_line(error)}") from None
+            skipped[spec] = cli.one_line(error)
+    for spec, why in skipped.items():
+        print(f"skipped {spec}: {why}", file=sys.stderr)
+    if not specs:
+        raise cli.UsageError("--compressors demo: no method of the demo set can run here (see above)")
+    try:
+        report, runs, failures = compare(base, specs, args.out)
+    except TrainFailed as error:
+        print(f"{cli.PREFIX}{error}", file=sys.stderr)
+        return 1
     where = f"over an emulated {base.bandwidth} star" if base.bandwidth else "over loopback"
     print(f"\n{len(runs)} runs {where}; report: {report}")
     for spec, why in failures.items():

@@ -654,12 +654,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from gradpress.cli import UsageError
+
     names = args.names or dataset_names()
     unknown = [name for name in names if name not in DATASETS]
     if unknown:
-        print(f"gradpress data: unknown dataset {', '.join(unknown)}; known: {', '.join(DATASETS)}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"unknown dataset {', '.join(unknown)}; known: {', '.join(DATASETS)}")
     print(f"cache: {cache_dir()}  (${CACHE_ENV})")
     failed = 0
     for name in names:

@@ -90,6 +90,7 @@ from typing import Any
 import torch
 
 import gradpress
+from gradpress import cli
 from gradpress.registry import split_specs
 from gradpress.testbed import costmodel
 from gradpress.testbed.costmodel import Breakdown, Observation, Phase
@@ -274,7 +275,7 @@ def train_simulated(model: str, data: Dataset, workers: int, spec: str, steps: i
                          "--batch-size")
     metric, higher_is_better = QUALITY[data.task]
     loss_fn = criterion(data)
-    simulator = gradpress.Simulator(spec, workers, seed=seed, **(options or {}))
+    simulator = gradpress.Simulator(spec, workers, **{"seed": seed, **(options or {})})  # --option seed wins
     batches = [_endless_batches(shard, batch_size, seed, rank) for rank, shard in enumerate(shards)]
     with torch.random.fork_rng(devices=[]):  # initialization and dropout from ``seed``, not the caller's RNG
         torch.manual_seed(seed)
@@ -648,32 +649,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     modes = sim.add_subparsers(dest="sim", required=True)
 
     p = modes.add_parser("nmse", help="NMSE of the aggregate against the number of workers (THC §8.4)")
-    p.add_argument("--compressors", default="none,topk:ratio=0.01,qsgd,natural",
+    p.add_argument("--compressors", type=cli.compressor_list(), default="none,topk:ratio=0.01,qsgd,natural",
                    help="comma-separated compressor specs")
     p.add_argument("--workers", type=_ints, default=list(DEFAULT_WORKERS), help="numbers of workers: 4,16,64")
-    p.add_argument("--numel", type=int, default=1 << 14, help="elements per worker vector")
+    p.add_argument("--numel", type=cli.size, default=1 << 14, help="elements per worker vector (2^14 allowed)")
     p.add_argument("--dist", choices=DISTRIBUTIONS, default="normal", help="the shared signal's distribution")
-    p.add_argument("--spread", type=float, default=1.0, help="scale σ of each worker's private N(0,1) noise")
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write the points here")
-    p.add_argument("--plot", help="write a log-log plot of NMSE against n here (PNG)")
+    p.add_argument("--spread", type=cli.non_negative_float, default=1.0,
+                   help="scale σ of each worker's private N(0,1) noise")
+    p.add_argument("--trials", type=cli.positive_int, default=3)
+    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--json", type=cli.output_file, help="write the points here")
+    p.add_argument("--plot", type=cli.output_file, help="write a log-log plot of NMSE against n here (PNG)")
     p.set_defaults(func=_reporting_errors(_main_nmse))
 
+    from gradpress.testbed.data import dataset_names
+
     p = modes.add_parser("quality", help="train with n simulated workers; quality against n")
-    p.add_argument("--model", default="mlp", help="model spec (gradpress.testbed.models)")
-    p.add_argument("--data", help="dataset (default: the model's)")
+    p.add_argument("--model", type=cli.model, default="mlp", help="model spec (gradpress.testbed.models)")
+    p.add_argument("--data", choices=dataset_names(), help="dataset (default: the model's)")
     p.add_argument("--workers", type=_ints, default=[1, 4, 16], help="numbers of workers, e.g. 1,4,16")
-    p.add_argument("--compressor", "--compressors", dest="compressors", default="none",
-                   help="compressor spec(s), comma-separated")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, help="per-worker batch size (default: the model's)")
-    p.add_argument("--lr", type=float, help="learning rate (default: the model's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--compressor", "--compressors", dest="compressors", type=cli.compressor_list(),
+                   default="none", help="compressor spec(s), comma-separated")
+    p.add_argument("--steps", type=cli.positive_int, default=100)
+    p.add_argument("--batch-size", type=cli.positive_int, help="per-worker batch size (default: the model's)")
+    p.add_argument("--lr", type=cli.positive_float, help="learning rate (default: the model's)")
+    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--option", type=cli.option, action="append", default=[], metavar="KEY=VALUE",
                    help="gradpress runtime option (feedback, min_numel, warmup_steps, ...)")
-    p.add_argument("--json", help="write the runs here")
-    p.add_argument("--plot", help="write a plot of final quality against n here (PNG)")
+    p.add_argument("--json", type=cli.output_file, help="write the runs here")
+    p.add_argument("--plot", type=cli.output_file, help="write a plot of final quality against n here (PNG)")
     p.set_defaults(func=_reporting_errors(_main_quality))
 
     p = modes.add_parser("cost", help="α–β step-time model checked against measured runs; what-if")
@@ -686,19 +690,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"(default {costmodel.DEFAULT_LATENCY:g})")
     p.add_argument("--strategy", default="auto", choices=["auto", *costmodel.STRATEGIES],
                    help="price what-if predictions with this strategy (default: each run's own)")
-    p.add_argument("--json", help="write the checks and predictions here")
+    p.add_argument("--json", type=cli.output_file, help="write the checks and predictions here")
     p.set_defaults(func=_reporting_errors(_main_cost))
 
 
 def _reporting_errors(main: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """``main`` with bad input (ValueError: an unknown spec, a too small shard, unusable results)
-    reported in one line on stderr and exit status 2, instead of a traceback."""
+    """``main`` with bad input found while it runs (ValueError: unusable results, a too small shard)
+    reported as a :class:`~gradpress.cli.UsageError` (``gradpress: error: sim MODE: …``, exit status 2)
+    instead of a traceback."""
     def run(args: argparse.Namespace) -> int:
         try:
             return main(args)
         except ValueError as error:
-            print(f"gradpress sim {args.sim}: {error}", file=sys.stderr)
-            return 2
+            raise cli.UsageError(f"sim {args.sim}: {error}") from None
 
     return run
 
@@ -725,7 +729,7 @@ def _main_nmse(args: argparse.Namespace) -> int:
         setting = {"numel": args.numel, "dist": args.dist, "spread": args.spread, "trials": args.trials,
                    "seed": args.seed}
         record = {**setting, "points": [asdict(p) for p in points]}
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        cli.writable_parent(args.json).write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {plot_nmse(points, args.plot, f'{args.dist} signal, d = {args.numel}')}")
@@ -742,9 +746,9 @@ def _main_quality(args: argparse.Namespace) -> int:
     try:
         dataset = datasets.load(name)
     except datasets.DataUnavailable as error:
-        print(f"gradpress sim quality: {name} is not available: {error}", file=sys.stderr)
-        return 1
+        raise cli.UsageError(f"--data {name} is not available: {error}") from None
     options = parse_options(args.option)
+    _check_quality(args, dataset, options)
     points = []
     from rich.console import Console
 
@@ -756,11 +760,37 @@ def _main_quality(args: argparse.Namespace) -> int:
                                               args.lr, args.seed, options))
     _console().print(render_quality(points))
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(p) for p in points], indent=1) + "\n")
+        cli.writable_parent(args.json).write_text(json.dumps([asdict(p) for p in points], indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {plot_quality(points, args.plot)}")
     return 0
+
+
+def _check_quality(args: argparse.Namespace, dataset: Dataset, options: dict[str, Any]) -> None:
+    """Before training anything: the model for the data, a batch in the smallest shard, every
+    compressor with the options at every number of workers (UsageError)."""
+    from gradpress.runtime import Options
+    from gradpress.testbed.train import check_model
+
+    try:  # the options alone (with each compressor: below)
+        Options.of(**{"seed": args.seed, **options})
+    except ValueError as error:
+        raise cli.UsageError(f"--option: {error}") from None
+    try:
+        settings = check_model(args.model, dataset)
+    except ValueError as error:
+        raise cli.UsageError(f"--model {args.model}: {error}") from None
+    batch_size, most = args.batch_size or settings.batch_size, max(args.workers)
+    if len(dataset.train) // most < batch_size:
+        raise cli.UsageError(f"--batch-size {batch_size}: a shard of {dataset.name} for {most} workers holds "
+                             f"{len(dataset.train) // most} samples, not one batch")
+    for spec in split_specs(args.compressors):
+        for n in sorted(set(args.workers)):
+            try:
+                gradpress.Simulator(spec, n, **{"seed": args.seed, **options})
+            except ValueError as error:
+                raise cli.UsageError(f"--compressors {spec} with {n} worker{'s' if n > 1 else ''}: {error}") from None
 
 
 def _main_cost(args: argparse.Namespace) -> int:
@@ -794,7 +824,7 @@ def _main_cost(args: argparse.Namespace) -> int:
         out = {"latency": latency, "checks": [_check_dict(c) for c in checks],
                "cross_checks": [_check_dict(c) for c in crossed],
                "what_if": [_prediction_dict(p) for p in predictions]}
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        cli.writable_parent(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from gradpress import cli
 from gradpress.testbed import netem
 from gradpress.testbed.results import REFERENCES, Eval, Run, Step
 
@@ -72,6 +73,17 @@ class TrainConfig:
             raise ValueError("give --epochs or --steps, not both")
         if self.seconds is not None and not (math.isfinite(self.seconds) and self.seconds > 0):
             raise ValueError(f"--seconds must be a positive number, got {self.seconds}")
+        for name in ("epochs", "steps", "batch_size", "eval_every", "threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        for name in ("lr", "timeout"):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is not None and not (number and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.epochs is None and self.steps is None and self.seconds is None:
             self.epochs = 1
         if self.bandwidth is not None:
@@ -125,7 +137,7 @@ def _launch(config: TrainConfig, result: Path, progress: bool, address: str, por
         stderr = None if rank == 0 else subprocess.PIPE
         processes.append(subprocess.Popen(argv, env=env, stderr=stderr, stdin=subprocess.DEVNULL))
     try:
-        _wait(processes, deadline=time.monotonic() + 24 * 3600)
+        _wait(processes, deadline=time.monotonic() + 24 * 3600, result=result)
     finally:
         for process in processes:
             if process.poll() is None:
@@ -133,25 +145,55 @@ def _launch(config: TrainConfig, result: Path, progress: bool, address: str, por
             process.wait()
 
 
-def _wait(processes: list[subprocess.Popen], deadline: float) -> None:
-    """Wait for every worker; the first failure stops the others and raises :class:`TrainFailed`."""
+def _wait(processes: list[subprocess.Popen], deadline: float, result: Path | None = None) -> None:
+    """Wait for every worker; the first failure stops the others and raises :class:`TrainFailed`.
+
+    ``result``: the run's result path, beside which a failing worker records its exception
+    (:func:`_record_failure`). The message's first line names the worker and why it failed (the
+    earliest recorded exception among the failed workers: a worker that fails first makes the others
+    fail on the broken connection after it); the end of that worker's stderr follows, where captured."""
     while True:
         codes = [p.poll() for p in processes]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
-            rank, code = failed[0]
+            reasons = {rank: _failure(result, rank) for rank, _ in failed} if result is not None else {}
+            recorded = [(reason[0], rank, code) for rank, code in failed if (reason := reasons.get(rank))]
+            rank, code = min(recorded)[1:] if recorded else failed[0]
             for p in processes:
                 if p.poll() is None:
                     p.terminate()
             tail = ""
             if processes[rank].stderr is not None:
                 tail = processes[rank].stderr.read().decode(errors="replace")[-3000:]
-            raise TrainFailed(f"worker {rank} exited with status {code}" + (f":\n{tail}" if tail else ""))
+            why = reasons[rank][1] if reasons.get(rank) else ""
+            raise TrainFailed(f"worker {rank} exited with status {code}" + (f": {why}" if why else "")
+                              + (f"\n{tail}" if tail else ""))
         if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline:
             raise TrainFailed("training did not finish in time")
         time.sleep(0.05)
+
+
+def _failure_path(result: Path, rank: int) -> Path:
+    return result.with_name(f"error-{rank}.txt")
+
+
+def _record_failure(result: Path, rank: int, error: BaseException) -> None:
+    """Leave ``error`` beside the result for the launcher (:func:`_wait` puts it in TrainFailed)."""
+    try:
+        _failure_path(result, rank).write_text(cli.one_line(f"{type(error).__name__}: {error}")[:1000])
+    except OSError:
+        pass
+
+
+def _failure(result: Path, rank: int) -> tuple[int, str] | None:
+    """(when, why) worker ``rank`` failed, as it recorded it; None if it recorded nothing."""
+    path = _failure_path(result, rank)
+    try:
+        return path.stat().st_mtime_ns, path.read_text().strip()
+    except OSError:
+        return None
 
 
 # -- the worker -----------------------------------------------------------------------------------------
@@ -185,17 +227,23 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
         bytes_total = 0
 
         def measure(epoch: int, step: int) -> bool:
-            """Evaluate (rank 0); whether the time budget is spent (rank 0 decides for every rank)."""
+            """Evaluate (rank 0); whether the time budget is spent (rank 0 decides for every rank).
+
+            The evaluation is stamped with the training wall-clock at the moment it begins: the clock
+            stands still from here on (:meth:`_Clock.paused`), so neither this evaluation nor any
+            earlier one is counted, and an evaluation slower than the steps between two of them
+            cannot make ``wall_s`` go backwards."""
             with clock.paused():
+                wall_s = clock.elapsed()
                 if rank == 0:
                     quality = evaluate(model, dataset)
-                    evals.append(Eval(epoch=epoch, step=step, wall_s=clock.elapsed(), bytes_total=bytes_total,
+                    evals.append(Eval(epoch=epoch, step=step, wall_s=wall_s, bytes_total=bytes_total,
                                       metric=metric, value=quality[metric], higher_is_better=higher_is_better,
                                       loss=quality["loss"]))
                 if config.seconds is None:
                     dist.barrier()
                     return False
-                spent = torch.tensor([rank == 0 and clock.elapsed() >= config.seconds], dtype=torch.uint8)
+                spent = torch.tensor([rank == 0 and wall_s >= config.seconds], dtype=torch.uint8)
                 dist.broadcast(spent, 0)
                 return bool(spent)
 
@@ -252,29 +300,44 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
 
 
 class _Clock:
-    """Training wall-clock that stops while the model is evaluated."""
+    """Training wall-clock that stops while the model is evaluated.
 
-    def __init__(self) -> None:
+    :meth:`elapsed` is the time since :meth:`start` less every pause. Inside :meth:`paused` it stands
+    still at the moment the pause began, so what is read there (an evaluation's ``wall_s``, the time
+    budget) is the training time before the pause, whether it is read before or after the evaluation.
+    ``now`` is the time source (a test hands in a controlled one).
+    """
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self._now = now
         self._start: float | None = None
-        self._paused = 0.0
+        self._paused = 0.0  # the length of every finished pause after start()
+        self._since: float | None = None  # when the pause under way began
 
     def start(self) -> None:
-        self._start = time.perf_counter()
+        self._start = self._now()
 
     def elapsed(self) -> float:
-        return 0.0 if self._start is None else time.perf_counter() - self._start - self._paused
+        if self._start is None:
+            return 0.0
+        now = self._now() if self._since is None else max(self._since, self._start)
+        return now - self._start - self._paused
 
     def paused(self):  # noqa: ANN201
         import contextlib
 
         @contextlib.contextmanager
         def pause():
-            began = time.perf_counter()
+            if self._since is not None:  # nested: the pause under way already stops the clock
+                yield
+                return
+            self._since = self._now()
             try:
                 yield
             finally:
                 if self._start is not None:
-                    self._paused += time.perf_counter() - began
+                    self._paused += self._now() - max(self._since, self._start)
+                self._since = None
 
         return pause()
 
@@ -416,24 +479,33 @@ def _powersgd_bytes(state: Any, bucket: Any) -> int:
 
 # -- command line -----------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="mlp", help="model spec (gradpress.testbed.models), e.g. mlp-wide:width=8192")
-    parser.add_argument("--data", default="fashion-mnist", help="dataset: fashion-mnist, movielens-100k, fortunes")
-    parser.add_argument("--workers", type=int, default=2, help="local worker processes")
-    parser.add_argument("--bandwidth", help="emulate a star network with this rate per link (e.g. 100mbit, 1gbit; root)")
+    """The arguments of ``gradpress train`` and ``compare``, each checked as it is parsed
+    (:mod:`gradpress.cli`)."""
+    from gradpress.testbed.data import dataset_names
+
+    parser.add_argument("--model", type=cli.model, default="mlp",
+                        help="model spec (gradpress.testbed.models), e.g. mlp-wide:width=8192")
+    parser.add_argument("--data", default="fashion-mnist", choices=dataset_names(), help="dataset")
+    parser.add_argument("--workers", type=cli.positive_int, default=2, help="local worker processes")
+    parser.add_argument("--bandwidth", type=cli.rate,
+                        help="emulate a star network with this rate per link (e.g. 100mbit, 1gbit; root)")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=int)
-    length.add_argument("--steps", type=int)
-    parser.add_argument("--seconds", type=float,
+    length.add_argument("--epochs", type=cli.positive_int)
+    length.add_argument("--steps", type=cli.positive_int)
+    parser.add_argument("--seconds", type=cli.positive_float,
                         help="train for this much wall-clock (evaluation excluded), ending at the first "
                              "evaluation past it; with --steps or --epochs, whichever ends first")
-    parser.add_argument("--batch-size", type=int, help="per-worker batch size (default: the model's)")
-    parser.add_argument("--lr", type=float, help="learning rate (default: the model's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, help="evaluate every this many steps (default: each epoch)")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--batch-size", type=cli.positive_int,
+                        help="per-worker batch size (default: the model's)")
+    parser.add_argument("--lr", type=cli.positive_float, help="learning rate (default: the model's)")
+    parser.add_argument("--seed", type=cli.seed, default=0)
+    parser.add_argument("--eval-every", type=cli.positive_int,
+                        help="evaluate every this many steps (default: each epoch)")
+    parser.add_argument("--option", type=cli.option, action="append", default=[], metavar="KEY=VALUE",
                         help="gradpress runtime option (feedback, min_numel, warmup_steps, mode, master, ...)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective raises")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--timeout", type=cli.positive_float, default=300.0,
+                        help="seconds before a stuck collective raises")
+    parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads per worker")
 
 
 def config_from_args(args: argparse.Namespace, compressor: str) -> TrainConfig:
@@ -458,18 +530,158 @@ def parse_options(items: list[str]) -> dict[str, Any]:
     return options
 
 
+# -- checks before any worker starts ------------------------------------------------------------------------
+def check_options(options: dict[str, Any]) -> None:
+    """Raise ValueError unless every key is a runtime option (a field of :class:`gradpress.runtime.Options`)
+    and its value has the option's type; ranges and combinations are :func:`check_exchange`'s."""
+    import dataclasses
+    import typing
+
+    from gradpress.runtime import Options
+
+    hints = typing.get_type_hints(Options)
+    known = [f.name for f in dataclasses.fields(Options) if f.init]
+    for key, value in options.items():
+        if key not in known:
+            raise ValueError(f"unknown option {key!r}; the options are: {', '.join(known)}")
+        if not _fits(value, hints[key]):
+            raise ValueError(f"option {key}={value!r}: expected {_type_words(hints[key])}")
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (tuple, list):  # one item, or a JSON list of them (Options turns a str into a tuple)
+        return _fits(value, args[0]) or (isinstance(value, list) and all(_fits(v, args[0]) for v in value))
+    return True  # a type not described here: Options checks it
+
+
+def _type_words(annotation: Any) -> str:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_words(a) for a in args)
+    if origin in (tuple, list):
+        return f"{_type_words(args[0])} or a JSON list of them"
+    return {type(None): "null", bool: "true or false", int: "an integer", float: "a number",
+            str: "a string"}.get(annotation, str(annotation))
+
+
+def check_model(spec: str, dataset: Any = None) -> Any:
+    """The configuration of model ``spec`` (:func:`~gradpress.testbed.models.model_config`), checked: a known
+    name and keys, ``dataset``'s task, values the model accepts (it is built on the meta device: no
+    memory, no time). Raises ValueError."""
+    from gradpress.testbed.models import model_config
+
+    settings = model_config(spec, dataset)
+    try:
+        with torch.device("meta"):
+            settings.build()
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - an operation the meta device lacks: the workers build it for real
+        pass
+    return settings
+
+
+def check_exchange(config: TrainConfig) -> None:
+    """Raise ValueError unless ``config``'s compressor, options and number of workers fit together: the
+    runtime's own checks, run in this process by :class:`gradpress.Simulator` (no worker starts)."""
+    import gradpress
+    from gradpress.runtime import Options
+
+    check_options(config.options)
+    options = {"seed": config.seed, **config.options}
+    if config.compressor in REFERENCES:
+        Options.of(**options)
+    else:
+        gradpress.Simulator(config.compressor, config.workers, **options)
+
+
+def check_launch(config: TrainConfig) -> Any:
+    """What ``gradpress train`` and ``compare`` check before any worker starts, beyond each argument
+    (:mod:`gradpress.cli`): the data (fetched, as :func:`train` does, and loaded), the model for it, a
+    batch that a worker's shard holds, the emulated network's needs. Raises
+    :class:`~gradpress.cli.UsageError`; returns the loaded dataset."""
+    from gradpress.testbed import data
+
+    try:
+        data.fetch(config.data)
+        dataset = data.load(config.data)
+    except (data.DataUnavailable, ValueError) as error:
+        raise cli.UsageError(f"--data {config.data}: {error}") from None
+    try:
+        settings = check_model(config.model, dataset)
+    except ValueError as error:
+        raise cli.UsageError(f"--model {config.model}: {error}") from None
+    batch_size = config.batch_size or settings.batch_size
+    shard = len(dataset.train) // config.workers
+    if shard < batch_size:
+        raise cli.UsageError(f"--batch-size {batch_size}: a worker's shard of {config.data} holds {shard} "
+                             f"samples ({len(dataset.train)} over {config.workers} workers), not one batch")
+    if config.bandwidth is not None:
+        try:
+            netem.check_available()
+        except netem.NetworkUnavailable as error:
+            raise cli.UsageError(f"--bandwidth {config.bandwidth}: {error}") from None
+    return dataset
+
+
+def checked_config(args: argparse.Namespace, compressor: str) -> TrainConfig:
+    """:func:`config_from_args` with :func:`check_launch`'s checks (UsageError)."""
+    from gradpress.runtime import Options
+
+    try:
+        config = config_from_args(args, compressor)
+    except ValueError as error:
+        raise cli.UsageError(str(error)) from None
+    try:  # the options alone (with a compressor: check_exchange)
+        Options.of(**{"seed": config.seed, **config.options})
+    except ValueError as error:
+        raise cli.UsageError(f"--option: {error}") from None
+    check_launch(config)
+    return config
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train a model on local workers with a compressor",
                                    description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    parser.add_argument("--compressor", default="none",
+    parser.add_argument("--compressor", type=cli.compressor_or_reference, default="none",
                         help=f"gradpress spec or a reference: {', '.join(REFERENCES)}")
-    parser.add_argument("--json", help="write the run's record here")
+    parser.add_argument("--json", type=cli.output_file, help="write the run's record here")
     parser.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    run = train(config_from_args(args, args.compressor), args.json)
+    config = checked_config(args, args.compressor)
+    try:
+        check_exchange(config)
+    except ValueError as error:
+        raise cli.UsageError(f"--compressor {config.compressor}: {error}") from None
+    try:
+        run = train(config, args.json)
+    except TrainFailed as error:
+        print(f"{cli.PREFIX}{error}", file=sys.stderr)
+        return 1
     final = run.final_quality
     print(f"{run.compressor}: {run.samples_per_s:.0f} samples/s, {run.bytes_per_step / 1e6:.3f} MB/step, "
           f"{run.metric} {final:.4f}" + (f"; wrote {args.json}" if args.json else ""))
@@ -478,4 +690,9 @@ def _main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     _, _, payload, rank_text, address_text, port_text, result_text = sys.argv
-    worker(TrainConfig(**json.loads(payload)), int(rank_text), address_text, int(port_text), Path(result_text))
+    try:
+        worker(TrainConfig(**json.loads(payload)), int(rank_text), address_text, int(port_text),
+               Path(result_text))
+    except Exception as error:
+        _record_failure(Path(result_text), int(rank_text), error)  # the launcher's TrainFailed says why
+        raise

@@ -1,0 +1,321 @@
+"""The command line answers bad arguments in one line, before any worker starts (issue 11, point 7).
+
+Every bad invocation ends with exit status 2 and exactly one line on stderr, ``gradpress: error: …``
+(argparse's status for usage errors, without its usage text), no traceback, nothing on stdout, no file
+written, and nothing started: no worker process, no simulation, no benchmark. Errors found while
+parsing (one argument's value) exit through argparse (``SystemExit(2)``); those found after it (a model
+for another task than the data, a batch larger than a shard, options that do not fit the compressor)
+make :func:`gradpress.cli.main` return 2. Most cases run in this process; a few run ``python -m gradpress``
+for real, to see what a user sees.
+"""
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradpress.bench.ddp_overhead
+import gradpress.bench.ops
+import gradpress.bench.powersgd
+import gradpress.bench.sketch_embedding
+import gradpress.bench.thc_nmse
+import gradpress.testbed.compare
+import gradpress.testbed.sim
+import gradpress.testbed.train
+from gradpress.cli import main
+from gradpress.testbed import data
+from gradpress.testbed.train import TrainConfig, TrainFailed
+
+needs_data = pytest.mark.skipif(not data.FASHION_MNIST_DIR.exists(),
+                                reason="Fashion-MNIST is not installed (gradpress data fashion-mnist, as root)")
+
+
+COMPARE = gradpress.testbed.compare.compare
+
+
+class Started(Exception):
+    """Something that runs (a worker, a training, a benchmark) was reached."""
+
+
+def _started(*args, **kwargs):
+    raise Started(args[0] if args else "")
+
+
+#: what a command runs once its arguments are checked; reaching any of them fails the test
+RUNNERS = [
+    (subprocess, "Popen"), (multiprocessing.process.BaseProcess, "start"),
+    (gradpress.testbed.train, "train"), (gradpress.testbed.compare, "compare"),
+    (gradpress.testbed.compare, "train"), (gradpress.testbed.sim, "nmse_vs_workers"),
+    (gradpress.testbed.sim, "train_simulated"), (gradpress.bench.ops, "run"),
+    (gradpress.bench.ddp_overhead, "run"), (gradpress.bench.powersgd, "run"),
+    (gradpress.bench.sketch_embedding, "run"), (gradpress.bench.thc_nmse, "nmse_vs_granularity"),
+]
+
+
+@pytest.fixture
+def nothing_runs(tmp_path, monkeypatch):
+    """Run in an empty directory with every runner replaced by one raising :class:`Started`."""
+    for owner, name in RUNNERS:
+        monkeypatch.setattr(owner, name, _started)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``gradpress ARGV`` in this process."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, out: str, err: str, expected: str) -> None:
+    assert code == 2, (code, err)
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradpress: error: "), err
+    assert expected in lines[0], (expected, lines[0])
+
+
+_SPEC_OUT_OF_RANGE = "ratio must be in (0, 1]"
+
+# (arguments, what the one line must say)
+BAD = [
+    # train: the issue's list
+    ("train --data nonexistent", "invalid choice: 'nonexistent' (choose from 'fashion-mnist'"),
+    ("train --workers 0", "argument --workers: expected a positive integer, got '0'"),
+    ("train --seconds -5", "argument --seconds: expected a positive finite number, got '-5'"),
+    ("train --bandwidth 100potatoes", "expected a number and a unit, e.g. 100mbit"),
+    ("train --compressor bogus", "unknown compressor 'bogus'; known: "),
+    ("train --compressor topk:ratio=abc", "cannot read 'abc' as float"),
+    ("train --option nokey", "argument --option: expected KEY=VALUE, got 'nokey'"),
+    ("train --json /etc/passwd/run.json", "argument --json: cannot create /etc/passwd/run.json: /etc/passwd is not"),
+    ("train --model unknownmodel", "unknown model 'unknownmodel'; known: "),
+    ("train --steps 0", "argument --steps: expected a positive integer"),
+    ("train --steps -1", "argument --steps: expected a positive integer"),
+    ("train --epochs -1", "argument --epochs: expected a positive integer"),
+    ("train --lr nan", "argument --lr: expected a positive finite number, got 'nan'"),
+    ("train --timeout 0", "argument --timeout: expected a positive finite number"),
+    ("train --batch-size 0", "argument --batch-size: expected a positive integer"),
+    # train: more values
+    ("train --workers abc", "expected a positive integer, got 'abc'"),
+    ("train --seconds nan", "expected a positive finite number"),
+    ("train --bandwidth 0mbit", "expected a positive rate"),
+    ("train --compressor topk:ratio=2", _SPEC_OUT_OF_RANGE),
+    ("train --option bogus=1", "unknown option 'bogus'; the options are: feedback, "),
+    ("train --option min_numel=abc", "option min_numel='abc': expected an integer"),
+    ("train --option exclude=5", "option exclude=5: expected a string"),
+    ("train --json /tmp", "/tmp is a directory"),
+    ("train --model mlp:bogus=1", "has no parameter 'bogus'"),
+    ("train --model mlp:hidden=0", "hidden must be at least 1"),
+    ("train --epochs 1 --steps 2", "not allowed with argument"),
+    ("train --lr 0", "argument --lr: expected a positive finite number"),
+    ("train --threads 0", "argument --threads"),
+    ("train --eval-every 0", "argument --eval-every"),
+    ("train --seed -1", "argument --seed: expected an integer in 0..4294967295"),
+    ("train --frobnicate", "unrecognized arguments: --frobnicate"),
+    # compare
+    ("compare --compressors topk:ratio=2", "argument --compressors: topk:ratio=2: topk"),
+    ("compare --compressors noop,bogus", "argument --compressors: bogus: unknown compressor 'bogus'"),
+    ("compare --compressors noop --out /etc/passwd", "argument --out: /etc/passwd is not a directory"),
+    ("compare --compressors noop --out /etc/passwd/x", "cannot create /etc/passwd/x"),
+    ("compare --workers 0", "argument --workers"),
+    # bench
+    ("bench ops --compressors bogus", "argument --compressors: bogus: unknown compressor"),
+    ("bench ops --sizes abc", "argument --sizes: 'abc': expected a positive integer (2^k allowed)"),
+    ("bench ops --sizes 2^20,0", "got '0'"),
+    ("bench ops --workers 0", "argument --workers"),
+    ("bench ops --json /etc/passwd/ops.json", "argument --json: cannot create"),
+    ("bench ddp --specs topk:ratio=2", _SPEC_OUT_OF_RANGE),
+    ("bench ddp --workers 0", "argument --workers"),
+    ("bench sketch --workers 2,x", "argument --workers: '2,x'"),
+    ("bench sketch --lam -1", "argument --lam"),
+    ("bench thc --p 0", "argument --p: expected a positive finite number"),
+    ("bench thc --specs thc;bogus", "argument --specs: bogus: unknown compressor"),
+    ("bench powersgd --start 1", "argument --start: expected an integer >= 2"),
+    ("bench powersgd --matrix 10xabc", "argument --matrix: expected ROWSxCOLS"),
+    ("bench powersgd --model bogus", "unknown model 'bogus'"),
+    ("bench bogus", "argument bench: invalid choice: 'bogus'"),
+    ("bench", "the following arguments are required: bench"),
+    # sim
+    ("sim nmse --compressors none,bogus", "argument --compressors: bogus: unknown compressor"),
+    ("sim nmse --numel 0", "argument --numel"),
+    ("sim nmse --spread inf", "argument --spread: expected a non-negative finite number"),
+    ("sim nmse --plot /etc/passwd/nmse.png", "argument --plot: cannot create"),
+    ("sim quality --steps 0", "argument --steps"),
+    ("sim quality --option nokey", "argument --option: expected KEY=VALUE"),
+    ("sim cost --results . --latency -1", "argument --latency"),
+    # the rest
+    ("bogus", "argument command: invalid choice: 'bogus'"),
+    ("", "the following arguments are required: command"),
+]
+
+# found after parsing, from the arguments together
+BAD_TOGETHER = [
+    ("train --option min_numel=-1", "--option: option min_numel must be an integer >= 0, got -1"),
+    ("train --option mode=ps --option partial=2", "--option: partial"),
+    ("compare --option min_numel=-1", "--option: option min_numel must be an integer >= 0, got -1"),
+    ("bench sketch --rows-touched 100 --vocab 10", "--rows-touched 100: more rows than --vocab 10"),
+    ("bench thc --bits 9", "bits must be an integer"),
+    ("bench thc --p 2", "p must be in (0, 1)"),
+    ("bench powersgd --matrix 4x4 --rank 4 --no-training", "--matrix 4x4: not compressed at --rank 4"),
+    ("bench powersgd --start 10 --steps 5", "--start 10: no compressed step in --steps 5"),
+    ("bench powersgd --dataset synthetic --model ncf", "--model ncf: model 'ncf' is for recommendation data"),
+    ("sim cost --results nonexistent", "sim cost: nonexistent: no such file or directory"),
+    ("data no-such-data", "unknown dataset no-such-data; known: fashion-mnist"),
+]
+
+# found after parsing, with the data (Fashion-MNIST, fortunes)
+BAD_WITH_DATA = [
+    ("train --compressor topk --option mode=switch", "--compressor topk: switch mode adds integers only"),
+    ("train --compressor topk --option mode=ps --option root=5", "root 5 is not a rank of a world of 2"),
+    ("train --model ncf", "--model ncf: model 'ncf' is for recommendation data; 'fashion-mnist' is classification"),
+    ("train --batch-size 40000", "--batch-size 40000: a worker's shard of fashion-mnist holds 30000 samples"),
+    ("compare --compressors noop,topk --option mode=switch", "--compressors: topk: switch mode adds integers only"),
+    ("sim quality --model ncf --data fashion-mnist", "--model ncf: model 'ncf' is for recommendation"),
+    ("sim quality --compressor topk --option mode=switch", "--compressors topk with 1 worker: switch mode"),
+    ("sim quality --workers 1024", "a shard of fashion-mnist for 1024 workers holds 58 samples"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", BAD, ids=[a or "(nothing)" for a, _ in BAD])
+def test_a_bad_argument_is_one_line_and_starts_nothing(argv, expected, nothing_runs, capsys):
+    code, out, err = run_cli(argv.split(), capsys)
+    assert_one_line_error(code, out, err, expected)
+    assert list(nothing_runs.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, expected", BAD_TOGETHER, ids=[a for a, _ in BAD_TOGETHER])
+def test_bad_arguments_together_are_one_line_and_start_nothing(argv, expected, nothing_runs, capsys):
+    code, out, err = run_cli(argv.split(), capsys)
+    assert_one_line_error(code, out, err, expected)
+    assert list(nothing_runs.iterdir()) == []
+
+
+@needs_data
+@pytest.mark.parametrize("argv, expected", BAD_WITH_DATA, ids=[a for a, _ in BAD_WITH_DATA])
+def test_bad_arguments_for_the_data_are_one_line_and_start_nothing(argv, expected, nothing_runs, capsys):
+    code, out, err = run_cli(argv.split(), capsys)
+    assert_one_line_error(code, out, err, expected)
+    assert list(nothing_runs.iterdir()) == []
+
+
+@needs_data
+@pytest.mark.parametrize("argv", [
+    "train --steps 1 --compressor topk:ratio=0.1 --option min_numel=1024 --json out/run.json",
+    "compare --compressors noop,topk:ratio=0.1,qsgd:levels=16,bucket=512 --steps 1 --out out/compare",
+    "bench ops --compressors topk:ratio=0.1 --sizes 2^10,1000 --json out/ops.json",
+    "sim nmse --compressors none,qsgd --numel 2^10 --workers 2,4 --json out/nmse.json",
+])
+def test_good_arguments_get_past_the_checks(argv, nothing_runs, capsys):
+    """No false alarm: valid commands reach what they run."""
+    with pytest.raises(Started):
+        run_cli(argv.split(), capsys)
+    assert "error" not in capsys.readouterr().err
+
+
+def test_missing_data_says_how_to_get_it(nothing_runs, monkeypatch, capsys):
+    def unavailable(**_):
+        raise data.DataUnavailable("Fashion-MNIST is missing: run `gradpress data` as root")
+
+    monkeypatch.setitem(data.DATASETS, "fashion-mnist", data.Source(fetch=unavailable, load=unavailable))
+    code, out, err = run_cli(["train", "--steps", "1"], capsys)
+    assert_one_line_error(code, out, err, "--data fashion-mnist: Fashion-MNIST is missing: run `gradpress data`")
+    code, out, err = run_cli(["sim", "quality"], capsys)
+    assert_one_line_error(code, out, err, "--data fashion-mnist is not available: Fashion-MNIST is missing")
+
+
+def test_from_the_shell(tmp_path):
+    """``python -m gradpress``, for real: status 2, one line on stderr, nothing on stdout or on disk."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cases = {
+        "train --workers 0": "argument --workers: expected a positive integer, got '0'",
+        "compare --compressors noop,topk:ratio=2 --out out": "topk:ratio=2: topk",
+    }
+    running = {argv: subprocess.Popen([sys.executable, "-m", "gradpress", *argv.split()], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for argv in cases}
+    for argv, process in running.items():
+        out, err = process.communicate(timeout=60)
+        assert_one_line_error(process.returncode, out, err, cases[argv])
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- a run that fails names why -----------------------------------------------------------------------------
+def test_compare_reports_each_failed_run_with_its_reason(tmp_path, monkeypatch):
+    """A spec out of range fails before its workers would start, a run whose worker fails says why; with
+    no run left, TrainFailed names every reason."""
+    def failing(config, json_path=None, progress=True):
+        raise TrainFailed(f"worker 1 exited with status 1: RuntimeError: {config.compressor} broke\ntail")
+
+    monkeypatch.setattr(gradpress.testbed.compare, "train", failing)
+    said = []
+    base = TrainConfig(model="mlp:hidden=8,depth=1", steps=1)
+    with pytest.raises(TrainFailed) as caught:
+        gradpress.testbed.compare.compare(base, ["topk:ratio=2", "noop"], tmp_path / "out", say=said.append)
+    message = str(caught.value)
+    assert message.startswith("every run failed: topk:ratio=2: ")
+    assert _SPEC_OUT_OF_RANGE in message
+    assert "noop: worker 1 exited with status 1: RuntimeError: noop broke" in message and "tail" not in message
+    assert said[0] == "== topk:ratio=2" and _SPEC_OUT_OF_RANGE in said[1] and said[1].startswith("   failed: ")
+    assert said[3] == "   failed: worker 1 exited with status 1: RuntimeError: noop broke"
+    with pytest.raises(ValueError, match="no compressor"):
+        gradpress.testbed.compare.compare(base, [], tmp_path / "out", say=said.append)
+
+
+@needs_data
+def test_compare_command_names_skipped_and_failed_runs(nothing_runs, monkeypatch, capsys):
+    """``--compressors demo``: the methods that cannot run with these options are skipped, each with its
+    reason; runs that fail are named with theirs (exit status 1: the arguments were fine)."""
+    def failing(config, json_path=None, progress=True):
+        raise TrainFailed(f"worker 0 exited with status 1: RuntimeError: {config.compressor} broke")
+
+    monkeypatch.setattr(gradpress.testbed.compare, "compare", COMPARE)
+    monkeypatch.setattr(gradpress.testbed.compare, "train", failing)
+    code, out, err = run_cli(["compare", "--option", "mode=switch", "--steps", "1", "--out", "out"], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert "skipped topk:ratio=0.01: switch mode adds integers only; topk is not summable" in err.splitlines()
+    last = err.splitlines()[-1]
+    assert last.startswith("gradpress: error: every run failed: ")
+    assert "thc: worker 0 exited with status 1: RuntimeError: thc broke" in last
+    assert "noop: worker 0 exited with status 1: RuntimeError: noop broke" in last
+
+
+def test_a_failed_worker_is_named_with_its_recorded_error(tmp_path):
+    """The launcher reads why a worker failed from what it recorded beside the result, and names the
+    earliest recorded failure (the one the others followed) on TrainFailed's first line."""
+    train = gradpress.testbed.train
+    result = tmp_path / "run.json"
+    first, later = train._failure_path(result, 1), train._failure_path(result, 0)
+    train._record_failure(result, 1, ValueError("a shard of 10 samples\nholds no batch of 64"))
+    train._record_failure(result, 0, RuntimeError("Connection closed by peer"))
+    os.utime(later, ns=(first.stat().st_mtime_ns + 10**9,) * 2)
+    processes = [subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"]) for code in (1, 3)]
+    for process in processes:
+        process.wait()
+    with pytest.raises(TrainFailed) as caught:
+        train._wait(processes, deadline=float("inf"), result=result)
+    assert str(caught.value) == "worker 1 exited with status 3: ValueError: a shard of 10 samples; holds no batch of 64"
+    with pytest.raises(TrainFailed, match=r"^worker 0 exited with status 1$"):
+        train._wait(processes, deadline=float("inf"), result=tmp_path / "elsewhere" / "run.json")
+
+
+def test_output_checks_create_nothing(tmp_path):
+    from gradpress.cli import check_writable
+
+    check_writable(tmp_path / "a" / "b" / "run.json")
+    check_writable(tmp_path / "report", directory=True)
+    (tmp_path / "file").write_text("x")
+    check_writable(tmp_path / "file")
+    with pytest.raises(ValueError, match="is not a directory"):
+        check_writable(tmp_path / "file", directory=True)
+    with pytest.raises(ValueError, match="is not a directory"):
+        check_writable(tmp_path / "file" / "run.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and Path(tmp_path / "file").read_text() == "x"
