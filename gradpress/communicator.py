@@ -16,8 +16,8 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from gradpress.compressor import Compressor
-from gradpress.runtime import Driver, Options, Pipeline
-from gradpress.strategy import ProcessGroupExecutor, process_group as resolve_group
+from gradpress.runtime import Driver, Options, Pipeline, gathered as _gathered
+from gradpress.strategy import ProcessGroupExecutor, gather_objects, process_group as resolve_group
 
 
 class Communicator:
@@ -33,6 +33,7 @@ class Communicator:
         self.options = Options.of(**options)
         executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout))
         self.rank, self.world_size = executor.rank, executor.world_size
+        self._group = executor.group
         self._pipeline = Pipeline(spec, self.options, self.rank, self.world_size)
         self._driver = Driver(executor, self._pipeline.stats)
 
@@ -48,6 +49,9 @@ class Communicator:
         """The averages of many tensors in one exchange (their packets flattened into shared buffers)."""
         items = list(tensors.items())
         self._driver.check()
+        agreement = self._pipeline.agreement(items)
+        if agreement is not None:  # the first time these tensors are exchanged
+            self._driver.run(agreement.protocol, agreement.step, control=True)
         devices = sorted({t.device for _, t in items if t.device.type != "cpu"}, key=str) or None
         started = [(g.members, self._driver.start(g.protocol, g.step, devices))
                    for g in self._pipeline.groups(items)]
@@ -72,11 +76,16 @@ class Communicator:
             else:
                 p.grad.copy_(averaged[name])
 
-    def state_dict(self) -> dict[str, Any]:
-        """Feedback memory, per-key step counters and the compressor's own state (warm starts)."""
-        return self._pipeline.state_dict()
+    def state_dict(self, gathered: bool = False) -> dict[str, Any]:
+        """This rank's feedback memory, per-key step counters and shapes, and the compressor's own
+        state (warm starts). ``gathered=True`` (collective): every rank's state in one dict, for a
+        checkpoint written by one rank; each rank loads its own part of it."""
+        state = self._pipeline.state_dict()
+        return _gathered(gather_objects(state, self._group)) if gathered else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (this rank's, or a gathered one); ``ValueError`` if it is another
+        rank's, method's or shape's."""
         self._pipeline.load_state_dict(state)
 
     def stats(self) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """DistributedDataParallel integration: a communication hook driving the gradpress pipeline.
 
-``state, hook = gradpress.ddp_comm_hook(spec, **options)`` then ``ddp.register_comm_hook(state, hook)``
-(the pair Lightning's ``DDPStrategy(ddp_comm_state=…, ddp_comm_hook=…)`` takes as it is), or in one
-call ``state = gradpress.register(ddp, spec, **options)``.
+``state, hook = gradpress.ddp_comm_hook(spec, **options)`` then ``ddp.register_comm_hook(state, hook)``,
+or in one call ``state = gradpress.register(ddp, spec, **options)``. Lightning's own
+``DDPStrategy(ddp_comm_state=…, ddp_comm_hook=…)`` registers such a pair only on CUDA and checkpoints
+rank 0's state alone: use :class:`gradpress.lightning.GradpressStrategy`; with Accelerate,
+:func:`gradpress.accelerate.register`.
 
 DDP hands the hook one bucket at a time, in the same order on every rank; the hook compresses each of
 the bucket's gradients (keyed by parameter name; element-wise methods such as ``none`` compress the
@@ -14,16 +16,26 @@ sum) is issued at the next bucket or after the last one, points that are the sam
 (DESIGN invariant 3). DDP's bucket rebuild after the first iteration changes which gradients share a
 bucket, never their keys, so feedback memory carries over; ``no_sync()`` skips the hook and DDP
 accumulates locally, as without one.
+
+A state that knows its model (``model=``, or :func:`register`) watches the model's training forward
+passes until the first bucket reaches the hook: if a second forward pass that DDP will synchronize
+starts and no bucket went through the hook, it warns once (the hook was never registered on the DDP
+that trains the model: e.g. Lightning's own ``DDPStrategy`` registers comm hooks only on CUDA, and
+Accelerate's ``comm_hook`` takes only its built-in hooks; see :mod:`gradpress.lightning` and
+:mod:`gradpress.accelerate`).
 """
 from __future__ import annotations
 
+import sys
+import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
 
 from gradpress.compressor import Compressor
-from gradpress.runtime import Driver, Options, Pipeline, Stats, compressor_of
-from gradpress.strategy import ProcessGroupExecutor, process_group as resolve_group
+from gradpress.runtime import Driver, Options, Pipeline, Stats, compressor_of, gathered, own_state
+from gradpress.strategy import ProcessGroupExecutor, gather_objects, process_group as resolve_group, rank_and_size
 
 
 class GradpressState:
@@ -51,6 +63,11 @@ class GradpressState:
         self._pipeline: Pipeline | None = None
         self._driver: Driver | None = None
         self._loaded: dict[str, Any] | None = None
+        self._hooked = False  # a bucket reached the hook
+        self._sync_forwards = 0  # training forward passes seen (synchronized ones, where DDP is known)
+        self._watch_handle: Any = None
+        if model is not None:
+            self._watch(model)
 
     # -- the hook's work ----------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -75,6 +92,7 @@ class GradpressState:
 
     def run_bucket(self, bucket: Any) -> torch.futures.Future:
         """Start exchanging one DDP bucket; a future of the bucket's averaged gradients."""
+        self._hooked = True
         if self._pipeline is None:
             self._setup()
         driver, pipeline = self._driver, self._pipeline
@@ -87,6 +105,9 @@ class GradpressState:
         grads = bucket.gradients()
         items = [(self._key(p), g) for p, g in zip(bucket.parameters(), grads)]
         devices = [buffer.device] if buffer.device.type != "cpu" else None
+        agreement = pipeline.agreement(items)
+        if agreement is not None:  # the first time these gradients are exchanged (blocking, once)
+            driver.run(agreement.protocol, agreement.step, control=True)
         groups = pipeline.groups(items, bucket=buffer)
 
         def assemble(averages: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -107,28 +128,142 @@ class GradpressState:
         return future
 
     # -- state and statistics ------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Feedback memory, per-parameter step counters and the compressor's own state (warm starts)."""
+    def state_dict(self, gathered: bool = False) -> dict[str, Any]:
+        """This rank's feedback memory, per-parameter step counters and shapes, and the compressor's own
+        state (warm starts). ``gathered=True`` (collective: every rank calls it): every rank's state in
+        one dict, for a checkpoint written by one rank; each rank loads its own part of it."""
         if self._pipeline is not None:
-            return self._pipeline.state_dict()
-        if self._loaded is not None:
-            return self._loaded
-        return Pipeline(self.spec, self.options, 0, 1).state_dict()
+            state = self._pipeline.state_dict()
+        elif self._loaded is not None:
+            state = self._loaded
+        else:
+            state = Pipeline(self.spec, self.options, *rank_and_size(self._group)).state_dict()
+        return _gathered(state, self._group) if gathered else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (before training resumes; it applies at the first bucket if the
-        hook has not run yet). Load tensors onto the gradients' device (``torch.load(map_location=…)``)."""
+        """Restore :meth:`state_dict` (this rank's, or a gathered one; before training resumes: it
+        applies at the first bucket if the hook has not run yet). Checked at once: a state of another
+        rank, method or shape raises ``ValueError``. Load tensors onto the gradients' device
+        (``torch.load(map_location=…)``)."""
         if self._pipeline is not None:
             self._pipeline.load_state_dict(state)
         else:
-            Pipeline(self.spec, self.options, 0, 1).load_state_dict(state)  # validate now
-            self._loaded = state
+            rank, size = rank_and_size(self._group)
+            Pipeline(self.spec, self.options, rank, size).load_state_dict(state)  # validate now
+            self._loaded = own_state(state, rank, size)  # this rank's part: state_dict() returns it
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that ended this hook's exchanges, as gradpress raised it (e.g. the
+        :class:`~gradpress.NonFiniteError` naming the faulty ranks); DDP hands an error of the hook's
+        future on from ``backward()`` as a ``RuntimeError`` quoting it. None while all is well."""
+        return None if self._driver is None else self._driver.failure
 
     def stats(self) -> dict[str, Any]:
         """This rank's per-step and cumulative bytes and times (see :class:`gradpress.runtime.Stats`)."""
         if self._pipeline is None:
             return Stats().report()
         return self._pipeline.report()
+
+    # -- the no-op watch (see the module's docstring) --------------------------------------------------
+    def _watch(self, module: torch.nn.Module) -> None:
+        self._unwatch()
+        self._watch_handle = module.register_forward_pre_hook(_Watch(self, module))
+
+    def _unwatch(self) -> None:
+        if self._watch_handle is not None:
+            self._watch_handle.remove()
+            self._watch_handle = None
+
+
+NO_OP_WARNING = (
+    "gradpress: a second training forward pass of this model started and no gradient bucket has gone "
+    "through the gradpress hook: gradients are averaged without gradpress (or not at all). The hook was not "
+    "registered on the DistributedDataParallel that trains this model: a framework may have skipped it "
+    "(Lightning's DDPStrategy registers comm hooks only on CUDA; Accelerate's comm_hook option takes only "
+    "its built-in hooks), or the state was made with ddp_comm_hook() and never passed to "
+    "ddp.register_comm_hook(). Use gradpress.register(ddp_model, spec), "
+    "gradpress.lightning.GradpressStrategy(spec) or gradpress.accelerate.register(accelerator, model, spec)."
+)
+
+
+class _Watch:
+    """A forward pre-hook that warns once when a model trained under a gradpress state runs a second
+    synchronized training forward pass and no bucket has reached the hook. Where it watches the wrapped
+    module and finds the DDP calling it, it moves onto that DDP, whose ``require_backward_grad_sync``
+    tells a ``no_sync()`` pass (the hook is not expected there) from a synchronized one. It removes
+    itself at the first bucket or at the warning; copies and pickles of the model carry a no-op."""
+
+    def __init__(self, state: GradpressState, module: torch.nn.Module) -> None:
+        self._state = weakref.ref(state)
+        self._ddp = module if _is_ddp(module) else None
+
+    def __reduce__(self) -> tuple:
+        return (_Inert, ())
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        state = self._state()
+        if state is None or state._hooked:
+            if state is not None:
+                state._unwatch()
+            return None
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        ddp = self._ddp
+        if ddp is None:
+            ddp = _calling_ddp(module)
+            if ddp is not None:  # watch the DDP from now on: it knows no_sync()
+                state._watch(ddp)
+        if ddp is not None and not ddp.require_backward_grad_sync:
+            return None
+        state._sync_forwards += 1
+        if state._sync_forwards >= 2:
+            state._unwatch()
+            warnings.warn(NO_OP_WARNING, RuntimeWarning, stacklevel=2)
+        return None
+
+
+class _Inert:
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+def _is_ddp(module: Any) -> bool:
+    return isinstance(module, torch.nn.parallel.DistributedDataParallel)
+
+
+def _calling_ddp(module: torch.nn.Module, depth: int = 12) -> Any:
+    """The DistributedDataParallel whose forward is calling ``module`` (a few frames up), or None."""
+    frame = sys._getframe(2)
+    while frame is not None and depth > 0:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("forward", "_run_ddp_forward") else None
+        if _is_ddp(owner) and owner.module is module:
+            return owner
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
+def _moved(value: Any, device: torch.device | str) -> Any:
+    """``value`` (nested dicts, lists and tuples of a state) with its tensors on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_moved(v, device) for v in value)
+    return value
+
+
+def _own_part(state: GradpressState, value: Any, device: torch.device | str) -> dict[str, Any]:
+    """This rank's part of ``value`` (its own state or a gathered one), its tensors on ``device``: what a
+    framework integration hands to :meth:`GradpressState.load_state_dict` after loading a checkpoint
+    onto the CPU."""
+    return _moved(own_state(value, *rank_and_size(state._group)), device)
+
+
+def _gathered(state: dict[str, Any], group: Any) -> dict[str, Any]:
+    # on the CPU: one device-neutral file, whatever device each rank trains on (NCCL pickles through it)
+    return gathered(gather_objects(_moved(state, "cpu"), group))
 
 
 def hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares the annotations literally
@@ -156,4 +291,5 @@ def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> Gradpres
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
     state = GradpressState(spec, model=ddp_model.module, **options)
     ddp_model.register_comm_hook(state, hook)
+    state._watch(ddp_model)
     return state

@@ -35,12 +35,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gradpress.compressor import Compressor, NonFiniteError, check_finite, make
+from gradpress.agreement import agree
+from gradpress.compressor import Compressor, NonFiniteError, count_nonfinite, make
 from gradpress.feedback import make_feedback
 from gradpress.rng import Context
 from gradpress.strategy import MODES, OVERFLOW, Protocol, Round, Strategy, adjacent, check_partial
 
-FORMAT = 1
+FORMAT = 2
 
 
 # -- options ------------------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class Options:
 
 # -- statistics ----------------------------------------------------------------------------------------
 COUNTERS = ("raw_bytes", "packet_bytes", "sent_bytes", "received_bytes", "collectives",
-            "compress_s", "decompress_s", "comm_s")
+            "compress_s", "decompress_s", "comm_s", "control_bytes")
 
 
 class Stats:
@@ -129,6 +130,8 @@ class Stats:
     * ``sent_bytes`` / ``received_bytes``: what the strategy's collectives move for this rank, from
       their traffic pattern (:func:`gradpress.strategy.traffic`): headers, widened integer sums and
       the downstream direction included.
+    * ``control_bytes``: bytes sent and received for the ranks' agreement on what they exchange
+      (:mod:`gradpress.agreement`, once per set of keys), not counted in the figures above.
     * ``compress_s`` (compensate, prepare, compress, feedback update), ``decompress_s`` (decoding and
       aggregation), ``comm_s`` (from issuing each round of collectives to its completion; rounds of
       different buckets overlap, so this is not wall time).
@@ -225,7 +228,32 @@ class Pipeline:
         self.plain = Strategy(make("none"), mode="collective" if options.mode == "collective" else "ps", **common)
         self.no_feedback = make_feedback("none")
         self.steps: dict[str, int] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._expected_shapes: dict[str, tuple[int, ...]] = {}  # from a loaded state, checked on first use
         self.stats = Stats()
+        self._agreed: set[tuple] = set()
+
+    def agreement(self, items: Sequence[tuple[str, torch.Tensor]]) -> Group | None:
+        """The ranks' agreement on these items (see :mod:`gradpress.agreement`) the first time this set
+        of keys, shapes and dtypes is exchanged; None after that."""
+        signature = tuple((key, tuple(t.shape), t.dtype, t.device.type) for key, t in items)
+        if signature in self._agreed:
+            return None
+        self._agreed.add(signature)
+        o = self.options
+        settings = {f.name: getattr(o, f.name) for f in fields(o) if f.name != "timeout"}
+        settings["feedback"] = self.feedback.spec
+        parts = {
+            "the compressor": repr(self.compressor.spec),
+            "the options": ", ".join(f"{name}={value!r}" for name, value in settings.items()),
+            "the world size": str(self.world_size),
+            "the keys": repr([key for key, _ in items]),
+            "the shapes": repr([tuple(t.shape) for _, t in items]),
+            "the dtypes and devices": repr([f"{t.dtype} on {t.device.type}" for _, t in items]),
+        }
+        device = items[0][1].device if items else torch.device("cpu")
+        step = max((self.steps.get(key, 0) for key, _ in items), default=0)
+        return Group(list(range(len(items))), agree(parts, self.world_size, device), step)
 
     def compresses(self, key: str, tensor: torch.Tensor) -> bool:
         """Whether ``key``'s next step is compressed (not excluded, not too small, past warm-up)."""
@@ -246,6 +274,8 @@ class Pipeline:
         for key, tensor in items:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{key!r}: expected a tensor, got {type(tensor).__name__}")
+            if key not in self.shapes or self._expected_shapes:
+                self._record_shape(key, tuple(tensor.shape))
         o = self.options
         if o.min_numel or o.warmup_steps or o.exclude:
             flags = [self.compresses(key, tensor) for key, tensor in items]
@@ -271,6 +301,12 @@ class Pipeline:
                 groups.append(Group(members, protocol, step, flat))
         return groups
 
+    def _record_shape(self, key: str, shape: tuple[int, ...]) -> None:
+        expected = self._expected_shapes.pop(key, None)
+        if expected is not None and expected != shape:
+            raise ValueError(f"{key!r} has shape {shape}; the loaded gradpress state was saved for {expected}")
+        self.shapes[key] = shape
+
     def _as_one(self, compressed: bool, tensors: list[torch.Tensor], bucket: torch.Tensor) -> torch.Tensor | None:
         """The tensors as one flat view of ``bucket``, when exchanging them as one tensor gives the same
         result as one by one: an :attr:`~gradpress.compressor.Compressor.elementwise` method, no
@@ -291,60 +327,63 @@ class Pipeline:
                   members: Sequence[str] | None = None) -> Protocol:
         """GRACE Algorithm 1 lines 4-14 for a group of tensors, THC's preliminary stage included.
         ``members``: the keys of the tensors one flat item stands for (see :meth:`_as_one`), which
-        errors name."""
+        errors name.
+
+        A gradient holding NaN/Inf does not end this rank's part: its input becomes zeros, its feedback
+        memory is left as it was, and the exchange carries the rank's fault flag in-band, so every
+        rank raises the same :class:`NonFiniteError`, naming the faulty ranks, at the same point."""
         strategy = self.strategy if compressed else self.plain
         feedback = self.feedback if compressed else self.no_feedback
         compressor, stats, step = strategy.compressor, self.stats, max(steps)
         ctxs = [Context(self.options.seed, s, key, self.rank) for (key, _), s in zip(items, steps)]
         grads = [grad.detach() for _, grad in items]
+        names = _names(members if members is not None else [key for key, _ in items])
+        keys = [key for key, _ in items]
+        before = feedback.snapshot(keys) if feedback.updates else None
         start = time.perf_counter()
         xs = [feedback.compensate(key, grad) for (key, _), grad in zip(items, grads)]
         inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads)]
+        faulty, carried = False, False
         prepared: list[torch.Tensor | None] = [None] * len(items)
-        if compressor.prepares:
-            prelims = []
-            for (key, _), x, ctx in zip(items, inputs, ctxs):
-                flat = x.reshape(-1).contiguous()
-                if flat.numel() == 0:
-                    prelims.append(None)
-                    continue
-                if not compressor.checks_finite:
-                    _check_finite(flat, key, compressor)
-                prelims.append(compressor.prepare(flat.view(x.shape), ctx, self.world_size))
-            stats.add(step, compress_s=time.perf_counter() - start)
-            prepared = yield from strategy.preliminary(prelims)
-            start = time.perf_counter()
-        updates = feedback.updates
-        check = not self._checks_aggregate(compressor, updates)
-        packets = []
-        for (key, _), grad, x, given, ctx, ready in zip(items, grads, xs, inputs, ctxs, prepared):
-            try:
-                packet = (compressor.compress(given, ctx, prepared=ready) if compressor.prepares
-                          else compressor.compress(given, ctx, check=check))
-            except NonFiniteError as error:
-                raise NonFiniteError(f"gradient {key!r}: {error}" if members is None
-                                     else f"gradients {_names(members)}: {error}") from None
-            if updates:
-                feedback.update_from(key, x, packet, compressor, owned=x is not grad)
-            packets.append(packet)
-        stats.add(step, compress_s=time.perf_counter() - start,
-                  raw_bytes=sum(g.numel() * g.element_size() for g in grads),
-                  packet_bytes=sum(p.nbytes for p in packets))
         try:
+            if compressor.prepares:
+                prelims = []
+                for i, (x, ctx) in enumerate(zip(inputs, ctxs)):
+                    pre = _prepare(compressor, x, ctx, self.world_size)
+                    if pre is _FAULTY:
+                        faulty, inputs[i] = True, torch.zeros_like(x)
+                        pre = _prepare(compressor, inputs[i], ctx, self.world_size)
+                    prelims.append(pre)
+                stats.add(step, compress_s=time.perf_counter() - start)
+                prepared, carried = yield from strategy.preliminary(prelims, faulty)
+                start = time.perf_counter()
+            packets = []
+            for given, ctx, ready in zip(inputs, ctxs, prepared):
+                try:
+                    packet = _compress(compressor, given, ctx, ready)
+                except NonFiniteError:
+                    if carried:  # not seen before the preliminary exchange: no flag can travel now
+                        raise
+                    faulty = True
+                    packet = _compress(compressor, torch.zeros_like(given), ctx, ready)
+                packets.append(packet)
+            if feedback.updates and not faulty:
+                for (key, _), grad, x, packet in zip(items, grads, xs, packets):
+                    feedback.update_from(key, x, packet, compressor, owned=x is not grad)
+            stats.add(step, compress_s=time.perf_counter() - start,
+                      raw_bytes=sum(g.numel() * g.element_size() for g in grads),
+                      packet_bytes=sum(p.nbytes for p in packets))
             return (yield from strategy.exchange(packets, ctxs, grads if writable else None,
-                                                 lambda: stats.timer(step, "decompress_s")))
-        except NonFiniteError as error:
-            names = _names(members if members is not None else [key for key, _ in items])
-            raise NonFiniteError(f"gradients {names}: {error}") from None
-
-    def _checks_aggregate(self, compressor: Compressor, updates: bool) -> bool:
-        """Whether NaN/Inf are looked for in the aggregate (one pass fused with the division by n, and
-        every rank raises together) instead of in each input: for methods whose packets carry NaN/Inf
-        into the sum (:attr:`Compressor.propagates_nonfinite`), when no feedback memory would take in
-        the bad values first, every worker's packet is summed (no partial aggregation) and every rank
-        decodes the sum (no master compressor)."""
-        o = self.options
-        return compressor.propagates_nonfinite and not updates and o.partial == 1 and self.master is None
+                                                 lambda: stats.timer(step, "decompress_s"),
+                                                 None if carried else faulty))
+        except Exception as error:  # the step never happened: the memory goes back to before it
+            if before is not None:
+                feedback.restore(before)
+            if not isinstance(error, NonFiniteError):
+                raise
+            named = NonFiniteError(f"gradients {names}: {error}")
+            named.ranks = error.ranks
+            raise named from None
 
     def report(self) -> dict[str, Any]:
         """This worker's statistics (see :class:`Stats`), with the strategy's traffic pattern."""
@@ -352,34 +391,154 @@ class Pipeline:
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Feedback memory, per-key step counters, the compressors' own state (warm starts)."""
-        state = {"format": FORMAT, "spec": self.compressor.spec, "steps": dict(self.steps),
+        """Feedback memory, per-key step counters and shapes, the compressors' own state (warm starts),
+        and what they belong to: the specs, this rank and the world size (checked on loading)."""
+        state = {"format": FORMAT, "spec": self.compressor.spec, "feedback_spec": self.feedback.spec,
+                 "master_spec": self.master.spec if self.master is not None else None,
+                 "rank": self.rank, "world_size": self.world_size,
+                 "shapes": {key: list(shape) for key, shape in self.shapes.items()}, "steps": dict(self.steps),
                  "feedback": self.feedback.state_dict(), "compressor": self.compressor.state_dict()}
         if self.master is not None:
             state["master"] = self.master.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != FORMAT:
-            raise ValueError(f"not a gradpress runtime state (format {state.get('format')!r}, expected {FORMAT})")
-        if state["spec"] != self.compressor.spec:
-            raise ValueError(f"the state was saved by {state['spec']!r}; this runtime runs {self.compressor.spec!r}")
-        self.steps = dict(state["steps"])
+    def load_state_dict(self, state: Any) -> None:
+        """Restore :meth:`state_dict`, or this rank's part of a gathered one (see :func:`gathered`).
+        Everything is checked before anything is loaded: a ``ValueError`` names the key at fault (a
+        state of another method, memory, rank or world size; a tensor of the wrong shape or dtype, or
+        holding NaN/Inf)."""
+        state = own_state(state, self.rank, self.world_size)
+        expected = {"spec": self.compressor.spec, "feedback_spec": self.feedback.spec,
+                    "master_spec": self.master.spec if self.master is not None else None,
+                    "world_size": self.world_size, "rank": self.rank}
+        for name, value in expected.items():
+            if state[name] != value:
+                hint = (" (a framework that saves one file from rank 0 needs every rank's state: save "
+                        "state_dict(gathered=True))" if name == "rank" else "")
+                raise ValueError(f"gradpress state: {name} is {state[name]!r}, this runtime's is {value!r}{hint}")
+        shapes = _shapes(state["shapes"])
+        steps = state["steps"]
+        if not isinstance(steps, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                                  and v >= 0 for k, v in steps.items()):
+            raise ValueError("gradpress state: steps must map each key to an integer >= 0")
+        _check_keyed("feedback", state["feedback"], shapes)
+        for name, compressor in (("compressor", self.compressor), ("master", self.master)):
+            if compressor is None:
+                continue
+            section = state.get(name, {})
+            _check_tensors(name, section)
+            compressor.check_state(section, shapes)
+        self.steps = dict(steps)
+        self.shapes = dict(shapes)
+        self._expected_shapes = dict(shapes)
         self.feedback.load_state_dict(state["feedback"])
         self.compressor.load_state_dict(state["compressor"])
         if self.master is not None and "master" in state:
             self.master.load_state_dict(state["master"])
 
 
+_STATE_KEYS = ("format", "spec", "feedback_spec", "master_spec", "rank", "world_size", "shapes", "steps",
+               "feedback", "compressor")
+
+
+def gathered(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's :meth:`Pipeline.state_dict` in one dict (by rank), the form a framework that writes
+    one checkpoint file from rank 0 saves; each rank's :meth:`Pipeline.load_state_dict` takes its own."""
+    return {"format": FORMAT, "gathered": True, "world_size": len(states), "ranks": list(states)}
+
+
+def own_state(state: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """``state`` checked for the keys a runtime state has: itself, or rank ``rank``'s part of a
+    :func:`gathered` state (whose world size must be ``world_size``)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"gradpress state: expected the dict state_dict() returned, got {type(state).__name__}")
+    if state.get("format") != FORMAT:
+        raise ValueError(f"gradpress state: not a state of this version (format {state.get('format')!r}, "
+                         f"expected {FORMAT})")
+    if state.get("gathered"):
+        ranks = state.get("ranks")
+        if not isinstance(ranks, list) or len(ranks) != world_size or state.get("world_size") != world_size:
+            raise ValueError(f"gradpress state: a gathered state of {state.get('world_size')!r} ranks cannot "
+                             f"load into a world of {world_size}")
+        return own_state(ranks[rank], rank, world_size)
+    missing = [key for key in _STATE_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"gradpress state: missing {', '.join(repr(k) for k in missing)}")
+    return state
+
+
+def _shapes(recorded: Any) -> dict[str, tuple[int, ...]]:
+    if not isinstance(recorded, dict):
+        raise ValueError("gradpress state: shapes must map each key to its shape")
+    shapes = {}
+    for key, shape in recorded.items():
+        if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ValueError(f"gradpress state: shapes[{key!r}] must be a list of sizes, got {shape!r}")
+        shapes[key] = tuple(shape)
+    return shapes
+
+
+def _check_tensors(where: str, value: Any) -> None:
+    """Every tensor in ``value`` (nested dicts and lists) is finite; the error names where one is not."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"gradpress state: {where} holds NaN/Inf")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_tensors(f"{where}[{key!r}]", item)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_tensors(f"{where}[{i}]", item)
+
+
+def _check_keyed(where: str, sections: Any, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A feedback memory's state: sections of float32 tensors keyed by tensor name, each of its key's
+    shape where the state recorded one, finite."""
+    if not isinstance(sections, dict):
+        raise ValueError(f"gradpress state: {where} must be a dict, got {type(sections).__name__}")
+    for name, keyed in sections.items():
+        if not isinstance(keyed, dict):
+            raise ValueError(f"gradpress state: {where}[{name!r}] must map keys to tensors")
+        for key, tensor in keyed.items():
+            at = f"{where}[{name!r}][{key!r}]"
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
+                raise ValueError(f"gradpress state: {at} must be a float32 tensor, got {_kind(tensor)}")
+            if key in shapes and tuple(tensor.shape) != shapes[key]:  # (else checked where it is used)
+                raise ValueError(f"gradpress state: {at} has shape {tuple(tensor.shape)}, the tensor {shapes[key]}")
+            _check_tensors(at, tensor)
+
+
+def _kind(value: Any) -> str:
+    return f"{value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 def _names(keys: Sequence[str]) -> str:
     return ", ".join(repr(key) for key in keys)
 
 
-def _check_finite(flat: torch.Tensor, key: str, compressor: Compressor) -> None:
-    try:
-        check_finite(flat, compressor.spec)
-    except NonFiniteError as error:
-        raise NonFiniteError(f"gradient {key!r}: {error}") from None
+_FAULTY = object()
+
+
+def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: int) -> Any:
+    """This worker's :class:`~gradpress.compressor.Preliminary` for ``x`` (None for an empty tensor or
+    a method that sends none for it), or ``_FAULTY`` when ``x`` holds NaN/Inf: found by a check pass,
+    or, for a method that finds them in its own passes, in its preliminary values (a max norm, P = MQ)."""
+    flat = x.reshape(-1).contiguous()
+    if flat.numel() == 0:
+        return None
+    if not compressor.checks_finite and count_nonfinite(flat):
+        return _FAULTY
+    pre = compressor.prepare(flat.view(x.shape), ctx, world_size)
+    if pre is None and compressor.checks_finite and count_nonfinite(flat):
+        return _FAULTY  # (a tensor the method sends as it is: PowerSGD's vectors)
+    if (pre is not None and pre.op != "broadcast" and pre.values.is_floating_point()
+            and not bool(torch.isfinite(pre.values).all())):
+        return _FAULTY
+    return pre
+
+
+def _compress(compressor: Compressor, x: torch.Tensor, ctx: Context, prepared: torch.Tensor | None) -> Any:
+    return compressor.compress(x, ctx, prepared=prepared) if compressor.prepares else compressor.compress(x, ctx)
 
 
 # -- the driver --------------------------------------------------------------------------------------------
@@ -394,6 +553,7 @@ class _Run:
     then: Callable[[Any], Any]
     future: torch.futures.Future | None = None
     handle: Any = None
+    control: bool = False
 
 
 def _same(value: Any) -> Any:
@@ -420,11 +580,12 @@ class Driver:
                                  f"{self.failure}); the ranks may be out of step") from self.failure
 
     def start(self, protocol: Protocol, step: int, devices: list[torch.device] | None = None,
-              then: Callable[[Any], Any] = _same) -> torch.futures.Future:
+              then: Callable[[Any], Any] = _same, control: bool = False) -> torch.futures.Future:
         """Run ``protocol`` up to its first round and issue it; a future of ``then(its result)``
-        (``then`` runs where the result is formed, on a backend thread for asynchronous rounds)."""
+        (``then`` runs where the result is formed, on a backend thread for asynchronous rounds).
+        ``control``: its traffic is the ranks' agreement, counted as ``control_bytes``."""
         self.check()
-        run = _Run(protocol, step, then)
+        run = _Run(protocol, step, then, control=control)
         round_ = self._resume(run, None)
         if isinstance(round_, Round) and round_.final:
             return self._issue(run, round_).future(lambda results: self._finish(run, results), self._record)
@@ -456,9 +617,9 @@ class Driver:
                 else:
                     run.handle = self._issue(run, round_)
 
-    def run(self, protocol: Protocol, step: int) -> Any:
+    def run(self, protocol: Protocol, step: int, control: bool = False) -> Any:
         """Run ``protocol`` to its end (blocking) and return its result."""
-        future = self.start(protocol, step)
+        future = self.start(protocol, step, control=control)
         self.advance()
         return self.wait(future)
 
@@ -484,6 +645,9 @@ class Driver:
 
     def _issue(self, run: _Run, round_: Round) -> Any:
         step = run.step
+        if run.control:
+            return self.executor.issue(round_, lambda sent, received: self.stats.add(
+                step, control_bytes=sent + received), lambda seconds: None)
         return self.executor.issue(
             round_,
             lambda sent, received: self.stats.add(step, sent_bytes=sent, received_bytes=received, collectives=1),

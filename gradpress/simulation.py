@@ -46,6 +46,9 @@ class Simulator:
         for rank, mine in enumerate(items[1:], start=1):
             if [(k, t.shape, t.dtype) for k, t in mine] != [(k, t.shape, t.dtype) for k, t in items[0]]:
                 raise ValueError(f"worker {rank}'s gradients differ in keys, shapes or dtypes from worker 0's")
+        agreements = [p.agreement(mine) for p, mine in zip(self.pipelines, items)]
+        if agreements[0] is not None:
+            self._lockstep(agreements, control=True)
         groups = [p.groups(mine) for p, mine in zip(self.pipelines, items)]
         out: list[torch.Tensor] = [None] * len(items[0])  # type: ignore[list-item]
         for g, first in enumerate(groups[0]):
@@ -60,17 +63,24 @@ class Simulator:
         return [p.report() for p in self.pipelines]
 
     def state_dict(self) -> list[dict[str, Any]]:
+        """Every worker's state (a list by rank; :func:`gradpress.runtime.gathered` makes it the dict a
+        real run's ``state_dict(gathered=True)`` returns)."""
         return [p.state_dict() for p in self.pipelines]
 
-    def load_state_dict(self, state: Sequence[dict[str, Any]]) -> None:
+    def load_state_dict(self, state: Sequence[dict[str, Any]] | dict[str, Any]) -> None:
+        if isinstance(state, dict):  # a gathered state: every worker takes its own part
+            for pipeline in self.pipelines:
+                pipeline.load_state_dict(state)
+            return
         if len(state) != self.world_size:
             raise ValueError(f"a state of {len(state)} workers cannot load into {self.world_size}")
         for pipeline, mine in zip(self.pipelines, state):
             pipeline.load_state_dict(mine)
 
     # -- lockstep ------------------------------------------------------------------------------------
-    def _lockstep(self, groups) -> Any:
-        """Drive every worker's protocol for one group; worker 0's result."""
+    def _lockstep(self, groups, control: bool = False) -> Any:
+        """Drive every worker's protocol for one group; worker 0's result. ``control``: the ranks'
+        agreement, whose traffic counts as ``control_bytes``."""
         protocols = [g.protocol for g in groups]
         rounds = _send_all(protocols, [None] * self.world_size)
         while isinstance(rounds[0], Round):
@@ -79,7 +89,10 @@ class Simulator:
                 stats = self.pipelines[rank].stats
                 for request in round_.requests:
                     sent, received = traffic(request, rank, self.world_size)
-                    stats.add(groups[rank].step, sent_bytes=sent, received_bytes=received, collectives=1)
+                    if control:
+                        stats.add(groups[rank].step, control_bytes=sent + received)
+                    else:
+                        stats.add(groups[rank].step, sent_bytes=sent, received_bytes=received, collectives=1)
             if rounds[0].final:
                 replies = _results([r.requests for r in rounds], self.world_size, only=0)
                 try:
@@ -88,6 +101,14 @@ class Simulator:
                     for other in protocols[1:]:
                         other.close()
                     return stop.value
+                except Exception:  # every worker meets the error (and undoes its step), as in a real run
+                    everyone = _results([r.requests for r in rounds], self.world_size, only=None)
+                    for other, reply in zip(protocols[1:], everyone[1:]):
+                        try:
+                            other.send(reply)
+                        except Exception:  # noqa: BLE001 - the same error as worker 0's
+                            pass
+                    raise
                 raise RuntimeError("a protocol issued collectives after its final round")
             replies = _results([r.requests for r in rounds], self.world_size, only=None)
             rounds = _send_all(protocols, replies)
@@ -126,7 +147,7 @@ def _restore(like: WorkerGrads, out: list[torch.Tensor]) -> WorkerGrads:
 
 def _send_all(protocols, replies) -> list:
     """Resume every worker's protocol; their next rounds, or their results if all finished."""
-    rounds, finished = [], []
+    rounds, finished, error = [], [], None
     for rank, (protocol, reply) in enumerate(zip(protocols, replies)):
         try:
             rounds.append(protocol.send(reply))
@@ -134,6 +155,10 @@ def _send_all(protocols, replies) -> list:
         except StopIteration as stop:
             rounds.append(stop.value)
             finished.append(True)
+        except Exception as raised:  # noqa: BLE001 - every worker meets it (and undoes its step) first
+            error = error or raised
+    if error is not None:
+        raise error
     if any(finished) and not all(finished):
         raise RuntimeError("workers diverged: some finished their exchange while others issued collectives")
     return rounds

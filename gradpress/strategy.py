@@ -49,7 +49,7 @@ from typing import Any, Callable, ContextManager, Generator, Sequence
 
 import torch
 
-from gradpress.compressor import Compressor, Preliminary
+from gradpress.compressor import Compressor, NonFiniteError, Preliminary
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -229,37 +229,41 @@ def arrival_count(partial: float, world_size: int) -> int:
 _ALIGN = 8
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+def _offsets(nbytes: Sequence[int], element_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where :func:`pack` puts each tensor (a multiple of its element size, so that its slice views
+    back as its dtype), and the buffer's size (a multiple of 8, so that buffers stack into rows)."""
+    offsets, end = [], 0
+    for size, element in zip(nbytes, element_sizes):
+        start = -(-end // element) * element
+        offsets.append(start)
+        end = start + size
+    return offsets, -(-end // _ALIGN) * _ALIGN
 
 
 def pack(tensors: Sequence[torch.Tensor], device: torch.device, size: int | None = None) -> torch.Tensor:
-    """Concatenate the bytes of ``tensors`` into one uint8 buffer, each starting at a multiple of 8
-    bytes (so every slice views back as its dtype), zero-padded to ``size`` bytes if given."""
-    total = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+    """Concatenate the bytes of ``tensors`` into one uint8 buffer, each starting at a multiple of its
+    element size, zero-padded to a multiple of 8 bytes, or to ``size`` bytes if given."""
+    offsets, total = _offsets([t.numel() * t.element_size() for t in tensors], [t.element_size() for t in tensors])
     buffer = torch.zeros(max(total, size or 0), dtype=torch.uint8, device=device)
-    offset = 0
-    for t in tensors:
+    for t, offset in zip(tensors, offsets):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[offset:offset + raw.numel()] = raw
-        offset += _aligned(raw.numel())
     return buffer
 
 
 def unpack(buffer: torch.Tensor, layout: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
     """Views of ``buffer`` as the tensors :func:`pack` put there (``layout``: dtype and shape of each)."""
-    tensors, offset = [], 0
-    for dtype, shape in layout:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        tensors.append(buffer[offset:offset + nbytes].view(dtype).view(shape))
-        offset += _aligned(nbytes)
-    return tensors
+    elements = [torch.empty((), dtype=dtype).element_size() for dtype, _ in layout]
+    nbytes = [math.prod(shape) * e for (_, shape), e in zip(layout, elements)]
+    offsets, _ = _offsets(nbytes, elements)
+    return [buffer[o:o + b].view(dtype).view(shape) if b else buffer.new_empty(shape, dtype=dtype)
+            for (dtype, shape), o, b in zip(layout, offsets, nbytes)]  # (an empty row's offset may be unaligned)
 
 
 def packed_sizes(numels: torch.Tensor, element_sizes: Sequence[int]) -> torch.Tensor:
     """Bytes :func:`pack` needs for each row of ``numels`` (one row per rank, one column per tensor)."""
-    sizes = numels.to(torch.int64) * torch.tensor(element_sizes, dtype=torch.int64, device=numels.device)
-    return ((sizes + _ALIGN - 1) // _ALIGN * _ALIGN).sum(dim=1)
+    return torch.tensor([_offsets([n * e for n, e in zip(row, element_sizes)], element_sizes)[1]
+                         for row in numels.tolist()], dtype=torch.int64)
 
 
 def received_layout(numels: Sequence[int], local: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
@@ -315,6 +319,43 @@ def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tenso
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1)
+
+
+# -- fault flags, carried in-band ------------------------------------------------------------------
+# A rank whose gradient holds NaN/Inf still takes part in the exchange (with a packet compressed from
+# zeros) and sets its flag; every exchange carries every rank's flag in buffers it sends anyway, so all
+# ranks learn the same set of faulty ranks at the same point of the protocol and raise the same
+# NonFiniteError together, instead of the faulty rank raising alone while its peers wait out the
+# timeout (DESIGN invariant 5). The carriers:
+#
+# * a float sum: the faulty rank r writes NaN at position r of the first float summand buffer holding
+#   at least n values (no extra bytes; finite gradients never sum to NaN, overflow gives ±Inf);
+# * any other sum, max or min: n flag slots appended to a buffer (slot r: rank r's flag);
+# * an all-gather or gather of packed bytes: each rank's flag as a trailer of its buffer, or in the
+#   sizes header when the layout is variable; a server forwards the flags it gathered in its broadcast.
+def flag_slots(faulty: bool, rank: int, world_size: int, op: str, like: torch.Tensor) -> torch.Tensor:
+    """``world_size`` slots in ``like``'s dtype that, combined by ``op`` over the ranks, are away from
+    the neutral value exactly at the faulty ranks (sum and max: 1 at the own slot; min: 0 there)."""
+    neutral, mark = (1, 0) if op == "min" else (0, 1)
+    slots = torch.full((world_size,), neutral, dtype=like.dtype, device=like.device)
+    if faulty:
+        slots[rank] = mark
+    return slots
+
+
+def flagged_ranks(slots: torch.Tensor, op: str = "sum") -> list[int]:
+    """The ranks whose combined :func:`flag_slots` are marked."""
+    marked = slots == 0 if op == "min" else slots != 0
+    return [int(r) for r in marked.nonzero().view(-1).tolist()]
+
+
+def raise_flagged(ranks: Sequence[int]) -> None:
+    """Raise the one error every rank raises when some rank's gradient held NaN/Inf."""
+    if ranks:
+        which = ", ".join(str(r) for r in ranks)
+        error = NonFiniteError(f"NaN/Inf in the gradient of rank{'s' if len(ranks) > 1 else ''} {which}")
+        error.ranks = list(ranks)
+        raise error
 
 
 # -- strategies -----------------------------------------------------------------------------------
@@ -375,9 +416,15 @@ class Strategy:
         return sorted(order[:count].tolist())
 
     # -- preliminary exchange ---------------------------------------------------------------------
-    def preliminary(self, prelims: Sequence[Preliminary | None]) -> Protocol:
+    def preliminary(self, prelims: Sequence[Preliminary | None], faulty: bool = False) -> Protocol:
         """Combine every item's :class:`Preliminary` over the workers; values of the same op, source and
-        dtype travel in one collective. Returns each item's combined values (None where none)."""
+        dtype travel in one collective. Returns each item's combined values (None where none), and
+        whether the fault flags travelled with them.
+
+        ``faulty``: this rank's gradient held NaN/Inf (its values come from zeros). The flags travel
+        as slots of the first sum, max or min; when some rank is flagged, every rank raises
+        :class:`NonFiniteError` here. A preliminary of broadcasts alone cannot carry them: the main
+        exchange does."""
         groups: dict[tuple, list[int]] = {}
         for i, pre in enumerate(prelims):
             if pre is not None:
@@ -385,40 +432,51 @@ class Strategy:
                 if pre.op == "broadcast" and not 0 <= src < self.world_size:
                     raise ValueError(f"preliminary broadcast from rank {src} in a world of {self.world_size}")
                 groups.setdefault((pre.op, src, pre.values.dtype, pre.values.device), []).append(i)
-        protocols = []
-        for (op, src, _, _), members in groups.items():
-            flat = torch.cat([_flat(prelims[i].values) for i in members])  # type: ignore[union-attr]
+        protocols, carrier = [], None
+        for g, ((op, src, _, _), members) in enumerate(groups.items()):
+            parts = [_flat(prelims[i].values) for i in members]  # type: ignore[union-attr]
             if op == "broadcast":
-                protocols.append(_single(Broadcast(flat, src), final=False))
-            else:
-                protocols.append(reduce_tensor(flat, op, self.world_size, self.deterministic, final=False))
+                protocols.append(_single(Broadcast(torch.cat(parts), src), final=False))
+                continue
+            if carrier is None:
+                carrier = g
+                parts.append(flag_slots(faulty, self.rank, self.world_size, op, parts[0]))
+            protocols.append(reduce_tensor(torch.cat(parts), op, self.world_size, self.deterministic, final=False))
         combined = yield from parallel(protocols)
+        if carrier is not None:
+            flags = combined[carrier][-self.world_size:]
+            raise_flagged(flagged_ranks(flags, list(groups)[carrier][0]))
+            combined[carrier] = combined[carrier][:-self.world_size]
         out: list[torch.Tensor | None] = [None] * len(prelims)
         for members, flat in zip(groups.values(), combined):
             for i, values in zip(members, _split(flat, [prelims[i].values for i in members])):  # type: ignore[union-attr]
                 out[i] = values
-        return out
+        return out, carrier is not None
 
     # -- main exchange ------------------------------------------------------------------------------
     def exchange(self, packets: Sequence[Packet], ctxs: Sequence[Context],
-                 outputs: Sequence[torch.Tensor] | None = None, timer: Timer = nullcontext) -> Protocol:
+                 outputs: Sequence[torch.Tensor] | None = None, timer: Timer = nullcontext,
+                 faulty: bool | None = False) -> Protocol:
         """The averaged tensor of every item (its packet's shape and dtype), the same bits on every rank.
 
         ``outputs``: the caller's gradients, which the exchange may overwrite (a DDP bucket's): the
         collectives work in their storage where they can, and averages are written into them where a
         method can (see :meth:`Compressor.aggregate`); None leaves every input alone. ``timer``: a
-        context manager factory timing the decoding.
+        context manager factory timing the decoding. ``faulty``: this rank's gradients held NaN/Inf
+        (its packets are of zeros); the flag travels in-band (see "fault flags" above) and every rank
+        raises :class:`NonFiniteError` naming the faulty ranks instead of decoding. None: no flag
+        travels, as the preliminary exchange carried them already.
         """
         writable = {o.untyped_storage().data_ptr() for o in outputs} if outputs is not None else set()
         if all(p.numel == 0 for p in packets):
             return [self.compressor.decompress(p) for p in packets]
         if self.mode == "collective":
             if self.compressor.exchange == "allreduce":
-                return (yield from self._allreduce(packets, writable, timer))
-            return (yield from self._allgather(packets, outputs, timer))
+                return (yield from self._allreduce(packets, writable, timer, faulty))
+            return (yield from self._allgather(packets, outputs, timer, faulty))
         if self.compressor.summable:
-            return (yield from self._server_sum(packets, ctxs, timer))
-        return (yield from self._server_gather(packets, ctxs, timer))
+            return (yield from self._server_sum(packets, ctxs, timer, faulty))
+        return (yield from self._server_gather(packets, ctxs, timer, faulty))
 
     def _summands(self, packet: Packet) -> list[torch.Tensor]:
         """The packet's summands, integers widened so that n of them add without wrapping."""
@@ -457,21 +515,36 @@ class Strategy:
                 per_item[i][j] = part
         return per_item
 
-    def _allreduce(self, packets, writable, timer) -> Protocol:
+    def _allreduce(self, packets, writable, timer, faulty) -> Protocol:
         """GRACE Algorithm 1 lines 7-9: g = Q⁻¹(Allreduce(g̃)) / n."""
         summands = [self._summands(p) for p in packets]
         members = self._by_dtype(summands)
         flats = [concat([summands[i][j] for i, j in group], writable) for group in members]
-        sums = yield from parallel([reduce_tensor(f, "sum", self.world_size, self.deterministic, final=True)
-                                    for f in flats])
+        n = self.world_size
+        carrier = next((g for g, f in enumerate(flats) if f.is_floating_point() and f.numel() >= n), None)
+        if faulty is None:
+            pass
+        elif carrier is None:  # flag slots after the first buffer's values
+            flats[0] = torch.cat([flats[0], flag_slots(faulty, self.rank, n, "sum", flats[0])])
+        elif faulty:  # a NaN at position r marks rank r
+            flats[carrier][self.rank] = math.nan
+        sums = yield from parallel([reduce_tensor(f, "sum", n, self.deterministic, final=True) for f in flats])
+        if faulty is None:
+            pass
+        elif carrier is None:
+            raise_flagged(flagged_ranks(sums[0][-n:]))
+            sums[0] = sums[0][:-n]
+        else:
+            raise_flagged(flagged_ranks(sums[carrier][:n].isnan()))
         per_item = self._unflatten(sums, members, summands)
         with timer():
             return [self.compressor.decode_sum(p, s, self.world_size) for p, s in zip(packets, per_item)]
 
-    def _allgather(self, packets, outputs, timer) -> Protocol:
+    def _allgather(self, packets, outputs, timer, faulty) -> Protocol:
         """GRACE Algorithm 1 lines 10-13: every packet to every worker, decoded, then Agg (mean or rule).
         The received packets are copies (the gathered buffer), so an average may go into ``outputs``."""
-        rows = yield from self._collect(*self._wire(packets), _device(packets), AllGather, final=True)
+        rows, flagged = yield from self._collect(*self._wire(packets), _device(packets), AllGather, True, faulty)
+        raise_flagged(flagged)
         outs = outputs if outputs is not None else [None] * len(packets)
         with timer():
             return [self.compressor.aggregate(item, out=out) for item, out in zip(self._per_item(packets, rows), outs)]
@@ -484,11 +557,39 @@ class Strategy:
                 all(c.expected_nbytes(p.numel, p.dtype) is not None for p in packets))
 
     def _collect(self, local: list[torch.Tensor], fixed: bool, device: torch.device, request: type,
-                 final: bool) -> Protocol:
+                 final: bool, faulty: bool | None) -> Protocol:
         """All-gather (or gather at the root) every worker's ``local`` tensors as one byte buffer per
-        worker. A ``fixed`` layout goes in one round; otherwise the workers first exchange their
-        tensors' sizes. Returns each rank's unpacked tensors (None where nothing is received)."""
+        worker, each rank's fault flag with them. A ``fixed`` layout goes in one round, the flag as a
+        trailer of the buffer; otherwise the workers first exchange their tensors' sizes, and the flags
+        in that header (``faulty`` None: no flag). Returns each rank's unpacked tensors (None where
+        nothing is received), and the flagged ranks (None where they are not known: a gather's non-root
+        ranks)."""
         gather = (lambda t: Gather(t, self.root)) if request is Gather else AllGather
+        if faulty is None:
+            rows = yield from self._collect_plain(local, fixed, device, gather, final)
+            return rows, []
+        flag = torch.tensor([int(faulty)], dtype=torch.uint8, device=device)
+        if fixed:
+            (stack,) = yield Round([gather(pack([*local, flag], device))], final)
+            layouts = [[(t.dtype, tuple(t.shape)) for t in [*local, flag]]] * self.world_size
+            if stack is None:
+                return None, None
+            rows = [unpack(stack[j], layouts[j]) for j in range(self.world_size)]
+            return [row[:-1] for row in rows], flagged_ranks(torch.cat([row[-1] for row in rows]))
+        header = torch.tensor([t.numel() for t in local] + [int(faulty)], dtype=torch.int64, device=device)
+        (headers,) = yield Round([AllGather(header)])
+        flagged = flagged_ranks(headers[:, -1])
+        raise_flagged(flagged)  # every rank knows: no need to send the data
+        headers = headers[:, :-1]
+        sizes = packed_sizes(headers, [t.element_size() for t in local])
+        (stack,) = yield Round([gather(pack(local, device, int(sizes.max())))], final)
+        if stack is None:
+            return None, flagged
+        layouts = [received_layout(row, local) for row in headers.tolist()]
+        return [unpack(stack[j], layouts[j]) for j in range(self.world_size)], flagged
+
+    def _collect_plain(self, local, fixed, device, gather, final) -> Protocol:
+        """:meth:`_collect` without flags."""
         if fixed:
             (stack,) = yield Round([gather(pack(local, device))], final)
             layouts = [[(t.dtype, tuple(t.shape)) for t in local]] * self.world_size
@@ -502,7 +603,7 @@ class Strategy:
             return None
         return [unpack(stack[j], layouts[j]) for j in range(self.world_size)]
 
-    def _server_sum(self, packets, ctxs, timer) -> Protocol:
+    def _server_sum(self, packets, ctxs, timer, faulty) -> Protocol:
         """Parameter server / switch for summable packets: the workers upload to the root, which adds
         the arrivals' summands in rank order (integers only in switch mode) and broadcasts the sums, or
         C_M of the mean (and the sums too for a method whose decoding keeps state, e.g. PowerSGD's warm
@@ -516,7 +617,7 @@ class Strategy:
         own = [self._summands(p) for p in packets]
         wire = self._uploads_packets(packets, own)
         local, fixed = self._wire(packets) if wire else ([t for mine in own for t in mine], True)
-        rows = yield from self._collect(local, fixed, _device(packets), Gather, final=False)
+        rows, flagged = yield from self._collect(local, fixed, _device(packets), Gather, False, faulty)
         arrivals = [self.arrivals(ctx) for ctx in ctxs]
         totals = None
         if rows is not None:
@@ -526,7 +627,7 @@ class Strategy:
                           in zip(packets, own, self._by_item(rows, counts), arrivals)]
         if self.master is not None:
             if self.compressor.stateful_decode:  # every rank decodes the sums, to keep its state alike
-                per_item = yield from self._broadcast_sums(totals, own, final=False)
+                per_item = yield from self._broadcast_sums(totals, own, False, flagged, faulty is not None)
                 with timer():
                     decoded = [self.compressor.decode_sum(p, s, len(a))
                                for p, s, a in zip(packets, per_item, arrivals)]
@@ -537,15 +638,16 @@ class Strategy:
                     with timer():
                         means = [self.compressor.decode_sum(p, s, len(a))
                                  for p, s, a in zip(packets, totals, arrivals)]
-            return (yield from self._master_broadcast(means, packets, ctxs, timer))
-        per_item = yield from self._broadcast_sums(totals, own, final=True)
+            return (yield from self._master_broadcast(means, packets, ctxs, timer, flagged, faulty is not None))
+        per_item = yield from self._broadcast_sums(totals, own, True, flagged, faulty is not None)
         with timer():
             return [self.compressor.decode_sum(p, s, len(a)) for p, s, a in zip(packets, per_item, arrivals)]
 
     def _broadcast_sums(self, totals: list[list[torch.Tensor]] | None, own: list[list[torch.Tensor]],
-                        final: bool) -> Protocol:
+                        final: bool, flagged: list[int] | None, carry: bool) -> Protocol:
         """The server's sums (``totals``, None on other ranks) broadcast to every rank, one collective
-        per dtype; each item's sums, shaped as its summands ``own``."""
+        per dtype, with the ranks it found flagged (``flagged``); each item's sums, shaped as its
+        summands ``own``."""
         members, flats = self._by_dtype(own), []
         for group in members:
             if totals is not None:
@@ -553,8 +655,26 @@ class Strategy:
             else:  # a buffer for the root's sums
                 (i, j), size = group[0], sum(own[i][j].numel() for i, j in group)
                 flats.append(own[i][j].new_empty(size))
+        if carry:
+            flats[0] = self._forward_flags(flats[0], flagged)
         sums = yield Round([Broadcast(f, self.root) for f in flats], final=final)
+        if carry:
+            sums[0] = self._received_flags(sums[0])
         return self._unflatten(sums, members, own)
+
+    def _forward_flags(self, buffer: torch.Tensor, flagged: list[int] | None) -> torch.Tensor:
+        """``buffer`` with n flag slots appended: the root's ``flagged`` ranks marked, or room for them."""
+        n = self.world_size
+        if flagged is None:
+            return torch.cat([buffer, buffer.new_empty(n)])
+        slots = buffer.new_zeros(n)
+        slots[flagged] = 1
+        return torch.cat([buffer, slots])
+
+    def _received_flags(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Raise if the root forwarded flagged ranks in ``buffer``'s slots; the buffer without them."""
+        raise_flagged(flagged_ranks(buffer[-self.world_size:]))
+        return buffer[:-self.world_size]
 
     def _uploads_packets(self, packets: Sequence[Packet], own: Sequence[Sequence[torch.Tensor]]) -> bool:
         """Whether workers send the server their packets rather than their summands: when every
@@ -578,11 +698,11 @@ class Strategy:
                 columns.append(self._summands(packet.with_wire(parts[j])) if wire else parts[j])
         return [fold_sum([column[k] for column in columns]) for k in range(len(mine))]
 
-    def _server_gather(self, packets, ctxs, timer) -> Protocol:
+    def _server_gather(self, packets, ctxs, timer, faulty) -> Protocol:
         """Parameter server for other packets: gather them at the root, decode and aggregate the
         arrivals' there, send back the dense mean or its C_M packet (Natural paper Algorithm 1, master
         side)."""
-        rows = yield from self._collect(*self._wire(packets), _device(packets), Gather, final=False)
+        rows, flagged = yield from self._collect(*self._wire(packets), _device(packets), Gather, False, faulty)
         means = None
         if rows is not None:
             arrivals = [self.arrivals(ctx) for ctx in ctxs]
@@ -590,7 +710,7 @@ class Strategy:
                 means = [self.compressor.aggregate([item[j] for j in arrived])
                          for item, arrived in zip(self._per_item(packets, rows), arrivals)]
         if self.master is not None:
-            return (yield from self._master_broadcast(means, packets, ctxs, timer))
+            return (yield from self._master_broadcast(means, packets, ctxs, timer, flagged, faulty is not None))
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(packets):
             groups.setdefault((p.dtype, p.device), []).append(i)
@@ -600,7 +720,12 @@ class Strategy:
                 buffers.append(torch.cat([_flat(means[i]) for i in items]))
             else:
                 buffers.append(torch.empty(sum(packets[i].numel for i in items), dtype=dtype, device=device))
+        carry = faulty is not None
+        if carry:
+            buffers[0] = self._forward_flags(buffers[0], flagged)
         received = yield Round([Broadcast(b, self.root) for b in buffers], final=True)
+        if carry:
+            received[0] = self._received_flags(received[0])
         out: list[torch.Tensor] = [None] * len(packets)  # type: ignore[list-item]
         for items, flat in zip(groups.values(), received):
             offset = 0
@@ -609,11 +734,12 @@ class Strategy:
                 offset += packets[i].numel
         return out
 
-    def _master_broadcast(self, means, packets, ctxs, timer) -> Protocol:
+    def _master_broadcast(self, means, packets, ctxs, timer, flagged, carry) -> Protocol:
         """The root compresses each mean with C_M and broadcasts the packets; every rank (the root too)
         decodes the broadcast bytes, so all end with the same bits. Non-roots learn the packets'
         structure from C_M applied to zeros with the same context (structure and metadata depend on the
-        context and the size, never on the values), their sizes from a header."""
+        context and the size, never on the values), their sizes from a header, which also carries the
+        flagged ranks."""
         master = self.master
         assert master is not None
         device = _device(packets)
@@ -622,7 +748,8 @@ class Strategy:
         mpackets = [master.compress(x, ctx) for x, ctx in zip(sources, contexts)]
         local = [t for p in mpackets for t in p.wire()]
         header = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
-        (header,) = yield Round([Broadcast(header, self.root)])
+        (header,) = yield Round([Broadcast(self._forward_flags(header, flagged) if carry else header, self.root)])
+        header = self._received_flags(header) if carry else header
         numels = header.tolist()
         layout = received_layout(numels, local)
         size = int(packed_sizes(header.view(1, -1), [t.element_size() for t in local])[0])
@@ -770,6 +897,24 @@ class ProcessGroupExecutor:
                                group=group, async_op=True)
             return work, lambda: out
         raise TypeError(f"unknown collective {request!r}")
+
+
+def rank_and_size(group: Any = None) -> tuple[int, int]:
+    """This process's rank in ``group`` (default: the default group) and the group's size."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def gather_objects(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (picklable), by rank, on every rank of ``group`` (collective)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 def process_group(group: Any = None, timeout: float | timedelta | None = None) -> Any:

@@ -194,10 +194,12 @@ class _Redundant(WideInt):
 
 def test_server_uploads_the_smaller_of_packets_and_summands():
     """THC Fig. 4: workers upload their packets and the server computes the summands, when that is
-    smaller (uint8 codes vs int32 sums of 3·100); otherwise the summands go up (Q alone, not P̂ and Q)."""
+    smaller (uint8 codes vs int32 sums of 3·100); otherwise the summands go up (Q alone, not P̂ and Q).
+    The upload carries the worker's fault flag (one byte, padded to 8), the sums the server's n flag
+    slots (in their dtype)."""
     xs = [torch.randn(16, generator=torch.Generator().manual_seed(r)) for r in range(3)]
-    for compressor, mode, upload, download in [(WideInt(bound=100), "switch", 16, 16 * 4),
-                                               (_Redundant(bound=15), "ps", 16, 16)]:
+    for compressor, mode, upload, download in [(WideInt(bound=100), "switch", 16 + 8, 16 * 4 + 3 * 4),
+                                               (_Redundant(bound=15), "ps", 16 + 8, 16 + 3)]:
         sim = gradpress.Simulator(compressor, 3, mode=mode)
         out = sim.step(xs)
         assert torch.equal(out, gradpress.simulate(compressor, xs))  # the same sums as an all-reduce
@@ -217,14 +219,15 @@ def test_diverging_workers_are_caught():
 
 @pytest.mark.parametrize("mode", ["collective", "ps"])
 def test_nonfinite_found_in_the_aggregate_of_uncompressed_sums(mode):
-    """``none`` leaves the NaN/Inf check to the aggregate: a bad value on one worker, or a sum that
-    overflows, raises for every worker, and the mean is the same bits as ``div_``'s."""
+    """A bad value on one worker is flagged in-band and every worker raises naming that rank; a sum
+    that overflows is found in the aggregate; and the mean is the same bits as ``div_``'s."""
     workers = grads(3)
     workers[1]["t0"][2, 3] = float("inf")
-    with pytest.raises(NonFiniteError, match=r"'t0'.*aggregate holds 1 NaN/Inf"):
+    with pytest.raises(NonFiniteError, match=r"'t0'.*NaN/Inf in the gradient of rank 1$") as raised:
         gradpress.simulate("none", workers, mode=mode)
+    assert raised.value.ranks == [1]
     big = [{"w": torch.full((5,), 40000.0, dtype=torch.float16)} for _ in range(2)]
-    with pytest.raises(NonFiniteError, match="overflowed"):
+    with pytest.raises(OverflowError, match="overflowed"):
         gradpress.simulate("fp16", big, feedback="none", mode=mode)
     clean = grads(3, shapes=((1000,),))
     expected = fold_sum([w["t0"] for w in clean]).div_(3)
@@ -237,7 +240,7 @@ def test_nonfinite_input_is_checked_before_a_memory_takes_it():
     memory = sim.state_dict()
     bad = grads(2, shapes=((4,),), seed=1)
     bad[0]["t0"][1] = float("nan")
-    with pytest.raises(NonFiniteError, match="the gradient holds 1 NaN/Inf value"):
+    with pytest.raises(NonFiniteError, match="NaN/Inf in the gradient of rank 0"):
         sim.step(bad)
     for before, after in zip(memory, sim.state_dict()):
         for key, e in before["feedback"]["memory"].items():
@@ -256,7 +259,7 @@ def test_state_dict_resumes_bit_identically():
     for s, expected in zip(steps[2:], outs[2:]):
         out = resumed.step(s)
         assert all(torch.equal(out[k], expected[k]) for k in expected)
-    with pytest.raises(ValueError, match="saved by"):
+    with pytest.raises(ValueError, match="spec is 'topk:ratio=0.2'"):
         gradpress.Simulator("randomk", 3).load_state_dict(first.state_dict())
 
 
@@ -266,7 +269,8 @@ def test_stats_count_packets_and_traffic():
     sim.step([torch.randn(64) for _ in range(n)])  # k = 16: 64 bytes of values, 64 of indices
     last = sim.stats()[0]["last"]
     assert last["raw_bytes"] == 256 and last["packet_bytes"] == 128
-    assert last["sent_bytes"] == last["received_bytes"] == (n - 1) * 128  # ring all-gather
+    # ring all-gather of each worker's packet and its fault flag (one byte, padded to 8)
+    assert last["sent_bytes"] == last["received_bytes"] == (n - 1) * (128 + 8)
     assert last["collectives"] == 1 and sim.stats()[0]["steps"] == 1
     assert sim.stats()[0]["pattern"] == "allgather"
 
