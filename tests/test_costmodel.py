@@ -158,3 +158,21 @@ def test_predict_from_run_uses_steady_state_means():
     assert predicted.total == pytest.approx(0.12 + 3 * 1.1e6 * 8 / 1e7)
     measured = C.measured_breakdown(run)
     assert measured.total == pytest.approx(0.4) and measured.communication == pytest.approx(0.28)
+
+
+def test_crossover_is_where_both_predicted_steps_are_equal():
+    """A method saving bytes at a compression cost pays below B* and loses above it (sequential model)."""
+    method, base = C.Phase("allgather", 0.1e6), C.Phase("allreduce", 13e6)
+    b = C.crossover_bandwidth(0.008, method, 0.0, base, n=2, latency=1e-4)
+    assert 0 < b < math.inf
+
+    def step(compress, phase, bandwidth):
+        return C.predict_step_time(0.02, compress, phase, n=2, bandwidth=bandwidth, latency=1e-4).total
+
+    assert step(0.008, method, b) == pytest.approx(step(0.0, base, b), rel=1e-12)
+    assert step(0.008, method, b / 2) < step(0.0, base, b / 2)  # a slower link: compression pays
+    assert step(0.008, method, b * 2) > step(0.0, base, b * 2)  # a faster one: it does not
+    assert C.crossover_bandwidth(0.0, method, 0.001, base, n=2) == math.inf  # cheaper and smaller: always
+    assert C.crossover_bandwidth(0.001, base, 0.0, method, n=2) == 0.0  # dearer and larger: never
+    faster = C.crossover_bandwidth(0.004, method, 0.0, base, n=2, latency=1e-4)
+    assert faster > b  # halving the overhead moves the crossover to faster links

@@ -18,6 +18,7 @@ BENCHES = [
     "gradpress.bench.thc_nmse",
     "gradpress.bench.powersgd",
     "gradpress.bench.faults",
+    "gradpress.bench.step",
 ]
 
 

@@ -199,6 +199,16 @@ def _recode_blocks(bits, seed, bottom, deterministic, out, least):  # pragma: no
                 out[i] = _encode_exact(bits[i], i, seed, bottom, deterministic)
 
 
+@njit(inline="always")
+def _decode_one(c, bottom, scale):  # pragma: no cover - compiled
+    """The value of code ``c`` (see :func:`_decode_numba`)."""
+    d = U(U(c & U(0x7F)) - U(1) - bottom)
+    d = U(d + U(WINDOW)) if d >= U(0x80000000) else d  # mod 127
+    magnitude = f32_from_bits(U(U(d + U(1)) << U(MANTISSA))) * scale
+    signed = f32_from_bits(U(bits_of_f32(magnitude) | U(U(c & U(0x80)) << U(24))))
+    return signed if U(c & U(0x7F)) != U(0) else np.float32(0.0)
+
+
 @jit
 def _decode_numba(codes, top, out):  # pragma: no cover - compiled
     """``decode_table(top)[codes]``, computed (a table lookup would be a slow gather). The code c ≥ 1 of
@@ -209,12 +219,17 @@ def _decode_numba(codes, top, out):  # pragma: no cover - compiled
     bottom = U(top % WINDOW)  # the bottom power's code - 1
     scale = np.float32(2.0**top)
     for i in range(codes.size):
-        c = U(codes[np.uint64(i)])
-        d = U(U(c & U(0x7F)) - U(1) - bottom)
-        d = U(d + U(WINDOW)) if d >= U(0x80000000) else d  # mod 127
-        magnitude = f32_from_bits(U(U(d + U(1)) << U(MANTISSA))) * scale
-        signed = f32_from_bits(U(bits_of_f32(magnitude) | U(U(c & U(0x80)) << U(24))))
-        out[np.uint64(i)] = signed if U(c & U(0x7F)) != U(0) else np.float32(0.0)
+        out[np.uint64(i)] = _decode_one(U(codes[np.uint64(i)]), bottom, scale)
+
+
+@jit
+def _decode_add_numba(codes, top, total):  # pragma: no cover - compiled
+    """``total += decode(codes)`` in one pass (an all-gather's sum: no decoded temporary per worker)."""
+    wide_vectors()
+    bottom = U(top % WINDOW)
+    scale = np.float32(2.0**top)
+    for i in range(codes.size):
+        total[np.uint64(i)] += _decode_one(U(codes[np.uint64(i)]), bottom, scale)
 
 
 # -- the torch implementation --------------------------------------------------------------------------------
@@ -330,6 +345,14 @@ class Natural(Compressor):
             codes = _encode_torch(x, seed, top - WINDOW + 1, self.deterministic)
         header = torch.tensor([top], dtype=torch.int8, device=x.device)
         return Packet({"top": header, "codes": codes}, flat.shape, flat.dtype)
+
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """``total += decompress(packet)``, decoded and added in one pass (the same bits)."""
+        codes = packet["codes"]
+        if use_numba(codes) and use_numba(total):
+            _decode_add_numba(as_numpy(codes), int(packet["top"][0]), as_numpy(total))
+        else:
+            super().accumulate(total, packet)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         codes = packet["codes"]

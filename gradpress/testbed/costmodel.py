@@ -165,6 +165,26 @@ def predict_step_time(compute_s: float, compress_s: float, phases: Phase | Seque
     return Breakdown(compute_s, compress_s, comm, total)
 
 
+def crossover_bandwidth(compress_s: float, phases: Phase | Sequence[Phase], baseline_compress_s: float,
+                        baseline_phases: Phase | Sequence[Phase], *, n: int,
+                        latency: float = DEFAULT_LATENCY) -> float:
+    """The link speed (bits/s) at which a method stops beating a baseline (GRACE's lesson: compression
+    pays only while the communication it saves outweighs its overhead), in the sequential model of
+    :func:`predict_step_time` (the same compute on both sides cancels):
+
+        compress + α·M + 8·b/B  =  compress₀ + α·M₀ + 8·b₀/B   ⇔   B* = 8·(b₀ − b) / (compress − compress₀ + α·(M − M₀))
+
+    with M messages and b bytes on the critical path (:func:`communication_cost`). Below B* the method
+    is faster. ``math.inf``: it is faster at every speed (less overhead and fewer bytes); 0: at none.
+    """
+    method, base = communication_cost(phases, n), communication_cost(baseline_phases, n)
+    saved_bytes = base.nbytes - method.nbytes
+    overhead = compress_s - baseline_compress_s + _check_latency(latency) * (method.messages - base.messages)
+    if overhead <= 0:
+        return math.inf if saved_bytes >= 0 else 0.0
+    return 8.0 * saved_bytes / overhead if saved_bytes > 0 else 0.0
+
+
 def predict_from_run(run: Run, *, bandwidth: float | str, n: int, strategy: str,
                      latency: float = DEFAULT_LATENCY, overlap: bool = False,
                      nbytes_down: float | None = None) -> Breakdown:

@@ -523,6 +523,59 @@ def _load_results(path: Path) -> list[Run]:
     return [run for file in files for run in load_runs(file)]
 
 
+@dataclass(frozen=True)
+class Crossover:
+    """Where ``label`` stops paying: the link speed (bits/s) above which its predicted step is slower
+    than ``torch-allreduce``'s of the same setting (:func:`~gradpress.testbed.costmodel.crossover_bandwidth`)."""
+
+    label: str
+    workers: int
+    compress_s: float
+    nbytes: float
+    bandwidth: float
+
+
+def crossovers(runs: Sequence[Run], latency: float) -> list[Crossover]:
+    """For every run beside a ``torch-allreduce`` run of the same model, data, workers and batch: the
+    link speed at which it stops beating that run, from its measured compression time and bytes."""
+    out = []
+    for run in runs:
+        strategy = strategy_of(run)
+        if strategy is None or run.compressor == "torch-allreduce":
+            continue
+        same = [r for r in runs if r.compressor == "torch-allreduce" and (r.model, r.data, r.workers) ==
+                (run.model, run.data, run.workers) and r.info.get("batch_size") == run.info.get("batch_size")]
+        if not same:
+            continue
+        base = same[0]
+        speed = costmodel.crossover_bandwidth(run.mean_compress_s, _phases(strategy, run.bytes_per_step),
+                                              base.mean_compress_s, _phases("allreduce", base.bytes_per_step),
+                                              n=run.workers, latency=latency)
+        out.append(Crossover(run.compressor, run.workers, run.mean_compress_s, run.bytes_per_step, speed))
+    return out
+
+
+def render_crossovers(found: Sequence[Crossover]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="where each method stops paying: the link speed above which torch-allreduce's "
+                        "predicted step is faster (sequential α–β model)")
+    for column in ("run", "n", "compression ms", "bytes/step", "stops paying above"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for c in found:
+        speed = ("every speed" if c.bandwidth == math.inf else "never pays" if c.bandwidth == 0
+                 else _rate(c.bandwidth))
+        table.add_row(c.label, str(c.workers), f"{c.compress_s * 1e3:.1f}", _bytes(c.nbytes), speed)
+    return table
+
+
+def _rate(bits_per_second: float) -> str:
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6)):
+        if bits_per_second >= scale:
+            return f"{bits_per_second / scale:.3g} {unit}"
+    return f"{bits_per_second / 1e3:.3g} kbit/s"
+
+
 def render_checks(checks: Sequence[Check], title: str) -> Any:
     from rich.table import Table
 
@@ -813,6 +866,9 @@ def _main_cost(args: argparse.Namespace) -> int:
                               f"largest {max(errors):.1%}")
     if not checks:
         console.print("no run over an emulated link (--bandwidth) to check the model against")
+    paying = crossovers(runs, latency)
+    if paying:
+        console.print(render_crossovers(paying))
     predictions = []
     if args.workers or args.bandwidth:
         predictions = what_if(runs, args.workers, args.bandwidth, latency, args.strategy)
@@ -823,7 +879,8 @@ def _main_cost(args: argparse.Namespace) -> int:
     if args.json:
         out = {"latency": latency, "checks": [_check_dict(c) for c in checks],
                "cross_checks": [_check_dict(c) for c in crossed],
-               "what_if": [_prediction_dict(p) for p in predictions]}
+               "what_if": [_prediction_dict(p) for p in predictions],
+               "crossovers": [asdict(c) for c in paying]}
         cli.writable_parent(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
