@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from gradpress.strategy import AllGather, Protocol, Round
+from gradpress.protocol import AllGather, Protocol, Round
 
 
 def fingerprint(parts: Mapping[str, str]) -> torch.Tensor:
@@ -55,6 +55,7 @@ def _difference(name: str, by_rank: Sequence[str]) -> str:
     groups: dict[str, list[int]] = {}
     for rank, value in enumerate(by_rank):
         groups.setdefault(value, []).append(rank)
-    said = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {'have' if len(ranks) > 1 else 'has'} {value}"
+    said = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+            f"{'have' if len(ranks) > 1 else 'has'} {value}"
             for value, ranks in groups.items()]
     return f"{name}: " + ", ".join(said)

@@ -17,7 +17,7 @@ import torch
 
 from gradpress.compressor import Compressor
 from gradpress.runtime import Driver, Options, Pipeline, gathered as _gathered
-from gradpress.strategy import ProcessGroupExecutor, gather_objects, process_group as resolve_group
+from gradpress.distributed import ProcessGroupExecutor, gather_objects, process_group as resolve_group
 
 
 class Communicator:

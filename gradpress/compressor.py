@@ -82,7 +82,7 @@ class Compressor:
     * ``propagates_nonfinite`` (summable methods): every NaN/Inf of the input reaches the summed wire
       tensors at its own position (no compression, or a cast), and :meth:`decode_sum` checks the
       mean it forms, in the pass that divides by n. The runtime checks every rank's input before it is
-      sent (a NaN/Inf gradient is flagged in-band: see :mod:`gradpress.strategy`), so a non-finite
+      sent (a NaN/Inf gradient is flagged in-band: see :mod:`gradpress.protocol`), so a non-finite
       mean there means that the sum overflowed: an ``OverflowError`` on every rank.
     * ``saturates``: decoded float32 values may lie beyond the range of an fp16/bf16 input dtype
       although the input did not (an unbiased estimate's support, as QSGD's norm·l/s; a rounding up, as
@@ -99,7 +99,7 @@ class Compressor:
       concatenation of the packets. The runtime then exchanges tensors that lie back to back in one
       storage (a DDP bucket's gradients) as one tensor, with the same result bit for bit.
 
-    Runtime hooks (all optional, with defaults that fit single-round methods; see gradpress.strategy):
+    Runtime hooks (all optional, with defaults that fit single-round methods; see :mod:`gradpress.strategy`):
 
     * :attr:`exchange`: ``"allreduce"`` (summable) or ``"allgather"``: how the packets meet.
     * :meth:`prepare`: a preliminary exchange of a few values before compressing (THC's max norm,

@@ -35,7 +35,8 @@ import torch
 
 from gradpress.compressor import Compressor
 from gradpress.runtime import Driver, Options, Pipeline, Stats, compressor_of, gathered, own_state
-from gradpress.strategy import ProcessGroupExecutor, gather_objects, process_group as resolve_group, rank_and_size
+from gradpress.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
+from gradpress.distributed import process_group as resolve_group
 
 
 class GradpressState:
@@ -236,7 +237,8 @@ def _calling_ddp(module: torch.nn.Module, depth: int = 12) -> Any:
     """The DistributedDataParallel whose forward is calling ``module`` (a few frames up), or None."""
     frame = sys._getframe(2)
     while frame is not None and depth > 0:
-        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("forward", "_run_ddp_forward") else None
+        calling = frame.f_code.co_name in ("forward", "_run_ddp_forward")
+        owner = frame.f_locals.get("self") if calling else None
         if _is_ddp(owner) and owner.module is module:
             return owner
         frame, depth = frame.f_back, depth - 1

@@ -39,7 +39,9 @@ from gradpress.agreement import agree
 from gradpress.compressor import Compressor, NonFiniteError, count_nonfinite, make
 from gradpress.feedback import make_feedback
 from gradpress.rng import Context
-from gradpress.strategy import MODES, OVERFLOW, Protocol, Round, Strategy, adjacent, check_partial
+from gradpress.packet import adjacent
+from gradpress.protocol import Protocol, Round
+from gradpress.strategy import MODES, OVERFLOW, Strategy, check_partial
 
 FORMAT = 2
 

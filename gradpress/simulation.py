@@ -20,7 +20,8 @@ import torch
 
 from gradpress.compressor import Compressor
 from gradpress.runtime import Options, Pipeline
-from gradpress.strategy import AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round, fold_sum, traffic
+from gradpress.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
+                                fold_sum, traffic)
 
 WorkerGrads = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 

@@ -15,7 +15,8 @@ import gradpress
 from dist_utils import run_workers
 from gradpress.rng import Context
 from gradpress.runtime import Options
-from gradpress.strategy import Strategy, arrival_count, fold_sum
+from gradpress.protocol import fold_sum
+from gradpress.strategy import Strategy, arrival_count
 from numerics import gamma
 
 SEED = 5

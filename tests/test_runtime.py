@@ -11,7 +11,9 @@ import gradpress
 from gradpress.compressor import NonFiniteError
 from gradpress.rng import Context
 from gradpress.runtime import Driver, ExchangeFailed, Options, Pipeline, Stats
-from gradpress.strategy import AllReduce, Round, adjacent, concat, fold_sum, pack, parallel, sum_dtype, unpack
+from gradpress.packet import adjacent, concat, pack, unpack
+from gradpress.protocol import AllReduce, Round, fold_sum, parallel
+from gradpress.strategy import sum_dtype
 from test_runtime_compressors import LeaderTopK, PowerIteration, UniformInt, WideInt
 
 
@@ -328,7 +330,7 @@ class _Later:
     group's do."""
 
     def issue(self, round_, sent, done):
-        from gradpress.strategy import Handle
+        from gradpress.distributed import Handle
 
         results = [r.tensor for r in round_.requests]
 
