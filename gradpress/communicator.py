@@ -16,7 +16,9 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from gradpress.compressor import Compressor
-from gradpress.runtime import Driver, Options, Pipeline, gathered as _gathered
+from gradpress.driver import Driver
+from gradpress.runtime import Options, Pipeline, build
+from gradpress.state import gathered as _gathered
 from gradpress.distributed import ProcessGroupExecutor, gather_objects, process_group as resolve_group
 
 
@@ -34,7 +36,7 @@ class Communicator:
         executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout))
         self.rank, self.world_size = executor.rank, executor.world_size
         self._group = executor.group
-        self._pipeline = Pipeline(spec, self.options, self.rank, self.world_size)
+        self._pipeline = Pipeline(build(spec), self.options, self.rank, self.world_size)
         self._driver = Driver(executor, self._pipeline.stats)
 
     @property

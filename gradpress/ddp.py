@@ -34,7 +34,9 @@ from typing import Any, Callable
 import torch
 
 from gradpress.compressor import Compressor
-from gradpress.runtime import Driver, Options, Pipeline, Stats, compressor_of, gathered, own_state
+from gradpress.driver import Driver
+from gradpress.runtime import Options, Pipeline, Stats, build
+from gradpress.state import gathered, own_state
 from gradpress.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
 from gradpress.distributed import process_group as resolve_group
 
@@ -49,11 +51,10 @@ class GradpressState:
 
     def __init__(self, spec: str | Compressor, *, process_group: Any = None, model: torch.nn.Module | None = None,
                  **options: Any) -> None:
-        self.spec = spec
         self.options = Options.of(**options)
-        compressor_of(spec)  # unknown specs raise here, not at the first backward
-        if self.options.master is not None:
-            compressor_of(self.options.master)
+        self.compressor = build(spec)  # once; unknown specs raise here, not at the first backward
+        self.spec = self.compressor.spec
+        self.master = build(self.options.master) if self.options.master is not None else None
         self._group = process_group
         module = getattr(model, "module", model)
         self._names = None if module is None else {id(p): name for name, p in module.named_parameters()}
@@ -73,7 +74,7 @@ class GradpressState:
     # -- the hook's work ----------------------------------------------------------------------------
     def _setup(self) -> None:
         executor = ProcessGroupExecutor(resolve_group(self._group, self.options.timeout))
-        self._pipeline = Pipeline(self.spec, self.options, executor.rank, executor.world_size)
+        self._pipeline = Pipeline(self.compressor, self.options, executor.rank, executor.world_size, self.master)
         self._driver = Driver(executor, self._pipeline.stats)
         if self._loaded is not None:
             self._pipeline.load_state_dict(self._loaded)
@@ -138,7 +139,7 @@ class GradpressState:
         elif self._loaded is not None:
             state = self._loaded
         else:
-            state = Pipeline(self.spec, self.options, *rank_and_size(self._group)).state_dict()
+            state = self._local_pipeline().state_dict()
         return _gathered(state, self._group) if gathered else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -150,8 +151,12 @@ class GradpressState:
             self._pipeline.load_state_dict(state)
         else:
             rank, size = rank_and_size(self._group)
-            Pipeline(self.spec, self.options, rank, size).load_state_dict(state)  # validate now
+            self._local_pipeline().load_state_dict(state)  # validate now
             self._loaded = own_state(state, rank, size)  # this rank's part: state_dict() returns it
+
+    def _local_pipeline(self) -> Pipeline:
+        """A pipeline of this rank's, before the hook has run (for its state)."""
+        return Pipeline(self.compressor, self.options, *rank_and_size(self._group), self.master)
 
     @property
     def error(self) -> BaseException | None:

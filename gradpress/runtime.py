@@ -12,38 +12,28 @@ strategy allows. Where compressing a group tensor by tensor and as a whole give 
 :attr:`~gradpress.compressor.Compressor.elementwise` method such as ``none``, with nothing keyed per
 tensor), a DDP bucket's gradients travel as one flat view of the bucket: one packet, one decoding pass.
 
-The :class:`Driver` issues the rounds of many groups' protocols so that every rank issues the same
-collectives in the same order (DESIGN invariant 3), also with several DDP buckets in flight: a final
-round (the last collectives of a group) completes asynchronously, and its continuation only decodes;
-a non-final round is waited for and its protocol resumed only in :meth:`Driver.advance`, which the
-integrations call at points that are the same on every rank (before starting the next bucket, after
-the last one). PyTorch's own PowerSGD hook issues its second all-reduce from a completion callback,
-whose timing differs between ranks, so with several buckets the ranks' collectives can interleave in
-different orders; Gloo matches messages by order and aborts.
+The :class:`~gradpress.driver.Driver` runs the protocols on a process group in an order that is the same
+on every rank (DESIGN invariant 3); :mod:`gradpress.state` checks a saved state before it loads.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import fnmatch
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from gradpress.agreement import agree
 from gradpress.compressor import Compressor, NonFiniteError, count_nonfinite, make
 from gradpress.feedback import make_feedback
-from gradpress.rng import Context
 from gradpress.packet import adjacent
-from gradpress.protocol import Protocol, Round
+from gradpress.protocol import Protocol
+from gradpress.rng import Context
+from gradpress.state import FORMAT, check, shapes_of
 from gradpress.strategy import MODES, OVERFLOW, Strategy, check_partial
-
-FORMAT = 2
 
 
 # -- options ------------------------------------------------------------------------------------------
@@ -186,20 +176,14 @@ class _Timer:
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------
-def compressor_of(spec: str | Compressor) -> Compressor:
-    """A fresh compressor: from a spec string, or a copy of an instance (each rank, simulated or not,
-    owns its compressor's state)."""
+def build(spec: str | Compressor) -> Compressor:
+    """The compressor a front end runs: built from a spec string (once), or the instance given, which
+    the pipeline then owns (its per-key state, e.g. PowerSGD's warm starts, is this rank's)."""
     if isinstance(spec, str):
         return make(spec)
     if not isinstance(spec, Compressor):
         raise TypeError(f"expected a spec string or a Compressor, got {type(spec).__name__}")
-    try:
-        made = make(spec.spec)
-    except ValueError:
-        made = None
-    if type(made) is type(spec):
-        return made  # type: ignore[return-value]
-    return dataclasses.replace(spec) if dataclasses.is_dataclass(spec) else copy.deepcopy(spec)
+    return spec
 
 
 @dataclass
@@ -218,11 +202,16 @@ class Pipeline:
     """One worker's side of the exchange: its compressor, feedback memory, per-key step counters and
     statistics, and the protocol that takes a group of gradients to their averages."""
 
-    def __init__(self, spec: str | Compressor, options: Options, rank: int, world_size: int) -> None:
+    def __init__(self, compressor: Compressor, options: Options, rank: int, world_size: int,
+                 master: Compressor | None = None) -> None:
+        """``compressor`` (and ``master``, the C_M of ``options.master``, built here if not given): built
+        once by the front end (:func:`build`), owned by this pipeline."""
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"a pipeline runs a Compressor (gradpress.make(spec)), got {type(compressor).__name__}")
         self.options, self.rank, self.world_size = options, rank, world_size
-        self.compressor = compressor_of(spec)
+        self.compressor = compressor
         self.feedback = make_feedback(options.feedback or self.compressor.default_feedback)
-        self.master = compressor_of(options.master) if options.master else None
+        self.master = master if master is not None else make(options.master) if options.master else None
         common = dict(rank=rank, world_size=world_size, root=options.root, overflow=options.overflow,
                       deterministic=options.deterministic, partial=options.partial)
         self.strategy = Strategy(self.compressor, mode=options.mode, master=self.master, **common)
@@ -405,113 +394,21 @@ class Pipeline:
         return state
 
     def load_state_dict(self, state: Any) -> None:
-        """Restore :meth:`state_dict`, or this rank's part of a gathered one (see :func:`gathered`).
-        Everything is checked before anything is loaded: a ``ValueError`` names the key at fault (a
-        state of another method, memory, rank or world size; a tensor of the wrong shape or dtype, or
-        holding NaN/Inf)."""
-        state = own_state(state, self.rank, self.world_size)
+        """Restore :meth:`state_dict`, or this rank's part of a gathered one (:func:`gradpress.state.gathered`).
+        Everything is checked before anything is loaded (:func:`gradpress.state.check`): a ``ValueError``
+        names the key at fault (a state of another method, memory, rank or world size; a tensor of the
+        wrong shape or dtype, or holding NaN/Inf)."""
         expected = {"spec": self.compressor.spec, "feedback_spec": self.feedback.spec,
                     "master_spec": self.master.spec if self.master is not None else None,
                     "world_size": self.world_size, "rank": self.rank}
-        for name, value in expected.items():
-            if state[name] != value:
-                hint = (" (a framework that saves one file from rank 0 needs every rank's state: save "
-                        "state_dict(gathered=True))" if name == "rank" else "")
-                raise ValueError(f"gradpress state: {name} is {state[name]!r}, this runtime's is {value!r}{hint}")
-        shapes = _shapes(state["shapes"])
-        steps = state["steps"]
-        if not isinstance(steps, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-                                                  and v >= 0 for k, v in steps.items()):
-            raise ValueError("gradpress state: steps must map each key to an integer >= 0")
-        _check_keyed("feedback", state["feedback"], shapes)
-        for name, compressor in (("compressor", self.compressor), ("master", self.master)):
-            if compressor is None:
-                continue
-            section = state.get(name, {})
-            _check_tensors(name, section)
-            compressor.check_state(section, shapes)
-        self.steps = dict(steps)
-        self.shapes = dict(shapes)
-        self._expected_shapes = dict(shapes)
+        state = check(state, expected, {"compressor": self.compressor, "master": self.master})
+        self.steps = dict(state["steps"])
+        self.shapes = shapes_of(state)
+        self._expected_shapes = dict(self.shapes)
         self.feedback.load_state_dict(state["feedback"])
         self.compressor.load_state_dict(state["compressor"])
         if self.master is not None and "master" in state:
             self.master.load_state_dict(state["master"])
-
-
-_STATE_KEYS = ("format", "spec", "feedback_spec", "master_spec", "rank", "world_size", "shapes", "steps",
-               "feedback", "compressor")
-
-
-def gathered(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Every rank's :meth:`Pipeline.state_dict` in one dict (by rank), the form a framework that writes
-    one checkpoint file from rank 0 saves; each rank's :meth:`Pipeline.load_state_dict` takes its own."""
-    return {"format": FORMAT, "gathered": True, "world_size": len(states), "ranks": list(states)}
-
-
-def own_state(state: Any, rank: int, world_size: int) -> dict[str, Any]:
-    """``state`` checked for the keys a runtime state has: itself, or rank ``rank``'s part of a
-    :func:`gathered` state (whose world size must be ``world_size``)."""
-    if not isinstance(state, dict):
-        raise ValueError(f"gradpress state: expected the dict state_dict() returned, got {type(state).__name__}")
-    if state.get("format") != FORMAT:
-        raise ValueError(f"gradpress state: not a state of this version (format {state.get('format')!r}, "
-                         f"expected {FORMAT})")
-    if state.get("gathered"):
-        ranks = state.get("ranks")
-        if not isinstance(ranks, list) or len(ranks) != world_size or state.get("world_size") != world_size:
-            raise ValueError(f"gradpress state: a gathered state of {state.get('world_size')!r} ranks cannot "
-                             f"load into a world of {world_size}")
-        return own_state(ranks[rank], rank, world_size)
-    missing = [key for key in _STATE_KEYS if key not in state]
-    if missing:
-        raise ValueError(f"gradpress state: missing {', '.join(repr(k) for k in missing)}")
-    return state
-
-
-def _shapes(recorded: Any) -> dict[str, tuple[int, ...]]:
-    if not isinstance(recorded, dict):
-        raise ValueError("gradpress state: shapes must map each key to its shape")
-    shapes = {}
-    for key, shape in recorded.items():
-        if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ValueError(f"gradpress state: shapes[{key!r}] must be a list of sizes, got {shape!r}")
-        shapes[key] = tuple(shape)
-    return shapes
-
-
-def _check_tensors(where: str, value: Any) -> None:
-    """Every tensor in ``value`` (nested dicts and lists) is finite; the error names where one is not."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise ValueError(f"gradpress state: {where} holds NaN/Inf")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_tensors(f"{where}[{key!r}]", item)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_tensors(f"{where}[{i}]", item)
-
-
-def _check_keyed(where: str, sections: Any, shapes: dict[str, tuple[int, ...]]) -> None:
-    """A feedback memory's state: sections of float32 tensors keyed by tensor name, each of its key's
-    shape where the state recorded one, finite."""
-    if not isinstance(sections, dict):
-        raise ValueError(f"gradpress state: {where} must be a dict, got {type(sections).__name__}")
-    for name, keyed in sections.items():
-        if not isinstance(keyed, dict):
-            raise ValueError(f"gradpress state: {where}[{name!r}] must map keys to tensors")
-        for key, tensor in keyed.items():
-            at = f"{where}[{name!r}][{key!r}]"
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
-                raise ValueError(f"gradpress state: {at} must be a float32 tensor, got {_kind(tensor)}")
-            if key in shapes and tuple(tensor.shape) != shapes[key]:  # (else checked where it is used)
-                raise ValueError(f"gradpress state: {at} has shape {tuple(tensor.shape)}, the tensor {shapes[key]}")
-            _check_tensors(at, tensor)
-
-
-def _kind(value: Any) -> str:
-    return f"{value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def _names(keys: Sequence[str]) -> str:
@@ -541,162 +438,3 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
 
 def _compress(compressor: Compressor, x: torch.Tensor, ctx: Context, prepared: torch.Tensor | None) -> Any:
     return compressor.compress(x, ctx, prepared=prepared) if compressor.prepares else compressor.compress(x, ctx)
-
-
-# -- the driver --------------------------------------------------------------------------------------------
-class ExchangeFailed(RuntimeError):
-    """An earlier exchange failed, so the ranks may be out of step: no further exchange is attempted."""
-
-
-@dataclass
-class _Run:
-    protocol: Protocol
-    step: int
-    then: Callable[[Any], Any]
-    future: torch.futures.Future | None = None
-    handle: Any = None
-    control: bool = False
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
-class Driver:
-    """Runs protocols on an executor in the order DESIGN invariant 3 needs (see the module docstring).
-
-    A protocol whose first round is its last (most methods) completes in one callback on the
-    backend's thread: the round's results, the decoding and ``then``, holding the GIL once. Python
-    threads hand the GIL over at most every few milliseconds, so each further callback in a chain can
-    wait that long behind the training loop's own Python (DDP's backward thread).
-    """
-
-    def __init__(self, executor: Any, stats: Stats) -> None:
-        self.executor, self.stats = executor, stats
-        self._pending: deque[_Run] = deque()
-        self.failure: BaseException | None = None
-
-    def check(self) -> None:
-        if self.failure is not None:
-            raise ExchangeFailed(f"gradpress: an earlier exchange failed ({type(self.failure).__name__}: "
-                                 f"{self.failure}); the ranks may be out of step") from self.failure
-
-    def start(self, protocol: Protocol, step: int, devices: list[torch.device] | None = None,
-              then: Callable[[Any], Any] = _same, control: bool = False) -> torch.futures.Future:
-        """Run ``protocol`` up to its first round and issue it; a future of ``then(its result)``
-        (``then`` runs where the result is formed, on a backend thread for asynchronous rounds).
-        ``control``: its traffic is the ranks' agreement, counted as ``control_bytes``."""
-        self.check()
-        run = _Run(protocol, step, then, control=control)
-        round_ = self._resume(run, None)
-        if isinstance(round_, Round) and round_.final:
-            return self._issue(run, round_).future(lambda results: self._finish(run, results), self._record)
-        run.future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-        if isinstance(round_, Round):
-            run.handle = self._issue(run, round_)
-            self._pending.append(run)
-        else:
-            self._complete(run, round_.value)
-        return run.future
-
-    def advance(self) -> None:
-        """Wait for every pending non-final round, in start order, and issue what follows it."""
-        while self._pending:
-            run = self._pending.popleft()
-            while run.handle is not None:
-                handle, run.handle = run.handle, None
-                try:
-                    results = handle.wait()
-                except BaseException as error:
-                    self._fail(run, error)
-                    raise
-                round_ = self._resume(run, results)
-                if not isinstance(round_, Round):
-                    self._complete(run, round_.value)
-                elif round_.final:
-                    self._issue(run, round_).future(lambda results, run=run: self._settle(run, results),
-                                                    lambda error, run=run: self._abandon(run, error))
-                else:
-                    run.handle = self._issue(run, round_)
-
-    def run(self, protocol: Protocol, step: int, control: bool = False) -> Any:
-        """Run ``protocol`` to its end (blocking) and return its result."""
-        future = self.start(protocol, step, control=control)
-        self.advance()
-        return self.wait(future)
-
-    def wait(self, future: torch.futures.Future) -> Any:
-        """``future.wait()``, raising the exchange's own error: one raised in a backend callback
-        reaches the future as a RuntimeError that only quotes it."""
-        try:
-            return future.wait()
-        except RuntimeError as error:
-            if self.failure is None or self.failure is error:
-                raise
-            raise self.failure from None
-
-    def _resume(self, run: _Run, results: list | None) -> Round | StopIteration:
-        """The protocol's next round, or its StopIteration (whose ``value`` is the protocol's result)."""
-        try:
-            return run.protocol.send(results)
-        except StopIteration as stop:
-            return stop
-        except BaseException as error:
-            self._fail(run, error)
-            raise
-
-    def _issue(self, run: _Run, round_: Round) -> Any:
-        step = run.step
-        if run.control:
-            return self.executor.issue(round_, lambda sent, received: self.stats.add(
-                step, control_bytes=sent + received), lambda seconds: None)
-        return self.executor.issue(
-            round_,
-            lambda sent, received: self.stats.add(step, sent_bytes=sent, received_bytes=received, collectives=1),
-            lambda seconds: self.stats.add(step, comm_s=seconds))
-
-    def _record(self, error: BaseException) -> None:
-        self.failure = self.failure or error
-
-    def _complete(self, run: _Run, value: Any) -> None:
-        """Complete ``run.future`` with ``run.then(value)`` (on the calling thread)."""
-        try:
-            result = run.then(value)
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
-            run.future.set_exception(error)
-            return
-        run.future.set_result(result)
-
-    def _finish(self, run: _Run, results: list) -> Any:
-        """Continuation of a final round (on a backend thread): decode, then ``run.then``."""
-        try:
-            try:
-                run.protocol.send(results)
-            except StopIteration as stop:
-                return run.then(stop.value)
-            raise RuntimeError("a protocol issued collectives after its final round")
-        except BaseException as error:
-            self._record(error)
-            raise
-
-    def _settle(self, run: _Run, results: list) -> None:
-        """:meth:`_finish` for a run that started with a non-final round: completes its future."""
-        try:
-            value = self._finish(run, results)
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
-            self._abandon(run, error)
-            return
-        run.future.set_result(value)
-
-    def _abandon(self, run: _Run, error: BaseException) -> None:
-        """A run's final round failed (on a backend thread): record it, fail the run's future."""
-        self._record(error)
-        if not run.future.done():
-            run.future.set_exception(error)
-
-    def _fail(self, run: _Run, error: BaseException) -> None:
-        self._record(error)
-        for other in [run, *self._pending]:
-            if other.future is not None and not other.future.done():
-                other.future.set_exception(error)
-        self._pending.clear()

@@ -14,12 +14,15 @@ starts) to the others; that keeps n = 1024 workers affordable.
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from gradpress.compressor import Compressor
-from gradpress.runtime import Options, Pipeline
+from gradpress.compressor import make
+from gradpress.runtime import Options, Pipeline, build
 from gradpress.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
                                 fold_sum, traffic)
 
@@ -35,7 +38,8 @@ class Simulator:
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
         self.options = Options.of(**options)
         self.world_size = workers
-        self.pipelines = [Pipeline(spec, self.options, rank, workers) for rank in range(workers)]
+        build(spec)  # a bad spec or object raises once, here
+        self.pipelines = [Pipeline(_own(spec), self.options, rank, workers) for rank in range(workers)]
 
     def step(self, worker_grads: Sequence[WorkerGrads]) -> WorkerGrads:
         """Exchange one step: ``worker_grads[r]`` is rank r's gradients (a tensor, a list of tensors or a
@@ -64,7 +68,7 @@ class Simulator:
         return [p.report() for p in self.pipelines]
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """Every worker's state (a list by rank; :func:`gradpress.runtime.gathered` makes it the dict a
+        """Every worker's state (a list by rank; :func:`gradpress.state.gathered` makes it the dict a
         real run's ``state_dict(gathered=True)`` returns)."""
         return [p.state_dict() for p in self.pipelines]
 
@@ -130,6 +134,10 @@ def simulate(spec: str | Compressor, worker_grads: Sequence[WorkerGrads], **opti
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+def _own(spec: str | Compressor) -> Compressor:
+    """A simulated rank's own compressor (its per-key state is its own, as a real rank's is)."""
+    return make(spec) if isinstance(spec, str) else copy.deepcopy(spec)
+
 def _items(grads: WorkerGrads) -> list[tuple[str, torch.Tensor]]:
     if isinstance(grads, torch.Tensor):
         return [("", grads)]

@@ -21,7 +21,7 @@ from torch import nn
 
 import gradpress
 from gradpress.compressor import NonFiniteError
-from gradpress.runtime import gathered
+from gradpress.state import gathered
 from dist_utils import run_workers
 from specs import COMPOSITIONS
 

@@ -10,7 +10,8 @@ from torch import nn
 import gradpress
 from gradpress.compressor import NonFiniteError
 from gradpress.rng import Context
-from gradpress.runtime import Driver, ExchangeFailed, Options, Pipeline, Stats
+from gradpress.driver import Driver, ExchangeFailed
+from gradpress.runtime import Options, Pipeline, Stats
 from gradpress.packet import adjacent, concat, pack, unpack
 from gradpress.protocol import AllReduce, Round, fold_sum, parallel
 from gradpress.strategy import sum_dtype
@@ -318,11 +319,11 @@ def test_elementwise_exchanges_a_bucket_as_one_tensor(spec, options, as_one):
     by the 3-process tests."""
     bucket = torch.randn(4 + 6 + 5)
     items = [("a", bucket[:4].view(2, 2)), ("b", bucket[4:10].view(2, 3)), ("c", bucket[10:])]
-    groups = Pipeline(spec, Options(**options), 0, 2).groups(items, bucket=bucket)
+    groups = Pipeline(gradpress.make(spec), Options(**options), 0, 2).groups(items, bucket=bucket)
     assert [g.flat is not None for g in groups] == [as_one]
     if as_one:
         assert groups[0].flat.data_ptr() == bucket.data_ptr() and groups[0].flat.numel() == bucket.numel()
-    assert Pipeline(spec, Options(**options), 0, 2).groups(items)[0].flat is None  # no bucket: no view
+    assert Pipeline(gradpress.make(spec), Options(**options), 0, 2).groups(items)[0].flat is None  # no bucket: no view
 
 
 class _Later:
