@@ -10,7 +10,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# the CPU build of torch that lies on this kind of machine; a plain `pip install torch` pulls CUDA (GBs)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	# the extras (lightning, accelerate) must not replace that torch: pin the installed one
+	$(PY) -m pip install -q -e ".[test]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -56,7 +56,10 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="gradpress", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list the registered compressors and feedback memories").set_defaults(func=_list)
+    listing = sub.add_parser("list", help="list the registered compressors and feedback memories")
+    listing.add_argument("--markdown", action="store_true",
+                         help="the README's compressor table (bits per value measured on 2^20 N(0,1) fp32 values)")
+    listing.set_defaults(func=_list)
     for module in SUBCOMMANDS:
         importlib.import_module(module).add_parser(sub)
     return parser
@@ -64,12 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _list(args: argparse.Namespace) -> int:
     import gradpress
-    from gradpress.compressor import registry
+    from gradpress.compressor import registry, summary
 
+    if args.markdown:
+        from gradpress.compressor import markdown_table
+
+        print(markdown_table())
+        return 0
     for name in gradpress.compressor_names():
-        cls = registry.get(name)
-        summary = (cls.__doc__ or "").strip().splitlines()[0]
-        print(f"{name:12s} {summary}")
+        print(f"{name:12s} {summary(registry.get(name))}")
     print("\nfeedback:", ", ".join(gradpress.feedback_names()))
     return 0
 

@@ -8,9 +8,11 @@ and device.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -311,7 +313,30 @@ class Compressor:
 
 
 registry: Registry[Compressor] = Registry("compressor")
-register = registry.register
+
+#: The class-level facts a method may declare (each documented in :class:`Compressor`): plain class
+#: attributes (``examples = ("topk:ratio=0.1",)``), never annotated fields, which would be spec keys.
+FACTS = ("unbiased", "summable", "kept", "examples", "default_feedback", "checks_finite", "max_summand",
+         "linear", "propagates_nonfinite", "elementwise", "stateful_decode", "saturates")
+
+
+def register(name: str) -> Callable[[type[Compressor]], type[Compressor]]:
+    """``@register("name")`` on a ``@dataclass`` subclass of :class:`Compressor` (its fields are the
+    spec keys) adds a method: ``make("name:key=value")`` builds it, and the property suite, the
+    multi-process suite and ``gradpress list --markdown`` (the README's table) pick it up. A plain
+    ``@dataclass``'s generated ``__repr__`` gives way to the compressor's own (``gradpress.make(spec)``,
+    which round-trips); a fact of :data:`FACTS` declared as an annotated field is refused, saying so."""
+    def decorate(cls: type[Compressor]) -> type[Compressor]:
+        if dataclasses.is_dataclass(cls):
+            facts = [f.name for f in dataclasses.fields(cls) if f.name in FACTS]
+            if facts:
+                raise TypeError(f"{cls.__name__}: {', '.join(facts)} is a class-level fact, not a spec parameter: "
+                                f"write it without a type annotation (e.g. `examples = (...)`) or as ClassVar[...]")
+            if cls.__dataclass_params__.repr:  # type: ignore[attr-defined]
+                cls.__repr__ = Compressor.__repr__  # type: ignore[method-assign]
+        return registry.register(name)(cls)
+
+    return decorate
 
 
 def make(spec: str, **overrides: Any) -> Compressor:
@@ -331,6 +356,44 @@ def make(spec: str, **overrides: Any) -> Compressor:
 def compressor_names() -> list[str]:
     """Names of every registered compressor."""
     return registry.names()
+
+
+_ABBREVIATIONS = re.compile(r"(?:\bet al|\bApp|\bDef|\bThm|\bSec|\bEq|\bFig|\be\.g|\bi\.e|\bvs|\bcf|\bAlg)\.$")
+
+
+def summary(cls: type) -> str:
+    """The first sentence of a method's docstring, on one line (abbreviations such as "et al." and
+    "App." do not end it)."""
+    paragraph = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+    for match in re.finditer(r"\.(?=\s+[A-Z(`]|$)", paragraph):
+        if not _ABBREVIATIONS.search(paragraph[:match.end()]):
+            return paragraph[:match.end()]
+    return paragraph
+
+
+def markdown_table(numel: int = 1 << 20) -> str:
+    """The README's compressor table, generated from the registry: each method's first sentence, its
+    bits per value measured on ``numel`` N(0, 1) float32 values (``Packet.nbytes``, seed 0), and its
+    facts. ``gradpress list --markdown`` prints it; a test checks the README holds it as printed."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    rows = ["| name | method (docstring's first sentence) | bits/value on 2^20 N(0,1) fp32 | unbiased | exchange "
+            "| default feedback |", "|---|---|---:|---|---|---|"]
+    for name in compressor_names():
+        c = make(name)
+        packet = c.compress(x, Context(seed=0, step=0, key="table"), **_alone(c, x))
+        bits = f"{packet.nbytes * 8 / numel:.3g}"
+        method = summary(type(c)).replace("|", "\\|")
+        rows.append(f"| `{name}` | {method} | {bits} | {'yes' if c.unbiased else 'no'} | {c.exchange} "
+                    f"| `{c.default_feedback}` |")
+    return "\n".join(rows)
+
+
+def _alone(c: Compressor, x: torch.Tensor) -> dict[str, Any]:
+    """A one-worker preliminary exchange, for methods that have one."""
+    if not c.prepares:
+        return {}
+    pre = c.prepare(x, Context(seed=0, step=0, key="table"), 1)
+    return {"prepared": None if pre is None else pre.values}
 
 
 @dataclass(repr=False)

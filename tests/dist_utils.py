@@ -24,13 +24,16 @@ class WorkerFailed(AssertionError):
     """A worker raised, exited early or missed the deadline."""
 
 
-def _entry(fn: Callable, rank: int, world_size: int, store: str, out: str, args: tuple, group_timeout: float) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, store: str, out: str, args: tuple, group_timeout: float,
+           backend: str = "gloo") -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=group_timeout))
         result = {"ok": fn(rank, world_size, *args)}
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -44,16 +47,18 @@ def _entry(fn: Callable, rank: int, world_size: int, store: str, out: str, args:
 
 
 def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 90.0, group_timeout: float = 60.0,
-                may_exit: frozenset[int] = frozenset()) -> list[Any]:
+                may_exit: frozenset[int] = frozenset(), backend: str = "gloo") -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; the list of their return values.
 
     Ranks in ``may_exit`` may end without a result (a test that kills a worker); theirs is None.
+    ``backend="nccl"``: NCCL instead, rank r on GPU r (the GPU tests).
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
         outs = [str(Path(tmp) / f"rank{r}.pt") for r in range(world_size)]
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, outs[r], args, group_timeout))
+        procs = [ctx.Process(target=_entry,
+                             args=(fn, r, world_size, store, outs[r], args, group_timeout, backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

