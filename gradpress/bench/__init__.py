@@ -3,9 +3,15 @@ with ``add_bench_parser(bench_subparsers)``. Timings live here, never in test as
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
+import json
+import os
 import sys
-from typing import Callable
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
 
 from gradpress import cli
 
@@ -45,3 +51,67 @@ def run_as_script(doc: str | None, add_arguments: Callable[[argparse.ArgumentPar
     add_arguments(parser)
     parser.set_defaults(func=main)
     sys.exit(cli.run(parser))
+
+
+# -- benchmarks on several processes --------------------------------------------------------------------
+Worker = Callable[[int, int, dict[str, Any]], Any]
+
+
+def spawn(worker: Worker, workers: int, args: dict[str, Any], timeout: float | None = None,
+          may_die: frozenset[int] = frozenset(), threads: int = 1) -> list[Any]:
+    """``worker(rank, workers, args)`` in ``workers`` fresh CPU processes (``spawn``; ``threads`` torch
+    threads each) that share one Gloo group, joined through a FileStore (no port to race for), with
+    ``timeout`` as the group's timeout too. Each rank's return value, by rank: None for a rank of
+    ``may_die`` that returned nothing (a benchmark that kills it); processes still running after
+    ``timeout`` seconds are killed, and a rank that failed otherwise raises ``RuntimeError``.
+    ``worker`` must be a module-level function."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = str(Path(tmp) / "store"), str(Path(tmp) / "result")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_entry, args=(worker, r, workers, store, f"{out}{r}", args, timeout, threads))
+                 for r in range(workers)]
+        for p in procs:
+            p.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in procs:
+            p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results = []
+        for r, p in enumerate(procs):
+            if os.path.exists(f"{out}{r}"):
+                import torch
+
+                results.append(torch.load(f"{out}{r}", weights_only=False))
+            elif r in may_die:
+                results.append(None)
+            else:
+                raise RuntimeError(f"benchmark worker {r} failed: exit code {p.exitcode}")
+        return results
+
+
+def _entry(worker: Worker, rank: int, workers: int, store: str, out: str, args: dict[str, Any],
+           timeout: float | None, threads: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=workers,
+                            timeout=datetime.timedelta(seconds=timeout or 300))
+    result = worker(rank, workers, args)
+    torch.save(result, out)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a group with a dead member: the result is saved
+        pass
+
+
+def write_json(path: str, value: Any) -> None:
+    """``value`` as JSON at ``path`` (its folder made if need be; values JSON lacks written as text)."""
+
+    cli.writable_parent(path).write_text(json.dumps(value, indent=2, default=str) + "\n")

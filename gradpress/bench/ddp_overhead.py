@@ -16,20 +16,15 @@ give any other square MLP.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradpress import cli
-from gradpress.bench import add_bench, run_as_script
+from gradpress.bench import add_bench, run_as_script, spawn, write_json
 
 
 # preset MLPs of ``--model``: (width, depth)
@@ -43,15 +38,11 @@ def _model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def _worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) -> None:
-    os.environ["OMP_NUM_THREADS"] = str(args["threads"])
-    torch.set_num_threads(args["threads"])
+def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[float]]:
     import torch.distributed as dist
 
     import gradpress
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
     base = _model(args["width"], args["depth"])
     variants: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
@@ -85,27 +76,14 @@ def _worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) -
                 start = time.perf_counter()
                 step(ddp, optimizer)
                 times[name].append(time.perf_counter() - start)
-    torch.save(times, out)
-    dist.destroy_process_group()
+    return times
 
 
 def run(specs: list[str], workers: int = 2, width: int = 1024, depth: int = 4, batch: int = 32,
         rounds: int = 5, steps: int = 5, threads: int = 1) -> dict[str, dict[str, float]]:
     """Median step time (seconds, rank 0) per variant and its ratio to DDP's built-in all-reduce."""
-    import torch.multiprocessing as mp
-
     args = dict(specs=specs, width=width, depth=depth, batch=batch, rounds=rounds, steps=steps, threads=threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        store, out = str(Path(tmp) / "store"), str(Path(tmp) / "times")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, workers, store, f"{out}{r}", args)) for r in range(workers)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"benchmark workers failed: exit codes {[p.exitcode for p in procs]}")
-        times = torch.load(f"{out}0")
+    times = spawn(_worker, workers, args, threads=threads)[0]
     baseline = statistics.median(times["ddp"])
     return {name: {"median_s": statistics.median(t), "ratio": statistics.median(t) / baseline}
             for name, t in times.items()}
@@ -146,8 +124,7 @@ def main(args: argparse.Namespace) -> int:
             name, f"gradpress hook, {name}")
         print(f"  {label:32s} {1e3 * figures['median_s']:8.1f} ms   {figures['ratio']:.3f}×")
     if args.json:
-        cli.writable_parent(args.json).write_text(json.dumps({"config": vars(args), "result": result}, indent=2,
-                                                             default=str))
+        write_json(args.json, {"config": vars(args), "result": result})
     return 0
 
 

@@ -13,21 +13,17 @@ the fault flag in-band, the ranks without the NaN waited out the ``timeout``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import signal
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradpress import cli
-from gradpress.bench import add_bench, run_as_script
+from gradpress.bench import add_bench, run_as_script, spawn, write_json
 
 STRATEGIES = {
     "collective": {},
@@ -46,16 +42,10 @@ def _timed(call) -> tuple[str, float]:
     return "ok", time.perf_counter() - start
 
 
-def _worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
+def _nan(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Each spec under each strategy: one healthy exchange, then a NaN on the last rank, timed."""
     import gradpress
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args["timeout"]))
-    faulty = world - 1
     results: dict[str, Any] = {}
     g = torch.Generator().manual_seed(rank)
     for spec in args["specs"]:
@@ -66,39 +56,32 @@ def _worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) -
             except ValueError:  # not applicable (a switch adds integers only): every rank alike
                 continue
             grads = {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
-            if rank == faulty:
+            if rank == world - 1:
                 grads["w"][3, 5] = float("nan")
             results[f"{spec} {name}"] = _timed(lambda: comm.reduce_many(grads))
-    torch.save(results, out)
+    return results
+
+
+def _kill(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """A healthy DDP step, then the last rank kills itself (SIGKILL) in the middle of a backward pass."""
+    import gradpress
+
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)))
     gradpress.register(ddp, "topk:ratio=0.01", timeout=args["timeout"])
     ddp(torch.randn(32, 64)).sum().backward()
-    if rank == faulty:  # killed in the middle of the next backward pass
+    if rank == world - 1:
         ddp.module[2].weight.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
-    results["SIGKILL mid-step (DDP, topk)"] = _timed(lambda: (ddp(torch.randn(32, 64)).sum().backward(),
-                                                              ddp(torch.randn(32, 64)).sum().backward()))
-    torch.save(results, out)
-    os._exit(0)  # the group has a dead member: no orderly shutdown
+    return {"SIGKILL mid-step (DDP, topk)": _timed(lambda: (ddp(torch.randn(32, 64)).sum().backward(),
+                                                              ddp(torch.randn(32, 64)).sum().backward()))}
 
 
 def run(specs: list[str], workers: int = 2, timeout: float = 30.0) -> list[dict[str, Any]]:
     """Per case, what each rank raised and after how many seconds (the last rank is the faulty one)."""
-    import torch.multiprocessing as mp
-
     args = dict(specs=specs, timeout=timeout)
-    with tempfile.TemporaryDirectory() as tmp:
-        store, out = str(Path(tmp) / "store"), str(Path(tmp) / "result")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, workers, store, f"{out}{r}", args)) for r in range(workers)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 60 + len(specs) * len(STRATEGIES) * (timeout + 5)
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-        results = [torch.load(f"{out}{r}") if os.path.exists(f"{out}{r}") else {} for r in range(workers)]
+    nan = spawn(_nan, workers, args, timeout=60 + len(specs) * len(STRATEGIES) * (timeout + 5))
+    killed = [r or {} for r in spawn(_kill, workers, args, timeout=60 + timeout, may_die=frozenset({workers - 1}))]
+    results = [{**a, **b} for a, b in zip(nan, killed)]
     rows = []
     for case in results[0]:
         row: dict[str, Any] = {"case": case}
@@ -134,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"NaN on one rank: every rank raised within {max(nan):.3f} s (median {statistics.median(nan):.3f} s) "
               f"over {len(nan)} cases")
     if args.json:
-        cli.writable_parent(args.json).write_text(json.dumps(rows, indent=2))
+        write_json(args.json, rows)
     return 0
 
 

@@ -32,11 +32,8 @@ less than 1 + (P̂ Qᵀ)/products; ``ratio_all`` sets compress + decompress besi
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,7 +43,7 @@ import torch
 from torch import nn
 
 from gradpress import cli
-from gradpress.bench import add_bench, run_as_script
+from gradpress.bench import add_bench, run_as_script, spawn
 
 VARIANTS = ("torch-allreduce", "torch-powersgd", "gradpress-powersgd")
 
@@ -208,15 +205,11 @@ def _install(variant: str, ddp: nn.Module, recorder: _Recorder, args: dict[str, 
         raise ValueError(f"unknown variant {variant!r}; variants: {', '.join(VARIANTS)}")
 
 
-def _worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) -> None:
-    os.environ["OMP_NUM_THREADS"] = str(args["threads"])
-    torch.set_num_threads(args["threads"])
+def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from gradpress.testbed.models import criterion, evaluate, make_model, model_config
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args["timeout"]))
     data = _dataset(args["dataset"], args["seed"])
     shard = data.train.shard(rank, world, seed=args["seed"])
     loss_fn = criterion(data)
@@ -251,8 +244,7 @@ def _worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) -
                 times[variant].append(time.perf_counter() - began)
             optimizer.step()
     quality = {variant: evaluate(ddp.module, data) for variant, (ddp, _, _) in runs.items()} if rank == 0 else {}
-    torch.save({"times": times, "errors": errors, "measured": measured, "quality": quality}, out)
-    dist.destroy_process_group()
+    return {"times": times, "errors": errors, "measured": measured, "quality": quality}
 
 
 def bench_training(rank: int = 1, steps: int = 300, workers: int = 2, start: int = 2, batch: int = 64,
@@ -260,29 +252,12 @@ def bench_training(rank: int = 1, steps: int = 300, workers: int = 2, start: int
                    momentum: float = 0.0, bucket_cap_mb: float = 1000.0, threads: int = 1, seed: int = 0,
                    timeout: float = 600.0) -> list[TrainingRecord]:
     """Train with each hook of :data:`VARIANTS` on ``workers`` Gloo processes (module docstring)."""
-    import torch.multiprocessing as mp
-
     if start < 2:
         raise ValueError("start must be >= 2: PyTorch's hook needs start_powerSGD_iter > 1 with error feedback")
     args = dict(rank=rank, steps=steps, start=start, batch=batch, nmse_steps=nmse_steps, dataset=dataset,
                 model=model, lr=lr, momentum=momentum, bucket_cap_mb=bucket_cap_mb, threads=threads, seed=seed,
                 timeout=timeout)
-    with tempfile.TemporaryDirectory() as tmp:
-        store, out = str(Path(tmp) / "store"), str(Path(tmp) / "result")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, workers, store, f"{out}{r}", args)) for r in range(workers)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"benchmark workers failed: exit codes {[p.exitcode for p in procs]}")
-        result = torch.load(f"{out}0", weights_only=False)
+    result = spawn(_worker, workers, args, timeout=timeout, threads=threads)[0]
     measured = result["measured"]
     first = [i for i, step in enumerate(measured) if step < start + nmse_steps]
     last = [i for i, step in enumerate(measured) if step >= steps - nmse_steps]

@@ -14,20 +14,15 @@ machines of this kind differ, ratios to a copy much less.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradpress import cli
-from gradpress.bench import add_bench, run_as_script
+from gradpress.bench import add_bench, run_as_script, spawn, write_json
 
 
 def _copy_ms(numel: int, repeats: int = 9) -> float:
@@ -40,16 +35,12 @@ def _copy_ms(numel: int, repeats: int = 9) -> float:
     return 1e3 * statistics.median(times)
 
 
-def _worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import gradpress
     from gradpress.testbed.models import make_model, model_config
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
     config = model_config(args["model"])
     shape = (args["batch"], getattr(config, "in_channels", 1), getattr(config, "image_size", 28),
              getattr(config, "image_size", 28))
@@ -92,27 +83,14 @@ def _worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) -
                 "copy_ms": _copy_ms(numel),
             })
     results["numel"] = numel
-    torch.save(results, out)
-    dist.destroy_process_group()
+    return results
 
 
 def run(specs: list[str], model: str = "mlp-wide", workers: int = 2, batch: int = 64, steps: int = 20,
         warmup: int = 3, feedbacks: tuple[str, ...] = ("default", "none")) -> dict[str, Any]:
     """Rank 0's medians per (spec, feedback): step, compress and decompress ms, and the copy ms."""
-    import torch.multiprocessing as mp
-
     args = dict(specs=specs, model=model, batch=batch, steps=steps, warmup=warmup, feedbacks=list(feedbacks))
-    with tempfile.TemporaryDirectory() as tmp:
-        store, out = str(Path(tmp) / "store"), str(Path(tmp) / "result")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, workers, store, f"{out}{r}", args)) for r in range(workers)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"benchmark workers failed: exit codes {[p.exitcode for p in procs]}")
-        return torch.load(f"{out}0")
+    return spawn(_worker, workers, args)[0]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,8 +121,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {r['spec']:28s} {r['feedback']:9s} {copies(r['compress_ms'])} {copies(r['decompress_ms'])} "
               f"{r['step_ms']:6.1f} ms   {r['copy_ms']:.2f} ms")
     if args.json:
-        cli.writable_parent(args.json).write_text(json.dumps({"config": vars(args), "result": result}, indent=2,
-                                                             default=str))
+        write_json(args.json, {"config": vars(args), "result": result})
     return 0
 
 
