@@ -23,7 +23,7 @@ model), hit rate@10 and NDCG@10 of the held-out item among 1 + 99 sampled candid
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, ClassVar, Literal, Sequence
 
 import torch
@@ -53,6 +53,14 @@ class ModelConfig:
     grad_clip: ClassVar[float | None] = None
 
     def build(self) -> nn.Module:
+        """The module, after checking that every size (each integer field) is at least 1."""
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise ValueError(f"{self.name}: {f.name} must be at least 1, got {value}")
+        return self.module()
+
+    def module(self) -> nn.Module:
         raise NotImplementedError
 
 
@@ -100,39 +108,42 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+@dataclass(repr=False)
+class ImageConfig(ModelConfig):
+    """A classifier of square images (Fashion-MNIST by default): what the image models share."""
+
+    in_channels: int = 1
+    image_size: int = 28
+    num_classes: int = 10
+    task: ClassVar[str] = "classification"
+    dataset: ClassVar[str] = "fashion-mnist"
+
+    @property
+    def pixels(self) -> int:
+        return self.in_channels * self.image_size ** 2
+
+
 @models.register("mlp")
 @dataclass(repr=False)
-class MLPConfig(ModelConfig):
+class MLPConfig(ImageConfig):
     """Multi-layer perceptron on flattened images."""
 
     hidden: int = 256
     depth: int = 2
-    in_channels: int = 1
-    image_size: int = 28
-    num_classes: int = 10
-    task: ClassVar[str] = "classification"
-    dataset: ClassVar[str] = "fashion-mnist"
 
-    def build(self) -> nn.Module:
-        _positive(self, "hidden", "depth", "in_channels", "image_size", "num_classes")
-        return MLP(self.in_channels * self.image_size ** 2, [self.hidden] * self.depth, self.num_classes)
+    def module(self) -> nn.Module:
+        return MLP(self.pixels, [self.hidden] * self.depth, self.num_classes)
 
 
 @models.register("mlp-wide")
 @dataclass(repr=False)
-class WideMLPConfig(ModelConfig):
+class WideMLPConfig(ImageConfig):
     """One hidden layer of ``width`` units: a large gradient for little compute (communication-bound)."""
 
     width: int = 4096
-    in_channels: int = 1
-    image_size: int = 28
-    num_classes: int = 10
-    task: ClassVar[str] = "classification"
-    dataset: ClassVar[str] = "fashion-mnist"
 
-    def build(self) -> nn.Module:
-        _positive(self, "width", "in_channels", "image_size", "num_classes")
-        return MLP(self.in_channels * self.image_size ** 2, [self.width], self.num_classes)
+    def module(self) -> nn.Module:
+        return MLP(self.pixels, [self.width], self.num_classes)
 
 
 class BasicBlock(nn.Module):
@@ -179,18 +190,13 @@ class ResNet(nn.Module):
 
 @models.register("resnet")
 @dataclass(repr=False)
-class ResNetConfig(ModelConfig):
-    """Small residual CNN (ResNet-(6·blocks+2), He et al. 2016)."""
+class ResNetConfig(ImageConfig):
+    """Small residual CNN (ResNet-(6·blocks+2), He et al. 2016); any image size (global pooling)."""
 
     width: int = 16
     blocks: int = 1
-    in_channels: int = 1
-    num_classes: int = 10
-    task: ClassVar[str] = "classification"
-    dataset: ClassVar[str] = "fashion-mnist"
 
-    def build(self) -> nn.Module:
-        _positive(self, "width", "blocks", "in_channels", "num_classes")
+    def module(self) -> nn.Module:
         return ResNet(self.in_channels, self.num_classes, self.width, self.blocks)
 
 
@@ -243,8 +249,7 @@ class LSTMConfig(ModelConfig):
     batch_size: ClassVar[int] = 20
     grad_clip: ClassVar[float | None] = 5.0
 
-    def build(self) -> nn.Module:
-        _positive(self, "vocab_size", "embedding", "hidden", "layers")
+    def module(self) -> nn.Module:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lstm: dropout must be in [0, 1), got {self.dropout}")
         return LSTMLanguageModel(self.vocab_size, self.embedding, self.hidden, self.layers, self.dropout,
@@ -314,15 +319,8 @@ class NCFConfig(ModelConfig):
     lr: ClassVar[float] = 0.001
     batch_size: ClassVar[int] = 256
 
-    def build(self) -> nn.Module:
-        _positive(self, "num_users", "num_items", "factors", "layers")
+    def module(self) -> nn.Module:
         return NCF(self.num_users, self.num_items, self.factors, self.layers, self.arch)
-
-
-def _positive(config: ModelConfig, *names: str) -> None:
-    for name in names:
-        if getattr(config, name) < 1:
-            raise ValueError(f"{config.name}: {name} must be at least 1, got {getattr(config, name)}")
 
 
 # ---------------------------------------------------------------------------------------------------
