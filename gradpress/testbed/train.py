@@ -198,105 +198,146 @@ def _failure(result: Path, rank: int) -> tuple[int, str] | None:
 
 # -- the worker -----------------------------------------------------------------------------------------
 def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path) -> None:
+    """One rank of ``train``: join the group, set the run up, train, and (rank 0) save the run."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from gradpress.testbed import data as datasets
-    from gradpress.testbed.models import QUALITY, criterion, evaluate, model_config
 
     torch.set_num_threads(config.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
                             world_size=config.workers, timeout=timedelta(seconds=config.timeout))
     try:
-        dataset = datasets.load(config.data)
-        shard = dataset.shard(rank, config.workers, seed=config.seed)
-        settings = model_config(config.model, dataset)
-        torch.manual_seed(config.seed)  # the same initial model on every rank (DDP also broadcasts rank 0's)
-        model = settings.build()
-        ddp = DistributedDataParallel(model)
-        meter = _install_hook(ddp, config)
-        lr = config.lr if config.lr is not None else settings.lr
-        optimizer = _optimizer(settings.optimizer, model.parameters(), lr)
-        loss_fn = criterion(dataset)
-        batch_size = config.batch_size or settings.batch_size
-        metric, higher_is_better = QUALITY[dataset.task]
+        run = _Training(config, rank, _setup(config, rank)).run()
+        if rank == 0:
+            run.save(result)
+    finally:
+        dist.destroy_process_group()
 
-        steps: list[Step] = []
-        evals: list[Eval] = []
-        clock = _Clock()
-        bytes_total = 0
 
-        def measure(epoch: int, step: int) -> bool:
-            """Evaluate (rank 0); whether the time budget is spent (rank 0 decides for every rank).
+@dataclass
+class _Setup:
+    """What one rank trains with: its shard of the data, the model in DDP with the hook under test, the
+    optimizer and loss, and the training settings (the model's own unless the config gives them)."""
 
-            The evaluation is stamped with the training wall-clock at the moment it begins: the clock
-            stands still from here on (:meth:`_Clock.paused`), so neither this evaluation nor any
-            earlier one is counted, and an evaluation slower than the steps between two of them
-            cannot make ``wall_s`` go backwards."""
-            with clock.paused():
-                wall_s = clock.elapsed()
-                if rank == 0:
-                    quality = evaluate(model, dataset)
-                    evals.append(Eval(epoch=epoch, step=step, wall_s=wall_s, bytes_total=bytes_total,
-                                      metric=metric, value=quality[metric], higher_is_better=higher_is_better,
-                                      loss=quality["loss"]))
-                if config.seconds is None:
-                    dist.barrier()
-                    return False
-                spent = torch.tensor([rank == 0 and wall_s >= config.seconds], dtype=torch.uint8)
-                dist.broadcast(spent, 0)
-                return bool(spent)
+    dataset: Any
+    shard: Any
+    settings: Any
+    model: torch.nn.Module
+    ddp: Any
+    meter: _Meter
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable
+    lr: float
+    batch_size: int
 
-        per_epoch = len(shard.train) // batch_size
+
+def _setup(config: TrainConfig, rank: int) -> _Setup:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradpress.testbed import data as datasets
+    from gradpress.testbed.models import criterion, model_config
+
+    dataset = datasets.load(config.data)
+    settings = model_config(config.model, dataset)
+    torch.manual_seed(config.seed)  # the same initial model on every rank (DDP also broadcasts rank 0's)
+    model = settings.build()
+    ddp = DistributedDataParallel(model)
+    lr = config.lr if config.lr is not None else settings.lr
+    return _Setup(dataset, dataset.shard(rank, config.workers, seed=config.seed), settings, model, ddp,
+                  _install_hook(ddp, config), _optimizer(settings.optimizer, model.parameters(), lr),
+                  criterion(dataset), lr, config.batch_size or settings.batch_size)
+
+
+class _Training:
+    """One rank's training loop: steps timed and metered, evaluations on rank 0 at ``eval_every``
+    steps, a wall-clock that stands still while they run, and the time budget (``--seconds``)."""
+
+    def __init__(self, config: TrainConfig, rank: int, setup: _Setup) -> None:
+        from gradpress.testbed.models import QUALITY
+
+        self.config, self.rank, self.s = config, rank, setup
+        self.metric, self.higher_is_better = QUALITY[setup.dataset.task]
+        self.steps: list[Step] = []
+        self.evals: list[Eval] = []
+        self.clock = _Clock()
+        self.bytes_total = 0
+
+    def run(self) -> Run:
+        config, s = self.config, self.s
+        per_epoch = len(s.shard.train) // s.batch_size
         if per_epoch == 0:
-            raise ValueError(f"a shard of {len(shard.train)} samples holds no batch of {batch_size}")
+            raise ValueError(f"a shard of {len(s.shard.train)} samples holds no batch of {s.batch_size}")
         total = (config.steps if config.steps is not None else per_epoch * config.epochs
                  if config.epochs is not None else math.inf)
         eval_every = config.eval_every or per_epoch
-        bar = _progress_bar(total, rank, config)
+        bar = _progress_bar(total, self.rank, config)
         step, epoch = 0, 0
-        measure(0, 0)
-        clock.start()
+        self.measure(0, 0)
+        self.clock.start()
         while step < total:
-            generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch * 1009 + rank)
-            for x, y in shard.training_set(generator).batches(batch_size, generator, drop_last=True):
-                started = time.perf_counter()
-                before, hooked = meter.snapshot(), meter.in_hooks
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(ddp(x), y)
-                loss.backward()
-                waited = max(0.0, time.perf_counter() - meter.handed_off) if meter.handed_off > started else 0.0
-                if settings.grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-                optimizer.step()
-                elapsed = time.perf_counter() - started
-                spent = meter.snapshot() - before
-                bytes_total += int(spent.bytes)
+            generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch * 1009 + self.rank)
+            for x, y in s.shard.training_set(generator).batches(s.batch_size, generator, drop_last=True):
+                loss = self.step(x, y, step + 1, epoch)
                 step += 1
-                steps.append(Step(step=step, epoch=epoch, wall_s=clock.elapsed(),
-                                  compute_s=max(0.0, elapsed - (meter.in_hooks - hooked) - waited),
-                                  compress_s=spent.compress_s,
-                                  comm_s=spent.comm_s, bytes_sent=int(spent.bytes),
-                                  samples=len(y) * config.workers))
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-                if (step % eval_every == 0 or step == total) and measure(epoch, step):
+                if (step % eval_every == 0 or step == total) and self.measure(epoch, step):
                     total = step  # the time budget is spent
                 if step == total:
                     break
             epoch += 1
         if bar is not None:
             bar.close()
-        if rank == 0:
-            run = Run(compressor=config.compressor, model=config.model, data=config.data, workers=config.workers,
-                      bandwidth=config.bandwidth, seed=config.seed, steps=tuple(steps), evals=tuple(evals),
-                      info={"batch_size": batch_size, "lr": lr, "optimizer": settings.optimizer,
-                            "torch": torch.__version__, "options": config.options,
-                            "threads": config.threads})
-            run.save(result)
-    finally:
-        dist.destroy_process_group()
+        return Run(compressor=config.compressor, model=config.model, data=config.data, workers=config.workers,
+                   bandwidth=config.bandwidth, seed=config.seed, steps=tuple(self.steps), evals=tuple(self.evals),
+                   info={"batch_size": s.batch_size, "lr": s.lr, "optimizer": s.settings.optimizer,
+                         "torch": torch.__version__, "options": config.options, "threads": config.threads})
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int, epoch: int) -> torch.Tensor:
+        """One training step, recorded: its compute (the training thread's time outside the hooks and the
+        wait for the exchange), compression, communication and bytes, as the meter saw them."""
+        s = self.s
+        started = time.perf_counter()
+        before, hooked = s.meter.snapshot(), s.meter.in_hooks
+        s.optimizer.zero_grad(set_to_none=True)
+        loss = s.loss_fn(s.ddp(x), y)
+        loss.backward()
+        waited = max(0.0, time.perf_counter() - s.meter.handed_off) if s.meter.handed_off > started else 0.0
+        if s.settings.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.settings.grad_clip)
+        s.optimizer.step()
+        elapsed = time.perf_counter() - started
+        spent = s.meter.snapshot() - before
+        self.bytes_total += int(spent.bytes)
+        self.steps.append(Step(step=step, epoch=epoch, wall_s=self.clock.elapsed(),
+                               compute_s=max(0.0, elapsed - (s.meter.in_hooks - hooked) - waited),
+                               compress_s=spent.compress_s, comm_s=spent.comm_s, bytes_sent=int(spent.bytes),
+                               samples=len(y) * self.config.workers))
+        return loss.detach()
+
+    def measure(self, epoch: int, step: int) -> bool:
+        """Evaluate (rank 0); whether the time budget is spent (rank 0 decides for every rank).
+
+        The evaluation is stamped with the training wall-clock at the moment it begins: the clock
+        stands still from here on (:meth:`_Clock.paused`), so neither this evaluation nor any earlier
+        one is counted, and an evaluation slower than the steps between two of them cannot make
+        ``wall_s`` go backwards."""
+        import torch.distributed as dist
+
+        from gradpress.testbed import models
+
+        with self.clock.paused():
+            wall_s = self.clock.elapsed()
+            if self.rank == 0:
+                quality = models.evaluate(self.s.model, self.s.dataset)
+                self.evals.append(Eval(epoch=epoch, step=step, wall_s=wall_s, bytes_total=self.bytes_total,
+                                       metric=self.metric, value=quality[self.metric],
+                                       higher_is_better=self.higher_is_better, loss=quality["loss"]))
+            if self.config.seconds is None:
+                dist.barrier()
+                return False
+            spent = torch.tensor([self.rank == 0 and wall_s >= self.config.seconds], dtype=torch.uint8)
+            dist.broadcast(spent, 0)
+            return bool(spent)
 
 
 class _Clock:
