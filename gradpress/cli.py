@@ -30,6 +30,7 @@ SUBCOMMANDS = [
     "gradpress.testbed.train",
     "gradpress.testbed.compare",
     "gradpress.testbed.sim",
+    "gradpress.testbed.advise",
 ]
 
 PREFIX = "gradpress: error: "

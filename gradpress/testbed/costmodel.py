@@ -35,6 +35,17 @@ link carries ⌈log₂n⌉ copies of the result, not n−1 (``gather-broadcast``
 **Units**: ``bandwidth`` is in *bits* per second (tc's ``100mbit`` = 1e8, as
 :func:`~gradpress.testbed.netem.rate_bits_per_second` reads it; a tc rate string is accepted too) and
 ``nbytes`` in *bytes*: the time of m bytes is 8·m / bandwidth.
+
+**A step**: :func:`predict_step_time` bounds it (everything in sequence, or the exchange entirely hidden
+behind compute); :func:`predict_bucketed_step` follows DDP's buckets through the backward pass (each
+bucket's hook compresses on the backward thread, its exchange waits for the link, its decoding for the
+exchange), which ``gradpress advise`` prices measured profiles with. Where a method sends no more bytes
+than the uncompressed all-reduce and its fixed costs (compression, decoding, latency) are no smaller,
+its predicted speed-up over it never rises with link speed in the sequential model (a ratio
+(a₀ + k₀/B)/(a + k/B) with a ≥ a₀, k ≤ k₀), and in the bucketed one while its buckets reach the hook at
+the end of the backward pass. Buckets ready earlier can break that: where the all-reduce of an early
+bucket already hides under the backward pass while the method's, started later behind its compression,
+does not, a faster link still shortens the method's step and no longer the all-reduce's.
 """
 from __future__ import annotations
 
@@ -183,6 +194,95 @@ def crossover_bandwidth(compress_s: float, phases: Phase | Sequence[Phase], base
     if overhead <= 0:
         return math.inf if saved_bytes >= 0 else 0.0
     return 8.0 * saved_bytes / overhead if saved_bytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class BucketStep:
+    """One DDP bucket's part of a step, for :func:`predict_bucketed_step`.
+
+    ``ready_s``: seconds into the backward pass at which DDP hands the bucket to its communication hook
+    (its last gradient is computed); ``compress_s``: what the hook spends on the backward thread (error
+    feedback, preliminary values, compression); ``phases``: the collectives that carry it, one after the
+    other; ``decompress_s``: decoding what arrives and averaging it, on the backend's thread."""
+
+    ready_s: float
+    compress_s: float
+    phases: tuple[Phase, ...] = ()
+    decompress_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("ready_s", "compress_s", "decompress_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"BucketStep.{name} must be a finite number of seconds ≥ 0, got {value}")
+        object.__setattr__(self, "phases", tuple(self.phases))
+
+
+def predict_bucketed_step(forward_s: float, backward_s: float, buckets: Sequence[BucketStep], *, n: int,
+                          bandwidth: float | str, latency: float = DEFAULT_LATENCY,
+                          optimizer_s: float = 0.0) -> Breakdown:
+    """A step whose exchange overlaps the backward pass bucket by bucket, as DDP's buckets overlap it.
+
+    The backward pass computes gradients for ``backward_s`` seconds; bucket b is ready ``ready_s`` into
+    it and DDP calls the hook for the buckets in order. The hook compresses on the backward thread, so
+    every later gradient is computed that much later: hook b starts at
+    max(ready_b + Σ_{k<b} compress_k, end of hook b−1). Each worker has one link, so the buckets'
+    exchanges go one after the other (α–β cost of each bucket's :class:`Phase` s among ``n`` workers):
+    exchange b starts when its hook ends and the link is free. Its decoding starts when it has arrived
+    and the decoding of b−1 is done. ``backward()`` returns when both the gradient computation
+    (``backward_s`` + Σ compress) and the last decoding are done; the optimizer follows.
+
+    total = forward + max(backward + Σ compress, end of the last decoding) + optimizer
+
+    With one bucket ready at the end of the backward pass this is :func:`predict_step_time`'s sequential
+    sum (compression = compress + decompress); the more of the exchange fits under the backward pass,
+    the closer it comes to the overlapped bound. ``Breakdown.compression`` is Σ (compress + decompress),
+    ``Breakdown.communication`` the exchanges' α–β time, ``Breakdown.compute`` forward + backward +
+    optimizer.
+    """
+    for name, value in (("forward_s", forward_s), ("backward_s", backward_s), ("optimizer_s", optimizer_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number of seconds ≥ 0, got {value}")
+    compressing = hook_end = link_free = decoded = 0.0
+    compression = communication = 0.0
+    for bucket in buckets:
+        start = max(bucket.ready_s + compressing, hook_end)
+        hook_end = start + bucket.compress_s
+        compressing += bucket.compress_s
+        comm = communication_time(bucket.phases, n, bandwidth, latency) if bucket.phases else 0.0
+        link_free = max(hook_end, link_free) + comm
+        decoded = max(link_free, decoded) + bucket.decompress_s
+        compression += bucket.compress_s + bucket.decompress_s
+        communication += comm
+    backward = max(backward_s + compressing, decoded)
+    compute = forward_s + backward_s + optimizer_s
+    return Breakdown(compute, compression, communication, forward_s + backward + optimizer_s)
+
+
+def bandwidth_crossing(step_time: Callable[[float], float], baseline_time: Callable[[float], float], *,
+                       low: float = 1e6, high: float = 1e12, points: int = 61) -> float:
+    """The link speed (bits/s) above which ``step_time`` stops being shorter than ``baseline_time`` (both
+    functions of the bandwidth in bits/s): the first speed on a logarithmic grid of ``points`` speeds
+    from ``low`` to ``high`` where it is no longer shorter, refined by bisection (in log space) against
+    the speed before it. For any model, :func:`crossover_bandwidth` is the closed form of the sequential
+    one. ``math.inf``: shorter over the whole range; 0: not shorter even at ``low``."""
+    if not (0 < low < high and math.isfinite(high)) or points < 2:
+        raise ValueError(f"need 0 < low < high < inf and points ≥ 2, got {low}, {high}, {points}")
+
+    def pays(bits_per_second: float) -> bool:
+        return step_time(bits_per_second) < baseline_time(bits_per_second)
+
+    grid = np.geomspace(low, high, points)
+    if not pays(float(grid[0])):
+        return 0.0
+    for below, above in zip(grid[:-1], grid[1:]):
+        if not pays(float(above)):
+            lo, hi = math.log(below), math.log(above)
+            for _ in range(40):
+                mid = 0.5 * (lo + hi)
+                lo, hi = (mid, hi) if pays(math.exp(mid)) else (lo, mid)
+            return math.exp(0.5 * (lo + hi))
+    return math.inf
 
 
 def predict_from_run(run: Run, *, bandwidth: float | str, n: int, strategy: str,

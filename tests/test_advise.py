@@ -1,0 +1,382 @@
+"""``gradpress advise`` (issue 14): the bucketed cost model, the ranking as a pure function of measured
+costs, the priced bytes against the runtime's own traffic, DDP's bucket layout, and the command end to
+end on tiny models (a testbed model on synthetic data, and a ``package.module:factory`` model)."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradpress
+from gradpress.cli import main
+from gradpress.testbed import advise as A
+from gradpress.testbed import costmodel as C
+from gradpress.testbed import data as D
+from gradpress.testbed.costmodel import BucketStep, Phase
+
+MS = 1e-3
+
+
+# -- a factory model for --model test_advise:tiny_model (tests/ is on sys.path) -------------------------
+def tiny_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def tiny_batches(batch_size: int):
+    x = torch.randn(batch_size, 6)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+
+
+def synthetic_images(n_train: int = 256, n_test: int = 64, classes: int = 4, size: int = 8) -> D.ImageData:
+    generator = torch.Generator().manual_seed(7)
+    patterns = torch.randn(classes, 1, size, size, generator=generator)
+
+    def split(n: int) -> D.Split:
+        y = torch.randint(classes, (n,), generator=generator)
+        return D.Split(patterns[y] + 0.8 * torch.randn(n, 1, size, size, generator=generator), y)
+
+    return D.ImageData("synthetic", split(n_train), split(n_test), classes=tuple("abcd"[:classes]))
+
+
+@pytest.fixture
+def synthetic_data(monkeypatch):
+    fake = D.Source(fetch=lambda **_: "synthetic", load=lambda **_: synthetic_images())
+    monkeypatch.setitem(D.DATASETS, "fashion-mnist", fake)
+
+
+# -- the bucketed cost model ---------------------------------------------------------------------------
+def test_one_bucket_at_the_end_of_backward_is_the_sequential_model():
+    phases = (Phase("allgather", 2e6),)
+    one = C.predict_bucketed_step(0.01, 0.03, [BucketStep(0.03, 0.004, phases, 0.002)], n=4,
+                                  bandwidth="1gbit", latency=1e-4, optimizer_s=0.005)
+    seq = C.predict_step_time(0.045, 0.006, phases, n=4, bandwidth="1gbit", latency=1e-4)
+    assert one.total == pytest.approx(seq.total)
+    assert (one.compute, one.compression, one.communication) == pytest.approx((seq.compute, seq.compression,
+                                                                               seq.communication))
+
+
+def test_an_early_bucket_hides_behind_the_backward_pass_and_compression_delays_it():
+    comm = Phase("allreduce", 1e6)  # 8e6 bits over 1e8 bits/s per message pair at n = 2: 80 ms
+    early = [BucketStep(0.0, 0.0, (comm,)), BucketStep(0.1, 0.0, ())]
+    def total(backward, buckets):
+        return C.predict_bucketed_step(0.0, backward, buckets, n=2, bandwidth=1e8, latency=0.0).total
+
+    step = C.predict_bucketed_step(0.0, 0.1, early, n=2, bandwidth=1e8, latency=0.0)
+    assert step.communication == pytest.approx(0.08)
+    assert step.total == pytest.approx(0.1)  # hidden under the 100 ms backward pass
+    late = [BucketStep(0.0, 0.0, ()), BucketStep(0.1, 0.0, (comm,))]
+    assert total(0.1, late) == pytest.approx(0.18)
+    # 50 ms of compression in the first hook: the gradients after it come 50 ms later, so does the exchange
+    slow = [BucketStep(0.0, 0.05, (comm,)), BucketStep(0.1, 0.0, ())]
+    assert total(0.1, slow) == pytest.approx(0.15)
+    # the link carries one bucket at a time; decoding follows arrival
+    two = [BucketStep(0.0, 0.0, (comm,), 0.01), BucketStep(0.01, 0.0, (comm,), 0.01)]
+    assert total(0.01, two) == pytest.approx(0.17)
+
+
+def test_the_numeric_crossing_is_the_closed_form_one_in_the_sequential_case():
+    base, method = (Phase("allreduce", 13e6),), (Phase("allgather", 2.6e5),)
+    closed = C.crossover_bandwidth(0.02, method, 0.0, base, n=2, latency=1e-4)
+
+    def step(phases, compress):
+        return lambda bw: C.predict_bucketed_step(0.01, 0.02, [BucketStep(0.02, compress, phases)], n=2,
+                                                  bandwidth=bw, latency=1e-4).total
+
+    assert C.bandwidth_crossing(step(method, 0.02), step(base, 0.0)) == pytest.approx(closed, rel=1e-6)
+    assert C.bandwidth_crossing(step(base, 0.0), step(base, 0.0)) == 0.0  # never shorter
+    assert C.bandwidth_crossing(step(method, 0.0), step(base, 0.001)) == math.inf
+
+
+# -- the ranking, a pure function of measured costs -----------------------------------------------------
+def profile(buckets=((0.01, 4e6), (0.03, 8e6)), forward=0.01, backward=0.03,
+            optimizer=0.002) -> A.ComputeProfile:
+    return A.ComputeProfile(forward, backward, optimizer,
+                            tuple(A.Bucket(i, (f"p{i}",), int(nbytes // 4), int(nbytes), ready)
+                                  for i, (ready, nbytes) in enumerate(buckets)),
+                            "ddp", 32, 1, int(sum(b for _, b in buckets) // 4))
+
+
+def method(spec: str, prof: A.ComputeProfile, ratio: float, compress: float, decompress: float = 0.0,
+           exchange: str = "allgather") -> A.MethodCost:
+    """A method sending ``ratio`` of each bucket's bytes, at a measured cost per bucket."""
+    buckets = tuple(A.BucketCost(compress, decompress, b.nbytes * ratio,
+                                 (A.Transfer(exchange, b.nbytes * ratio),)) for b in prof.buckets)
+    return A.MethodCost(spec, exchange, "residual", buckets, 2, exchange == "allgather")
+
+
+def test_at_a_slow_link_the_fewest_bytes_win_and_at_a_fast_one_uncompressed_does():
+    prof = profile()
+    costs = [method("tiny", prof, 0.001, 8 * MS), method("small", prof, 0.05, 3 * MS),
+             method("half", prof, 0.5, 1 * MS, exchange="allreduce")]
+    slow = A.rank(prof, costs, n=8, bandwidth="10mbit")
+    assert [r.spec for r in slow][0] == "tiny"
+    assert [r.rank for r in slow] == [1, 2, 3, 4]
+    assert slow[-1].spec == A.BASELINE and slow[0].speedup > 10
+    fast = A.rank(prof, costs, n=8, bandwidth="400gbit")
+    assert fast[0].spec == A.BASELINE and fast[0].speedup == 1.0
+    assert all(r.speedup < 1 for r in fast[1:])
+    # the baseline row compresses nothing and all-reduces the fp32 buckets
+    assert fast[0].packet_bytes == prof.nbytes
+    assert fast[0].wire_bytes == pytest.approx(2 * 7 / 8 * prof.nbytes)
+
+
+def test_time_to_target_outranks_throughput():
+    prof = profile()
+    costs = [method("fast-but-lossy", prof, 0.001, 1 * MS), method("slower-but-exact", prof, 0.05, 1 * MS)]
+    steps = {"fast-but-lossy": None, "slower-but-exact": 120.0, A.QUALITY_REFERENCE: 100.0}
+    ranked = A.rank(prof, costs, n=4, bandwidth="100mbit", steps_to_target=steps)
+    assert [r.spec for r in ranked] == ["slower-but-exact", A.BASELINE, "fast-but-lossy"]
+    first = ranked[0]
+    assert first.time_to_target_s == pytest.approx(120 * first.predicted.total)
+    assert first.speedup_time_to_target == pytest.approx(ranked[1].time_to_target_s / first.time_to_target_s)
+    assert ranked[-1].time_to_target_s is None and ranked[-1].speedup_time_to_target is None
+    # by throughput alone the lossy one would lead
+    assert A.rank(prof, costs, n=4, bandwidth="100mbit")[0].spec == "fast-but-lossy"
+
+
+@functools.lru_cache(maxsize=None)
+def wire_ratio(name: str) -> float:
+    """Bytes on the wire per fp32 byte: the method's declared size of a 4096-vector, else its packet's."""
+    compressor = gradpress.make(name)
+    nbytes = compressor.expected_nbytes(4096)
+    if nbytes is None:
+        nbytes = compressor.compress(torch.randn(4096, generator=torch.Generator().manual_seed(0))).nbytes
+    return nbytes / (4 * 4096)
+
+
+def realistic_methods(prof: A.ComputeProfile, rng: random.Random, n: int) -> list[A.MethodCost]:
+    """Every registered method's wire size and exchange, with compression and decoding times drawn from
+    1 to 50 ms per bucket."""
+    out = []
+    for name in gradpress.compressor_names():
+        ratio, exchange = wire_ratio(name), gradpress.make(name).exchange
+        if exchange == "allgather":  # (n − 1)·b per link: no more than the all-reduce's 2(n − 1)/n·B
+            ratio = min(ratio, 2 / n)
+        out.append(method(name, prof, ratio, rng.uniform(1, 50) * MS, rng.uniform(0, 50) * MS, exchange))
+    return out
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_predicted_speedup_never_rises_with_link_speed(case):
+    """Over every method (its bytes, at most the uncompressed all-reduce's; compression and decoding ≥ 1 ms,
+    more than the latency an all-gather's fewer messages save at n ≤ 8), on profiles whose buckets
+    reach the hook at the end of the backward pass (one or several, the link and the decoding pipelined),
+    the speed-up over torch-allreduce never rises from one link speed to a faster one."""
+    rng = random.Random(case)
+    n = rng.choice([2, 3, 4, 8])
+    backward = rng.uniform(1, 100) * MS
+    buckets = [(backward, rng.uniform(1e4, 5e7)) for _ in range(rng.randint(1, 4))]
+    prof = profile(buckets, forward=rng.uniform(0, 50) * MS, backward=backward,
+                   optimizer=rng.uniform(0, 10) * MS)
+    grid = np.geomspace(*A.PLOT_RANGE, 60)
+    base = A.baseline_cost(prof)
+    for cost in realistic_methods(prof, rng, n):
+        speedups = [A.speedup_at(prof, cost, float(bw), n=n, latency=1e-4, baseline=base) for bw in grid]
+        rises = [(f"{grid[i]:.3g}", a, b) for i, (a, b) in enumerate(zip(speedups, speedups[1:]))
+                 if b > a * (1 + 1e-12)]
+        assert not rises, (cost.spec, rises[:3])
+
+
+# -- what is measured ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", gradpress.compressor_names())
+def test_priced_bytes_are_what_the_runtime_sends(name):
+    """At n = 2 every collective moves its input once each way (ring all-reduce 2(n−1)/n·S, all-gather
+    (n−1)·S, a broadcast S to the other rank), so the priced transfers must add up to what the Simulator's
+    traffic counts (sent + received by worker 0), all-gather padding and fault flags aside."""
+    generator = torch.Generator().manual_seed(1)
+    shapes = {"w": (96, 40), "b": (96,), "head": (3, 96)}
+    grads = [{k: torch.randn(s, generator=generator) * 1e-2 for k, s in shapes.items()} for _ in range(2)]
+    simulator = gradpress.Simulator(name, 2)
+    simulator.step(grads)
+    before = simulator.stats()[0]["total"]
+    simulator.step(grads)
+    after = simulator.stats()[0]["total"]
+    counted = sum(after[k] - before[k] for k in ("sent_bytes", "received_bytes"))
+    packets = after["packet_bytes"] - before["packet_bytes"]
+    transfers = A.transfers_of(gradpress.make(name), list(grads[0].items()), 2, packet_bytes=packets)
+    priced = sum((1 if t.strategy == "broadcast" else 2) * t.phase(2).nbytes for t in transfers)
+    assert priced == pytest.approx(counted, rel=0.1, abs=64), transfers
+
+
+def test_ddp_and_the_replicated_rule_give_the_same_layout():
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    def sample(g):
+        return torch.randn(8, 64, generator=g), torch.randint(10, (8,), generator=g)
+
+    workload = A.Workload("seq", lambda: model, sample, nn.functional.cross_entropy, 8, "random")
+    common = dict(repeats=1, warmup=2, workers=2, bucket_cap_mb=0.5)
+    ddp, grads = A.profile_compute(workload, use_ddp=True, **common)
+    replica, _ = A.profile_compute(workload, use_ddp=False, **common)
+    assert ddp.layout == "ddp" and replica.layout == "replicated"
+    assert [b.keys for b in ddp.buckets] == [b.keys for b in replica.buckets]
+    assert len(ddp.buckets) >= 2 and ddp.buckets[0].keys[0] == "4.bias"  # the last layer's come first
+    assert [b.nbytes for b in ddp.buckets] == [b.nbytes for b in replica.buckets]
+    assert all(0 <= b.ready_s <= ddp.backward_s * 1.5 for b in ddp.buckets)
+    assert len(grads) == 2 and set(grads[0]) == {name for name, _ in model.named_parameters()}
+
+
+def test_assign_buckets_follows_ddps_caps():
+    mib = 1024 * 1024
+    sizes = [("a", mib // 2, "f32"), ("b", mib // 2, "f32"), ("c", 10 * mib, "f32"), ("d", 20 * mib, "f32"),
+             ("e", 1, "f16"), ("f", 30 * mib, "f32")]
+    # the first bucket closes at 1 MiB, the next ones at 25 MiB; a tensor is never split; dtypes apart
+    assert A.assign_buckets(sizes, [mib, 25 * mib]) == [["a", "b"], ["c", "d"], ["e"], ["f"]]
+
+
+def test_quality_steps_to_target_interpolate_between_checkpoints():
+    curve = A.QualityCurve("x", 2, "accuracy", True, ((0, 0.1), (10, 0.5), (20, 0.9)), 0.0)
+    assert A.steps_to_reach(curve, 0.7) == pytest.approx(15.0)
+    assert A.steps_to_reach(curve, 0.95) is None
+    loss = A.QualityCurve("x", 2, "loss", False, ((0, 2.0), (5, 1.0)), 0.0)
+    assert A.quality_target(loss) == pytest.approx(1.01)
+    assert A.checkpoints(7) == [1, 2, 3, 4, 5, 6, 7] and A.checkpoints(100)[-1] == 100
+
+
+def measured_run(compressor: str, step_s: float, bandwidth: str | None = "100mbit", workers: int = 2):
+    from gradpress.testbed.results import Run, Step
+
+    steps = tuple(Step(step=i + 1, epoch=0, wall_s=(i + 1) * step_s, compute_s=step_s, compress_s=0.0,
+                       comm_s=0.0, bytes_sent=0, samples=32 * workers) for i in range(11))
+    return Run(compressor, "mlp-wide", "fashion-mnist", workers, bandwidth, 0, steps, (), {"batch_size": 32})
+
+
+def test_checked_against_measured_runs():
+    prof = profile()
+    costs = [method("tiny", prof, 0.001, 8 * MS), method("half", prof, 0.5, 1 * MS, exchange="allreduce")]
+    advice = A.Advice("m", "random", 2, 1e-4, ["100mbit"], prof, costs, {}, {})
+    predicted = {c.spec: A.predict(prof, c, n=2, bandwidth="100mbit", latency=1e-4).total
+                 for c in [*costs, A.baseline_cost(prof)]}
+    runs = [measured_run("tiny", predicted["tiny"] * 1.1), measured_run("half", predicted["half"] * 0.5),
+            measured_run(A.BASELINE, predicted[A.BASELINE]), measured_run("noop", prof.compute_s * 2),
+            measured_run("tiny", 1.0, bandwidth=None), measured_run("torch-powersgd", 0.01)]
+    checks = {c.spec: c for c in A.check_against(advice, runs)}
+    assert set(checks) == {"tiny", "half", A.BASELINE, "noop"}  # loopback and unpriced runs left out
+    assert checks["tiny"].relative_error == pytest.approx(1 / 1.1 - 1)
+    assert checks["half"].relative_error == pytest.approx(1.0)
+    assert checks["noop"].relative_error == pytest.approx(-0.5) and checks["noop"].predicted_rank is None
+    # with the compute scaled to the measured noop step (twice the profile's): every part of it doubles
+    slower = A.scaled(prof, 2 * prof.compute_s)
+    assert slower.compute_s == pytest.approx(2 * prof.compute_s)
+    assert [b.ready_s for b in slower.buckets] == pytest.approx([2 * b.ready_s for b in prof.buckets])
+    assert checks["tiny"].with_noop_s == pytest.approx(
+        A.predict(slower, costs[0], n=2, bandwidth="100mbit", latency=1e-4).total)
+    assert checks["noop"].with_noop_s is None
+    ranked = [c for c in checks.values() if c.spec != "noop"]
+    assert [c.spec for c in sorted(ranked, key=lambda c: c.predicted_rank)] == ["tiny", "half", A.BASELINE]
+    assert [c.measured_rank for c in sorted(ranked, key=lambda c: c.measured_s)] == [1, 2, 3]
+
+
+# -- the command --------------------------------------------------------------------------------------
+def test_advise_end_to_end(tmp_path, synthetic_data, capsys):
+    out, png = tmp_path / "advice.json", tmp_path / "speedup.png"
+    assert main(["advise", "--model", "mlp:hidden=8,depth=1,image_size=8", "--workers", "16",
+                 "--compressors", "none,topk:ratio=0.1,qsgd,fp16", "--bandwidth", "10mbit,10gbit",
+                 "--batch-size", "8", "--repeats", "3", "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "gradpress.register(model" in text or "keep DDP's built-in all-reduce" in text
+    assert "topk:ratio=0.1" in text and "pays below" in text
+    advice = json.loads(out.read_text())
+    assert advice["workers"] == 16 and advice["bandwidths"] == ["10mbit", "10gbit"]
+    assert advice["profile"]["layout"] in ("ddp", "replicated") and advice["profile"]["buckets"]
+    assert {m["spec"] for m in advice["methods"]} == {"none", "topk:ratio=0.1", "qsgd", "fp16"}
+    for bandwidth in ("10mbit", "10gbit"):
+        ranked = advice["rankings"][bandwidth]
+        assert [r["rank"] for r in ranked] == [1, 2, 3, 4, 5]
+        assert {r["spec"] for r in ranked} == {"none", "topk:ratio=0.1", "qsgd", "fp16", A.BASELINE}
+        assert advice["best"][bandwidth] == ranked[0]["spec"]
+    topk = next(m for m in advice["methods"] if m["spec"] == "topk:ratio=0.1")
+    assert topk["decode_grows"] and topk["measured_workers"] == 2
+    # all-gather: 15 of 16 packets reach every worker's link
+    assert topk["wire_bytes_per_step"] >= 15 * topk["packet_bytes_per_step"]
+    assert png.stat().st_size > 5000
+
+
+def test_advise_checks_against_compare_results(tmp_path, synthetic_data, capsys):
+    from gradpress.testbed.results import save_runs
+
+    save_runs([measured_run("topk:ratio=0.1", 0.05, "1gbit", 4), measured_run(A.BASELINE, 0.08, "1gbit", 4)],
+              tmp_path / "results.json")
+    out = tmp_path / "advice.json"
+    assert main(["advise", "--model", "mlp:hidden=8,depth=1,image_size=8", "--workers", "4", "--compressors",
+                 "topk:ratio=0.1", "--bandwidth", "1gbit", "--batch-size", "8", "--repeats", "1",
+                 "--check", str(tmp_path), "--json", str(out)]) == 0
+    assert "predicted against measured" in capsys.readouterr().out
+    checks = json.loads(out.read_text())["checks"]
+    assert {c["spec"] for c in checks} == {"topk:ratio=0.1", A.BASELINE}
+    assert main(["advise", "--check", str(tmp_path / "nothing-here")]) == 2
+    assert "--check" in capsys.readouterr().err
+
+
+def test_advise_with_quality_ranks_by_time_to_target(tmp_path, synthetic_data, capsys):
+    out = tmp_path / "advice.json"
+    assert main(["advise", "--model", "mlp:hidden=8,depth=1,image_size=8", "--workers", "2", "--compressors",
+                 "topk:ratio=0.1", "--bandwidth", "100mbit", "--batch-size", "8", "--repeats", "2",
+                 "--quality-steps", "6", "--lr", "0.05", "--json", str(out)]) == 0
+    assert "steps to target" in capsys.readouterr().out
+    quality = json.loads(out.read_text())["quality"]
+    assert [c["spec"] for c in quality["curves"]] == ["none", "topk:ratio=0.1"]
+    assert quality["steps_to_target"]["none"] is not None  # the reference reaches its own best − tolerance
+    assert len(quality["curves"][0]["points"]) == 7  # before the first step and at steps 1..6
+
+
+def test_advise_a_factory_model(tmp_path, capsys):
+    out = tmp_path / "advice.json"
+    assert main(["advise", "--model", "test_advise:tiny_model", "--input-shape", "6", "--compressors",
+                 "natural", "--bandwidth", "1gbit", "--repeats", "2", "--json", str(out)]) == 0
+    advice = json.loads(out.read_text())
+    assert advice["profile"]["parameters"] == 6 * 16 + 16 + 16 * 3 + 3
+    assert advice["profile"]["batch_size"] == 32
+    assert main(["advise", "--model", "test_advise:tiny_model", "--batch", "test_advise:tiny_batches",
+                 "--compressors", "natural", "--bandwidth", "1gbit", "--repeats", "2",
+                 "--quality-steps", "3"]) == 0
+    assert "quality: 3 steps" in capsys.readouterr().out
+
+
+def test_missing_data_skips_quality_with_a_clear_message(monkeypatch, capsys):
+    def missing(**_):
+        raise D.DataUnavailable("not here; run `gradpress data fashion-mnist`")
+
+    monkeypatch.setitem(D.DATASETS, "fashion-mnist", D.Source(fetch=missing, load=missing))
+    assert main(["advise", "--model", "mlp:hidden=8,depth=1", "--compressors", "topk", "--bandwidth", "1gbit",
+                 "--batch-size", "4", "--repeats", "1", "--quality-steps", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "--quality-steps skipped: fashion-mnist is not available" in captured.err
+    assert "random batches" in captured.out
+
+
+class Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--workers", "0"], "expected an integer in 1..1024"),
+    (["--workers", "1025"], "expected an integer in 1..1024"),
+    (["--bandwidth", "fast"], "fast"),
+    (["--bandwidth", "100mbit,,"], None),
+    (["--compressors", "topk:ratio=2"], "topk:ratio must be in (0, 1]"),
+    (["--model", "nosuch_module_x:build"], "nosuch_module_x"),
+    (["--model", "test_advise:missing_factory"], "has no 'missing_factory'"),
+    (["--model", "mlp", "--input-shape", "3"], "testbed model and knows its inputs"),
+    (["--model", "test_advise:tiny_model"], "needs --input-shape"),
+    (["--model", "test_advise:tiny_model", "--input-shape", "5"], "--model test_advise:tiny_model"),
+    (["--model", "test_advise:tiny_model", "--input-shape", "6", "--quality-steps", "3"], "needs --batch"),
+    (["--input-shape", "3,x"], "expected"),
+    (["--latency", "-1"], "non-negative"),
+])
+def test_bad_arguments_are_one_line_and_measure_nothing(argv, expected, monkeypatch, capsys):
+    monkeypatch.setattr(A, "profile_compute", lambda *a, **k: (_ for _ in ()).throw(Started()))
+    try:
+        code = main(["advise", *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert out == "" and err.startswith("gradpress: error: ") and err.count("\n") == 1, err
+    if expected:
+        assert expected in err
