@@ -412,6 +412,11 @@ class Compose(Compressor):
         super().__post_init__()
         if self.first.kept is None:
             raise ValueError(f"{self.first.spec!r} keeps no value tensor for {self.second.spec!r} to compress")
+        if self.first.expected_nbytes(1 << 16) is None:
+            # a receiver rebuilds the second stage's packet with its own count of kept values
+            raise ValueError(f"{self.first.spec!r} keeps a data-dependent number of values, which a second stage "
+                             f"({self.second.spec!r}) cannot be decoded for on another worker yet: compose a "
+                             "fixed-size first stage (topk, randomk, blocktopk, or a cast)")
         self.kept = self.first.kept
 
     @property

@@ -49,6 +49,9 @@ def test_composition_needs_kept_values():
     assert isinstance(c, gradpress.Compose) and c.spec == "topk:ratio=0.5+fp16"
     with pytest.raises(ValueError, match="ambiguous"):
         gradpress.make("topk+fp16", ratio=0.1)
+    for variable in ("threshold", "dgc"):  # a receiver cannot decode another worker's second stage yet
+        with pytest.raises(ValueError, match="data-dependent number of values"):
+            gradpress.make(f"{variable}+natural")
 
 
 def test_split_specs():
