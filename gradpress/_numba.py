@@ -1,5 +1,6 @@
 """Numba CPU kernels' shared pieces: the JIT decorator, the ``mix32`` hash, bit casts, LLVM intrinsics
-(wide vectors, a 16-lane gather) and the on/off switch.
+(wide vectors, a 16-lane gather, the fp16 cast, 64-bit comparison masks, selects and compressed stores),
+a fast finiteness check and the on/off switch.
 
 Element-wise compressors run a numba kernel on CPU tensors (one pass, fused randomness and bit
 packing) and a torch implementation elsewhere; tests check that both give the same bits. Set
@@ -76,6 +77,41 @@ f32_from_bits = _bitcast(types.float32, types.uint32, ir.FloatType())
 bits_of_f32 = _bitcast(types.uint32, types.float32, ir.IntType(32))
 f64_from_bits = _bitcast(types.float64, types.uint64, ir.DoubleType())
 bits_of_f64 = _bitcast(types.uint64, types.float64, ir.IntType(64))
+
+
+@intrinsic
+def f16_bits_of_f32(typingctx, value):  # pragma: no cover - compiled
+    """The IEEE half-precision bit pattern (uint16) of float32 ``value``, rounded to nearest even as
+    ``torch.Tensor.to(torch.float16)`` rounds (subnormals, overflow to ±Inf, NaN to a NaN): LLVM's
+    ``fptrunc``, one ``vcvtps2ph`` per 16 values on CPUs with F16C/AVX-512, exact software elsewhere."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@njit(cache=True, nogil=True)
+def _top_exponent(bits, mask):  # pragma: no cover - compiled
+    wide_vectors()
+    top = bits.dtype.type(0)
+    for i in range(bits.size):
+        top = max(top, bits[np.uint64(i)] & mask)
+    return top
+
+
+_EXPONENT = {torch.float32: (np.uint32, 0x7F800000), torch.float16: (np.uint16, 0x7C00),
+             torch.bfloat16: (np.uint16, 0x7F80)}
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether a contiguous CPU float32/fp16/bf16 tensor holds no NaN or Inf: one vectorized pass for
+    the largest exponent field (all ones: NaN or Inf), half the time of counting them."""
+    dtype, mask = _EXPONENT[t.dtype]
+    bits = as_numpy(t).reshape(-1).view(dtype)
+    return int(_top_exponent(bits, dtype(mask))) != mask
 
 
 GOLDEN = np.uint32(0x9E3779B1)  # mix32's multiplier of the index
@@ -177,3 +213,126 @@ def gather16(typingctx, table, indices, out, start):  # pragma: no cover - compi
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+# -- bit masks and compressed stores (LLVM vector IR, lowered per CPU: AVX-512 mask registers and
+# vcompressps on CPUs that have them, equivalent scalar code elsewhere; the same results everywhere) ----
+def _vector_pointer(context, builder, array_type, array, start, vector):  # noqa: ANN001, ANN202
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [start]), vector.as_pointer())
+
+
+def _is(array, dtype) -> bool:  # noqa: ANN001
+    return isinstance(array, types.Array) and array.dtype == dtype and array.layout == "C"
+
+
+@intrinsic
+def sign_bits64(typingctx, bits, start):  # pragma: no cover - compiled
+    """Bit j (j < 64) = [x ≥ 0] for the float32 at ``bits[start + j]`` (uint32 patterns): the sign bit
+    clear or a zero of either sign, i.e. pattern ≤ 0x80000000. One vector compare per 16 values."""
+    if not (_is(bits, types.uint32) and isinstance(start, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        vector = ir.VectorType(ir.IntType(32), 64)
+        values = builder.load(_vector_pointer(context, builder, signature.args[0], args[0], args[1], vector), align=4)
+        mask = builder.icmp_unsigned("<=", values, ir.Constant(vector, [0x80000000] * 64))
+        return builder.bitcast(mask, ir.IntType(64))
+
+    return types.uint64(bits, start), codegen
+
+
+def _abs_compare64(ordered: bool, op: str):  # noqa: ANN202
+    """An intrinsic (x, start, threshold) -> uint64 whose bit j (j < 64) compares |x[start + j]| (float32)
+    with ``threshold``: ``fcmp`` ordered (NaN: 0) or unordered (NaN: 1) with ``op``."""
+
+    @intrinsic
+    def compare(typingctx, x, start, threshold):  # pragma: no cover - compiled
+        if not (_is(x, types.float32) and isinstance(start, types.Integer) and threshold == types.float32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            vector = ir.VectorType(ir.FloatType(), 64)
+            values = builder.load(_vector_pointer(context, builder, signature.args[0], args[0], args[1], vector),
+                                  align=4)
+            fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector]),
+                                                  "llvm.fabs.v64f32")
+            splat = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(vector, None), args[2], ir.Constant(ir.IntType(32), 0)),
+                ir.Constant(vector, None), ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
+            fcmp = builder.fcmp_ordered if ordered else builder.fcmp_unordered
+            return builder.bitcast(fcmp(op, builder.call(fabs, [values]), splat), ir.IntType(64))
+
+        return types.uint64(x, start, threshold), codegen
+
+    return compare
+
+
+#: bit j (j < 64) = not |x[start + j]| < threshold: set for |x| ≥ threshold and for NaN
+abs_not_below64 = _abs_compare64(False, ">=")
+#: bit j (j < 64) = |x[start + j]| > threshold: clear for NaN
+abs_above64 = _abs_compare64(True, ">")
+
+
+@intrinsic
+def select_bits64(typingctx, word, low, high, out, start):  # pragma: no cover - compiled
+    """out[start + j] = high if bit j of ``word`` is set, else low (j < 64; float32)."""
+    if not (word == types.uint64 and low == types.float32 and high == types.float32 and _is(out, types.float32)
+            and isinstance(start, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        vector = ir.VectorType(ir.FloatType(), 64)
+        lanes0 = ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64)
+        zero = ir.Constant(ir.IntType(32), 0)
+        low_v = builder.shuffle_vector(builder.insert_element(ir.Constant(vector, None), args[1], zero),
+                                       ir.Constant(vector, None), lanes0)
+        high_v = builder.shuffle_vector(builder.insert_element(ir.Constant(vector, None), args[2], zero),
+                                        ir.Constant(vector, None), lanes0)
+        mask = builder.bitcast(args[0], ir.VectorType(ir.IntType(1), 64))
+        pointer = _vector_pointer(context, builder, signature.args[3], args[3], args[4], vector)
+        builder.store(builder.select(mask, high_v, low_v), pointer, align=4)
+        return context.get_dummy_value()
+
+    return types.void(word, low, high, out, start), codegen
+
+
+@intrinsic
+def compress_above16(typingctx, x, start, threshold, values, indices, at):  # pragma: no cover - compiled
+    """Of the 16 float32 x[start:start + 16], those with |x| > threshold (NaN: not) are written in order to
+    values[at:], their positions (int32) to indices[at:]; returns how many. Both outputs are written
+    16 wide (compressed in registers, then one unaligned store each), so they need 16 slots from
+    ``at`` whatever the count."""
+    if not (_is(x, types.float32) and _is(values, types.float32) and _is(indices, types.int32)
+            and isinstance(start, types.Integer) and threshold == types.float32 and isinstance(at, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        floats, ints = ir.VectorType(ir.FloatType(), 16), ir.VectorType(i32, 16)
+        mask_type = ir.VectorType(ir.IntType(1), 16)
+        lanes0 = ir.Constant(ints, [0] * 16)
+        x_v = builder.load(_vector_pointer(context, builder, signature.args[0], args[0], args[1], floats), align=4)
+        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats]), "llvm.fabs.v16f32")
+        t = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, None), args[2], ir.Constant(i32, 0)),
+                                   ir.Constant(floats, None), lanes0)
+        mask = builder.fcmp_ordered(">", builder.call(fabs, [x_v]), t)
+        base = builder.trunc(args[1], i32) if args[1].type.width > 32 else args[1]
+        base_v = builder.shuffle_vector(builder.insert_element(ir.Constant(ints, None), base, ir.Constant(i32, 0)),
+                                        ir.Constant(ints, None), lanes0)
+        positions = builder.add(base_v, ir.Constant(ints, list(range(16))))
+        compress_f = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(floats, [floats, mask_type, floats]), "llvm.experimental.vector.compress.v16f32")
+        compress_i = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ints, [ints, mask_type, ints]), "llvm.experimental.vector.compress.v16i32")
+        builder.store(builder.call(compress_f, [x_v, mask, ir.Constant(floats, None)]),
+                      _vector_pointer(context, builder, signature.args[3], args[3], args[5], floats), align=4)
+        builder.store(builder.call(compress_i, [positions, mask, ir.Constant(ints, None)]),
+                      _vector_pointer(context, builder, signature.args[4], args[4], args[5], ints), align=4)
+        ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(16), [ir.IntType(16)]),
+                                               "llvm.ctpop.i16")
+        count = builder.call(ctpop, [builder.bitcast(mask, ir.IntType(16))])
+        return builder.zext(count, ir.IntType(64))
+
+    return types.int64(x, start, threshold, values, indices, at), codegen
+

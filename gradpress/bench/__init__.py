@@ -25,6 +25,7 @@ BENCHES = [
     "gradpress.bench.powersgd",
     "gradpress.bench.faults",
     "gradpress.bench.step",
+    "gradpress.bench.grace",
 ]
 
 

@@ -9,7 +9,7 @@ worker sends k values and receives k sums whatever the number of workers n: unli
 union of indices grows with n, the traffic per worker does not grow with n (the "scalable" of the
 title). The leader's broadcast of its k indices adds, averaged over a cycle of n steps in which every
 worker leads once, (n − 1)/n·k indices per worker and step (star-shaped broadcast, the traffic model
-of :func:`gradpress.strategy.traffic`): per step a worker sends at most 2k values + k indices.
+of :func:`gradpress.protocol.traffic`): per step a worker sends at most 2k values + k indices.
 
 Selection (``select``):
 
@@ -42,7 +42,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gradpress._numba import as_numpy, jit, use_numba
+from gradpress._numba import as_numpy, jit, use_numba, wide_vectors
 from gradpress.compressor import Compressor, Preliminary, register
 from gradpress.compressors.sparsify import scatter, topk_indices
 from gradpress.feedback import KeyedMemory, feedback_registry
@@ -87,11 +87,11 @@ class CLTK(Compressor):
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return self.kept_count(numel) * torch.empty((), dtype=dtype).element_size()
 
-    def indices(self, flat: torch.Tensor) -> torch.Tensor:
-        """The k selected positions of a 1-D tensor (int64, ascending)."""
+    def indices(self, flat: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """The k selected positions of a 1-D tensor (ascending; int64 or ``dtype``)."""
         if self.select == "exact":
-            return topk_indices(flat, self.kept_count(flat.numel()))
-        return chunk_top(flat, self.chunk, self.per_chunk)
+            return topk_indices(flat, self.kept_count(flat.numel())).to(dtype)
+        return chunk_top(flat, self.chunk, self.per_chunk, dtype)
 
     def prepare(self, x: torch.Tensor, ctx: Context, world_size: int) -> Preliminary:
         """The leader t mod n broadcasts its indices (ScaleCom App. E); the others pass a buffer of the
@@ -100,7 +100,7 @@ class CLTK(Compressor):
         numel = x.numel()
         dtype = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
         if world_size == 1 or ctx.rank == leader:
-            mine = self.indices(x.reshape(-1)).to(dtype)
+            mine = self.indices(x.reshape(-1), dtype)
         else:
             mine = torch.zeros(self.kept_count(numel), dtype=dtype, device=x.device)
         return Preliminary(mine, "broadcast", src=leader)
@@ -111,6 +111,11 @@ class CLTK(Compressor):
         if prepared.dim() != 1 or prepared.numel() != k or prepared.is_floating_point():
             raise ValueError(f"{self.spec}: expected {k} integer indices from the leader, got "
                              f"{prepared.dtype} {tuple(prepared.shape)}")
+        if use_numba(flat) and prepared.device.type == "cpu" and prepared.is_contiguous():
+            bits = np.uint32 if flat.element_size() == 4 else np.uint16
+            values = torch.empty(k, dtype=flat.dtype)
+            if _gather(as_numpy(flat).view(bits), as_numpy(prepared), as_numpy(values).view(bits)):
+                return Packet({"values": values}, flat.shape, flat.dtype, {"indices": prepared})
         return Packet({"values": flat[prepared.long()]}, flat.shape, flat.dtype, {"indices": prepared})
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
@@ -123,18 +128,26 @@ def chunk_kept(numel: int, chunk: int, per_chunk: int) -> int:
     return full * per_chunk + min(per_chunk, tail)
 
 
-def chunk_top(flat: torch.Tensor, chunk: int, per_chunk: int) -> torch.Tensor:
+def chunk_top(flat: torch.Tensor, chunk: int, per_chunk: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Chunk-wise quasi-sorting: from every ``chunk`` consecutive values the ``per_chunk`` of largest
-    magnitude (ties to the lower index); int64 positions, ascending. A last, shorter chunk keeps
-    min(per_chunk, its length). One numba pass on the CPU; torch elsewhere (the same positions)."""
+    magnitude (ties to the lower index); positions ascending, int64 (or ``dtype``). A last, shorter
+    chunk keeps min(per_chunk, its length). One numba pass on the CPU (one vectorized comparison of the
+    four magnitudes per chunk for the default chunk of 4 with one kept; an integer max of keys
+    |x|·2^20 + (chunk − 1 − j) per chunk for other sizes keeping one); torch elsewhere (the same
+    positions)."""
     numel = flat.numel()
     if per_chunk >= chunk:
-        return torch.arange(numel, device=flat.device)
+        return torch.arange(numel, device=flat.device, dtype=dtype)
     k = chunk_kept(numel, chunk, per_chunk)
     if use_numba(flat):
-        out = torch.empty(k, dtype=torch.int64)
+        out = torch.empty(k, dtype=dtype)
         values = flat if flat.dtype == torch.float32 else flat.float()
-        _chunk_top_numba(as_numpy(values), chunk, per_chunk, as_numpy(out))
+        if per_chunk > 1:
+            _chunk_top_numba(as_numpy(values), chunk, per_chunk, as_numpy(out))
+        elif chunk == 4:
+            _chunk_argmax4(as_numpy(values).view(np.uint32), as_numpy(out))
+        else:
+            _chunk_argmax(as_numpy(values).view(np.uint32), chunk, as_numpy(out))
         return out
     chunks = -(-numel // chunk)
     magnitudes = flat.abs()
@@ -146,7 +159,68 @@ def chunk_top(flat: torch.Tensor, chunk: int, per_chunk: int) -> torch.Tensor:
     else:
         within = rows.sort(dim=1, descending=True, stable=True).indices[:, :per_chunk].sort(dim=1).values
     positions = within + torch.arange(0, chunks * chunk, chunk, device=flat.device).unsqueeze(1)
-    return positions.reshape(-1)[:k]
+    return positions.reshape(-1)[:k].to(dtype)
+
+
+_MAGNITUDE = np.uint32(0x7FFFFFFF)
+
+
+@jit
+def _chunk_argmax4(bits, out):  # pragma: no cover - compiled
+    """Per chunk of 4 the position of the largest magnitude, the first of equal ones (magnitudes compared
+    as bit patterns, which order like the values): a tournament of selects, vectorized over chunks."""
+    wide_vectors()
+    n = bits.size
+    u = np.uint64
+    for c in range(n // 4):
+        b = u(4 * c)
+        m0, m1 = bits[b] & _MAGNITUDE, bits[b + u(1)] & _MAGNITUDE
+        m2, m3 = bits[b + u(2)] & _MAGNITUDE, bits[b + u(3)] & _MAGNITUDE
+        low = np.int64(1) if m1 > m0 else np.int64(0)
+        high = np.int64(3) if m3 > m2 else np.int64(2)
+        out[u(c)] = 4 * c + (high if max(m2, m3) > max(m0, m1) else low)
+    if n % 4:
+        _argmax_tail(bits, n - n % 4, n, out)
+
+
+@jit
+def _chunk_argmax(bits, chunk, out):  # pragma: no cover - compiled
+    """Per chunk the position of the largest magnitude, the first of equal ones: the largest key
+    |x|·2^20 + (chunk − 1 − j) (integer max, vectorized within the chunk; chunk ≤ 2^20)."""
+    wide_vectors()
+    n = bits.size
+    u = np.uint64
+    for c in range(n // chunk):
+        start = c * chunk
+        best = u(0)
+        for j in range(chunk):
+            best = max(best, (u(bits[u(start + j)] & _MAGNITUDE) << u(20)) | u(chunk - 1 - j))
+        out[u(c)] = start + chunk - 1 - np.int64(best & u(0xFFFFF))
+    if n % chunk:
+        _argmax_tail(bits, n - n % chunk, n, out)
+
+
+@jit
+def _argmax_tail(bits, start, stop, out):  # pragma: no cover - compiled
+    best = start
+    for i in range(start + 1, stop):
+        if bits[i] & _MAGNITUDE > bits[best] & _MAGNITUDE:
+            best = i
+    out[out.size - 1] = best
+
+
+@jit
+def _gather(x, indices, out):  # pragma: no cover - compiled
+    """out[j] = x[indices[j]] (raw bits); False, and out unfinished, if an index is out of range (each is
+    clamped before its load, so none reads beyond x)."""
+    n = np.uint64(x.size)
+    last = n - np.uint64(1)
+    bad = False
+    for j in range(indices.size):
+        i = np.uint64(indices[np.uint64(j)])  # a negative index wraps beyond every valid one
+        bad |= i > last
+        out[np.uint64(j)] = x[min(i, last)]
+    return not bad
 
 
 @jit

@@ -5,7 +5,10 @@ Four pieces, split between a compressor and its memory:
 * **Sparsification** (Algorithm 1): send the elements of the accumulated velocity v with |v| > thr, thr
   chosen to keep a fraction ``ratio`` (0.1 % by default, i.e. 99.9 % sparsity). As the paper does in
   practice, thr is estimated from a random sample (``sample_ratio``, 1 %) by a top-k on the sample;
-  there is no adjustment loop (GRACE §5.5: that loop, up to 20 passes, halves throughput).
+  there is no adjustment loop (GRACE §5.5: that loop, up to 20 passes, halves throughput). The sample
+  is stratified (one position at random in each stratum of consecutive values:
+  :func:`~gradpress.compressors.threshold.stratified_threshold`), so the CPU kernel reads it in the pass
+  that checks the values for NaN/Inf, and the selection is a second pass.
 * **Warm-up training**: the sparsity grows exponentially, 75 %, 93.75 %, 98.4375 %, 99.6 %, over four
   equal stages of ``warmup_steps`` steps in total (the paper's first four epochs), then stays at
   1 − ratio. The stage comes from ``ctx.step``.
@@ -19,15 +22,16 @@ Four pieces, split between a compressor and its memory:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gradpress.compressor import register
-from gradpress.compressors.onebit import as_float32
+from gradpress.compressor import check_finite, register
 from gradpress.compressors.sparsify import Sparse
-from gradpress.compressors.threshold import draw_sample, packet_above, sample_threshold
+from gradpress.compressors.onebit import as_float32
+from gradpress.compressors.threshold import packet_above, stratified_threshold
 from gradpress.feedback import Feedback, feedback_registry
 from gradpress.packet import Packet
 from gradpress.registry import check_params_of, param
@@ -52,6 +56,7 @@ class DGC(Sparse):
     warmup_steps: int = param(0, "[0, inf)")
     kept = "values"
     examples = ("dgc:ratio=0.01", "dgc:ratio=0.01,warmup_steps=8")
+    checks_finite = True  # the selecting pass keeps the largest |x|, which shows NaN/Inf
 
     @property
     def default_feedback(self) -> str:
@@ -67,10 +72,11 @@ class DGC(Sparse):
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         density = self.density(ctx.step)
-        generator = ctx.private_generator(flat.device, "dgc")
-        sample = draw_sample(as_float32(flat), self.sample_ratio, generator, density)
-        threshold = sample_threshold(sample.abs(), density)
-        return packet_above(flat, threshold)
+        x = as_float32(flat)
+        threshold, checked = stratified_threshold(x, self.sample_ratio, density, ctx.private_seed("dgc"))
+        if threshold != threshold:  # NaN/Inf in x
+            check_finite(x, self.spec)
+        return packet_above(flat, threshold, self, expected=math.ceil(density * x.numel()), checked=checked)
 
     def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
         return packet["indices"], packet["values"].float()

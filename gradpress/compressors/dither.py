@@ -54,6 +54,7 @@ from gradpress._numba import (GOLDEN, as_numpy, bits_of_f32, bits_of_f64, f32_fr
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.compressors.natural import Natural
+from gradpress.compressors.onebit import fixed_point_scale, mean_of, to_fixed
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context, mix32_torch, seed32
@@ -193,6 +194,24 @@ def _chunk_sum(bits, start, power, scratch):  # pragma: no cover - compiled
 
 
 @inline
+def _half_chunk_sum(bits, power, scratch):  # pragma: no cover - compiled
+    """:func:`_chunk_sum` of a zero-padded chunk whose values beyond CHUNK/2 are all +0.0: level 1 of the
+    tree then adds +0.0 to each term (exactly the term), so it is left out, and the rest is the same."""
+    largest = _largest(bits, 0, CHUNK // 2)
+    biased = min(max(np.int64(largest >> U(23)), 1), 253)
+    scale = f32_from_bits(U(U(254 - biased) << U(23)))  # 2^(127 - E)
+    for j in range(16):  # _tree16 without its level 1 (t_(q+8) = 0): ((t0+t4)+(t2+t6)) + ((t1+t5)+(t3+t7))
+        scratch[j] = (((_term(bits, j, scale, power) + _term(bits, j + 64, scale, power))
+                       + (_term(bits, j + 32, scale, power) + _term(bits, j + 96, scale, power)))
+                      + ((_term(bits, j + 16, scale, power) + _term(bits, j + 80, scale, power))
+                         + (_term(bits, j + 48, scale, power) + _term(bits, j + 112, scale, power))))
+    total = _tree16(scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], scratch[5], scratch[6],
+                    scratch[7], scratch[8], scratch[9], scratch[10], scratch[11], scratch[12], scratch[13],
+                    scratch[14], scratch[15])
+    return np.float64(total) * _pow2(power * (biased - 127)), largest
+
+
+@inline
 def _bucket_norm(bits, start, stop, power, sums, scratch):  # pragma: no cover - compiled
     """(‖x[start:stop]‖_p as float32, max |x| as bits) (power 0: the max norm, exact). For p = 1, 2: a
     halves tree over each chunk of CHUNK values (the last zero-padded), then one over the chunk sums
@@ -209,10 +228,18 @@ def _bucket_norm(bits, start, stop, power, sums, scratch):  # pragma: no cover -
     count = full
     if start + full * CHUNK < stop:  # the partial last chunk, zero-padded
         last = start + full * CHUNK
-        padded = scratch[16:].view(np.uint32)
-        padded[:] = 0
-        padded[:stop - last] = bits[last:stop]
-        sums[full], chunk_largest = _chunk_sum(padded, 0, power, scratch)
+        padded = scratch[16:16 + CHUNK].view(np.uint32)
+        length = stop - last
+        for i in range(length):
+            padded[np.uint64(i)] = bits[np.uint64(last + i)]
+        dirty = np.int64(scratch[16 + CHUNK])  # beyond this, padded holds zeros from an earlier call
+        for i in range(length, dirty):
+            padded[np.uint64(i)] = U(0)
+        scratch[16 + CHUNK] = np.float32(length)
+        if length <= CHUNK // 2:
+            sums[full], chunk_largest = _half_chunk_sum(padded, power, scratch)
+        else:
+            sums[full], chunk_largest = _chunk_sum(padded, 0, power, scratch)
         largest = max(largest, chunk_largest)
         count += 1
     size = 1
@@ -229,8 +256,9 @@ def _bucket_norm(bits, start, stop, power, sums, scratch):  # pragma: no cover -
 
 @inline
 def _norm_scratch(bucket):  # pragma: no cover - compiled
-    """``sums`` (a bucket's chunk sums) and ``scratch`` (16 positions, then a padded chunk's bits)."""
-    return np.zeros(-(-bucket // CHUNK)), np.empty(16 + CHUNK, dtype=np.float32)
+    """``sums`` (a bucket's chunk sums) and ``scratch`` (16 positions, then a padded chunk's bits, then
+    how many of those may be non-zero: the padding is zeroed only where an earlier chunk wrote)."""
+    return np.zeros(-(-bucket // CHUNK)), np.zeros(16 + CHUNK + 1, dtype=np.float32)
 
 
 @jit
@@ -639,13 +667,13 @@ class Dithering:
         count = self.buckets(numel)[1]
         return packed_nbytes(numel, self.code_bits) + (count + 1 if self.natural_norm else 4 * count)
 
-    def compress(self, flat: torch.Tensor, ctx: Context, where: str = "dither") -> Packet:
+    def compress(self, flat: torch.Tensor, ctx: Context, where: str | Compressor = "dither") -> Packet:
         """Encode ``flat``; NaN or Inf in it raise NonFiniteError, reported as ``where``'s."""
         x = flat if flat.dtype == torch.float32 else flat.float()
         size, count = self.buckets(x.numel())
         numba = use_numba(x)
         if not numba:
-            check_finite(flat, where)
+            check_finite(flat, where if isinstance(where, str) else where.spec)
         # TernGrad clips |x_i| at c·σ: the clipped values' max norm is min(max|x|, c·σ), and the
         # encoder's clamp to the top level then clips every larger |x_i|
         cap = self._threshold(x) if self.clip else math.inf
@@ -658,7 +686,7 @@ class Dithering:
                                    natural, U(seed32(seed)), U(seed32(tie_seed)), self.code_bits,
                                    as_numpy(codes), as_numpy(norms))
             if not finite:
-                check_finite(flat, where)
+                check_finite(flat, where if isinstance(where, str) else where.spec)
                 raise AssertionError("the encoder saw NaN/Inf that check_finite does not")
             _check_norms(norms, self.norm)
         else:
@@ -690,14 +718,73 @@ class Dithering:
         return _values_torch(codes, scales.repeat_interleave(size)[:n], self.levels, natural)
 
     def _threshold(self, x: torch.Tensor) -> float:
-        """TernGrad's clipping threshold c·σ (σ: the standard deviation of the tensor's values)."""
+        """TernGrad's clipping threshold c·σ (σ: :func:`standard_deviation` of the tensor's values)."""
         if x.numel() == 1:
             return 0.0
-        sigma = float(x.std(correction=0))
-        if not math.isfinite(sigma):  # x² overflowed float32
-            sigma = float(x.double().std(correction=0))
         # beyond float32's largest, c·σ clips nothing: say so without an overflowing cast
-        return float(np.float32(min(self.clip * sigma, float(np.finfo(np.float32).max))))
+        return float(np.float32(min(self.clip * standard_deviation(x), float(np.finfo(np.float32).max))))
+
+
+def standard_deviation(x: torch.Tensor) -> float:
+    """σ of float32 ``x``'s values, correction 0, the same float64 on every path (NaN if x holds NaN or
+    Inf): μ from the exact fixed-point sum of the values (:mod:`gradpress.compressors.onebit`'s exact
+    means), then σ² = Σ (x_i − μ)²/d with each float64 square (x_i − μ)² truncated to fixed point 2^-s
+    and summed exactly (2^s from the largest square, max(max x − μ, μ − min x)², and d, so no sum
+    overflows an int64). No summation order: the numba kernels (three vectorized passes: min and max,
+    Σx, Σ(x − μ)²) and torch agree bit for bit. Truncation costs at most 2^-s per square, about 2^-40
+    of the largest square for 2^20 values: far below the float32 rounding of c·σ."""
+    n = x.numel()
+    numba = use_numba(x)
+    low, high = _extremes(as_numpy(x)) if numba else (float(v) for v in torch.aminmax(x))
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return math.nan
+    scale = fixed_point_scale(max(-low, high), n)
+    total = int(_fixed_sum(as_numpy(x), scale)) if numba else int(to_fixed(x, scale).sum())
+    mean = mean_of(total, n, scale)
+    square_scale = fixed_point_scale(2 * max(high - mean, mean - low) ** 2, n)
+    if numba:
+        squares = int(_fixed_squares(as_numpy(x), mean, square_scale))
+    else:
+        squares = int(((x.double() - mean).square() * square_scale).to(torch.int64).sum())
+    return math.sqrt(mean_of(squares, n, square_scale))
+
+
+@jit
+def _extremes(x):  # pragma: no cover - compiled
+    """(min x, max x) as float64: an Inf or NaN of x shows as a non-finite one. Integer reductions,
+    which vectorize: a float32 pattern b as int32 orders like the float once the magnitude bits of
+    negative values are flipped (b ^ ((b >> 31) & 0x7FFFFFFF)); NaN patterns lie beyond ±Inf's."""
+    wide_vectors()
+    bits = x.view(np.int32)
+    low, high = np.int32(2**31 - 1), np.int32(-(2**31))
+    for i in range(x.size):
+        b = bits[np.uint64(i)]
+        key = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        low = min(low, key)
+        high = max(high, key)
+    keys = np.array([low, high], dtype=np.int32)
+    keys ^= (keys >> np.int32(31)) & np.int32(0x7FFFFFFF)
+    values = keys.view(np.float32)
+    return np.float64(values[0]), np.float64(values[1])
+
+
+@jit
+def _fixed_sum(x, scale):  # pragma: no cover - compiled
+    """Σ trunc(x_i · scale) in int64 (exact: ``scale`` from :func:`fixed_point_scale`)."""
+    total = np.int64(0)
+    for i in range(x.size):
+        total += np.int64(np.float64(x[np.uint64(i)]) * scale)
+    return total
+
+
+@jit
+def _fixed_squares(x, mean, scale):  # pragma: no cover - compiled
+    """Σ trunc((x_i − mean)² · scale) in int64, each square in float64 as torch forms it."""
+    total = np.int64(0)
+    for i in range(x.size):
+        d = np.float64(x[np.uint64(i)]) - mean
+        total += np.int64(d * d * scale)
+    return total
 
 
 # -- the compressors -----------------------------------------------------------------------------------------
@@ -713,7 +800,7 @@ class _Dithered(Compressor):
         return self.mechanism.nbytes(numel)
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
-        return self.mechanism.compress(flat, ctx, self.spec)
+        return self.mechanism.compress(flat, ctx, self)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         return self.mechanism.decompress(packet)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
+import numpy as np
 import torch
 
+from gradpress._numba import f16_bits_of_f32, jit, use_numba, wide_vectors
 from gradpress.compressor import Compressor, check_finite, count_nonfinite, register
 from gradpress.packet import Packet
 from gradpress.rng import Context
@@ -53,22 +56,94 @@ class _Cast(Compressor):
 
 @dataclass(repr=False)
 class _CheckedCast(_Cast):
-    """A cast whose rounding may overflow the wire format: the wire values are checked (one pass over
-    16-bit values), NaN/Inf of the input raising :class:`~gradpress.compressor.NonFiniteError`, finite
-    values that round to ±Inf an ``OverflowError``."""
+    """A cast whose rounding may overflow the wire format: the wire values are checked, NaN/Inf of the
+    input raising :class:`~gradpress.compressor.NonFiniteError`, finite values that round to ±Inf an
+    ``OverflowError``.
+
+    A float32 CPU tensor is cast by one numba pass that also keeps the largest exponent field of the
+    16-bit results (all ones: an Inf or NaN among them), the bits of ``Tensor.to`` (round to nearest
+    even; tests compare both paths); elsewhere the torch cast and a check pass over the 16-bit values."""
 
     checks_finite = True  # NaN/Inf input is NaN/Inf in the 16-bit values, which are checked anyway
     precision = ""
 
+    def compress(self, x: torch.Tensor, ctx: Context | None = None, *,
+                 prepared: torch.Tensor | None = None) -> Packet:
+        """The base class's :meth:`~gradpress.compressor.Compressor.compress`, with a shortcut for the
+        common case (a non-empty contiguous float32 CPU tensor): a cast is a single memory pass, so the
+        checks and calls around it are a visible part of its cost."""
+        if type(x) is torch.Tensor and x.dtype is torch.float32 and prepared is None and x.is_contiguous() \
+                and use_numba(x) and x.numel():
+            return self._cast(x.detach(), x.shape)
+        return super().compress(x, ctx, prepared=prepared)
+
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
+        if flat.dtype == torch.float32 and use_numba(flat):
+            return self._cast(flat, flat.shape)
         packet = super()._compress(flat, ctx)
-        overflowed = count_nonfinite(packet["values"])
-        if overflowed:
-            check_finite(flat, self.spec)  # NaN/Inf in the input itself: a NonFiniteError
-            limit = torch.finfo(self.wire_dtype).max
-            raise OverflowError(f"{self.name}: {overflowed} value(s) beyond ±{limit:g} cannot be sent in "
-                                f"{self.precision}")
+        if count_nonfinite(packet["values"]):
+            self._refuse(flat, packet["values"])
         return packet
+
+    def _cast(self, x: torch.Tensor, shape: torch.Size) -> Packet:
+        """One numba pass: the 16-bit values of contiguous float32 ``x`` (any shape, flattened), checked
+        on the way."""
+        bits = torch.empty(x.numel(), dtype=torch.int16)
+        values = x.numpy()
+        top = self._kernel(values if values.ndim == 1 else values.reshape(-1), bits.numpy())
+        values = bits.view(self.wire_dtype)
+        if top == self._all_ones:
+            self._refuse(x.reshape(-1), values)
+        return Packet({"values": values}, shape, torch.float32)
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        """The wire values as the dtype compressed (the base class's, with its checks short-cut for a
+        packet of this class's own float32 cast)."""
+        values = packet.tensors.get("values")
+        if packet.dtype is torch.float32 and type(values) is torch.Tensor and values.dtype is self.wire_dtype \
+                and values.numel():
+            out = values.float()
+            return out if out.shape == packet.shape else out.view(packet.shape)
+        return super().decompress(packet)
+
+    def _refuse(self, flat: torch.Tensor, values: torch.Tensor) -> NoReturn:
+        """Raise for wire values holding NaN/Inf: NonFiniteError if the input does, else OverflowError."""
+        check_finite(flat, self.spec)  # NaN/Inf in the input itself: a NonFiniteError
+        overflowed = count_nonfinite(values)
+        limit = torch.finfo(self.wire_dtype).max
+        raise OverflowError(f"{self.name}: {overflowed} value(s) beyond ±{limit:g} cannot be sent in "
+                            f"{self.precision}")
+
+
+@jit
+def _to_f16(x, bits):  # pragma: no cover - compiled
+    """bits = fp16 bits of float32 x (``Tensor.to(torch.float16)``'s); the largest exponent field."""
+    wide_vectors()
+    out = bits.view(np.uint16)
+    top = np.uint16(0)
+    for i in range(x.size):
+        h = f16_bits_of_f32(x[i])
+        out[i] = h
+        top = max(top, np.uint16(h & np.uint16(0x7C00)))
+    return top
+
+
+@jit
+def _to_bf16(x, bits16):  # pragma: no cover - compiled
+    """bits16 = bf16 bits of float32 x, as c10::BFloat16 rounds (to nearest even; NaN to 0x7FC0); the
+    largest exponent field."""
+    wide_vectors()
+    out = bits16.view(np.uint16)
+    u = np.uint32
+    bits = x.view(np.uint32)
+    top = np.uint16(0)
+    for i in range(bits.size):
+        b = bits[i]
+        rounded = np.uint16(u(b + u(0x7FFF) + u(u(b >> u(16)) & u(1))) >> u(16))
+        h = np.uint16(0x7FC0) if u(b & u(0x7FFFFFFF)) > u(0x7F800000) else rounded
+        out[i] = h
+        top = max(top, np.uint16(h & np.uint16(0x7F80)))
+    return top
 
 
 @register("fp16")
@@ -79,6 +154,8 @@ class FP16(_CheckedCast):
 
     wire_dtype = torch.float16
     precision = "half precision"
+    _kernel = staticmethod(_to_f16)
+    _all_ones = 0x7C00  # the exponent field of Inf and NaN
 
 
 @register("bf16")
@@ -90,4 +167,6 @@ class BF16(_CheckedCast):
 
     wire_dtype = torch.bfloat16
     precision = "bfloat16"
+    _kernel = staticmethod(_to_bf16)
+    _all_ones = 0x7F80
     saturates = True  # fp16 gradients: 65504 rounds to bf16's 65536

@@ -15,9 +15,12 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import as_numpy, jit, use_numba
+from numba.cpython.unsafe.numbers import leading_zeros
+
+from gradpress._numba import as_numpy, f64_from_bits, jit, select_bits64, sign_bits64, use_numba, wide_vectors
 from gradpress.bits import packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, register
+from gradpress.compressor import Compressor, check_finite, register
+from gradpress.compressors.sparsify import float32_decompress
 from gradpress.compressors.onebit import (as_float32, checked_max_magnitude, decode_two_levels,
                                           fixed_point_scale, mean_of, pack_mask, to_fixed)
 from gradpress.feedback import KeyedMemory, feedback_registry
@@ -46,14 +49,26 @@ class SignSGD(Compressor):
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return packed_nbytes(numel, 1) + 1
 
+    checks_finite = True  # the packing pass keeps the largest magnitude, which shows NaN/Inf
+
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
-        signs, nonzero = pack_signs(as_float32(flat))
-        flag = torch.tensor([nonzero], dtype=torch.uint8, device=flat.device)
+        x = as_float32(flat)
+        if use_numba(x):
+            signs = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
+            flag = torch.empty(1, dtype=torch.uint8)
+            if _pack_signs(x.numpy().view(np.uint32), signs.numpy(), flag.numpy()) >= NON_FINITE:
+                check_finite(x, self.spec)
+        else:
+            signs, nonzero = pack_signs(x, self.spec)
+            flag = torch.tensor([nonzero], dtype=torch.uint8, device=flat.device)
         return Packet({"signs": signs, "nonzero": flag}, flat.shape, flat.dtype)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
-        one = packet["nonzero"].float()[0]
-        return decode_two_levels(packet["signs"], torch.stack([-one, one]), packet.numel)
+        one = float(packet["nonzero"].item())
+        return decode_signs(packet["signs"], -one, one, packet.numel)
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        return float32_decompress(self, packet)
 
     def aggregate(self, packets: list[Packet], out: torch.Tensor | None = None) -> torch.Tensor:
         """Majority vote (Bernstein et al. 2019, Algorithm 1): sign(Σ_i sign(x_i)); a tie gives 0
@@ -105,81 +120,173 @@ class EFSignSGD(Compressor):
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         x = as_float32(flat)
         n = x.numel()
-        scale = fixed_point_scale(checked_max_magnitude(x, self.spec), n)
         if use_numba(x):
             signs = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
-            total = _pack_signs_l1(as_numpy(x), scale, as_numpy(signs))
+            magnitude = torch.empty(1, dtype=torch.float32)
+            if not _scaled_signs(x.numpy().view(np.uint32), signs.numpy(), magnitude.numpy()):
+                check_finite(x, self.spec)
         else:
+            scale = fixed_point_scale(checked_max_magnitude(x, self.spec), n)
             signs = pack_mask(x >= 0)
             total = int(to_fixed(x, scale).abs().sum())
-        magnitude = torch.tensor([mean_of(total, n, scale)], dtype=torch.float32, device=x.device)
+            magnitude = torch.tensor([mean_of(total, n, scale)], dtype=torch.float32, device=x.device)
         return Packet({"signs": signs, "scale": magnitude}, flat.shape, flat.dtype)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
-        scale = packet["scale"][0]
-        return decode_two_levels(packet["signs"], torch.stack([-scale, scale]), packet.numel)
+        scale = float(packet["scale"].item())
+        return decode_signs(packet["signs"], -scale, scale, packet.numel)
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        return float32_decompress(self, packet)
 
 
-def pack_signs(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Packed bits [x_i ≥ 0] of a float32 tensor, and whether any element is non-zero."""
+def pack_signs(x: torch.Tensor, where: str = "signsgd") -> tuple[torch.Tensor, bool]:
+    """Packed bits [x_i ≥ 0] of a float32 tensor, and whether any element is non-zero; NaN/Inf in x
+    raise :class:`~gradpress.compressor.NonFiniteError` (as ``where``'s)."""
     if use_numba(x):
-        out = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
-        nonzero = _pack_signs(as_numpy(x).view(np.uint32), as_numpy(out))
-        return out, bool(nonzero)
+        out, flag = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8), np.empty(1, dtype=np.uint8)
+        top = _pack_signs(as_numpy(x).view(np.uint32), as_numpy(out), flag)
+        if top >= NON_FINITE:
+            check_finite(x, where)
+        return out, bool(top)
+    check_finite(x, where)
     return pack_mask(x >= 0), bool(x.any())
 
 
+def decode_signs(signs: torch.Tensor, low: float, high: float, n: int) -> torch.Tensor:
+    """float32 ``high`` where bit i is set, ``low`` elsewhere, for the ``n`` packed bits (the values of
+    :func:`~gradpress.compressors.onebit.decode_two_levels`: one numba pass on the CPU)."""
+    if use_numba(signs):
+        out = torch.empty(n, dtype=torch.float32)
+        _decode_signs(signs.numpy(), low, high, out.numpy())
+        return out
+    levels = torch.tensor([low, high], dtype=torch.float32, device=signs.device)
+    return decode_two_levels(signs, levels, n)
+
+
+# -- kernels: per block of BLOCK values (read from L1 by each loop), a vectorized loop for the reduction (the
+# largest magnitude, the fixed-point L1 sum), then 64 sign bits at a time as one vector compare
+# (:func:`~gradpress._numba.sign_bits64`); decoding selects 64 values per word of bits. Indices are unsigned:
+# numba then drops its negative-index wraparound, which would keep LLVM from vectorizing.
+BLOCK = 4096  # a multiple of 64
+NON_FINITE = 0x7F800000  # |x| bit patterns from here up are Inf and NaN
+_U32, _U64 = np.uint32, np.uint64
+
+
 @jit
-def _pack_signs(bits, out):  # pragma: no cover - compiled
-    """bit i = [x_i ≥ 0]: sign bit clear, or a zero of either sign (IEEE compares −0.0 ≥ 0 true)."""
+def top_magnitude(bits):  # pragma: no cover - compiled
+    """The largest |x| of float32 bit patterns ``bits``, as a bit pattern (≥ NON_FINITE: NaN/Inf)."""
+    wide_vectors()
+    top = _U32(0)
+    for i in range(bits.size):
+        top = max(top, bits[_U64(i)] & _U32(0x7FFFFFFF))
+    return top
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sign_words(bits, start, stop, words):  # pragma: no cover - compiled
+    """words[w] = bits [x_i ≥ 0] of x[64w:64w + 64], for the whole words in [start, stop)."""
+    for w in range(start // 64, stop // 64):
+        words[_U64(w)] = sign_bits64(bits, w * 64)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sign_tail(bits, out):  # pragma: no cover - compiled
+    """The bytes of ``out`` after the whole 64-bit words, bit by bit."""
     n = bits.size
-    full = n // 8
-    nonzero = np.uint32(0)
-    for j in range(full):
-        out[j], any_set = _signs_byte(bits, 8 * j, 8)
-        nonzero |= any_set
-    if n > 8 * full:
-        out[full], any_set = _signs_byte(bits, 8 * full, n - 8 * full)
-        nonzero |= any_set
-    return nonzero != 0
-
-
-@njit(cache=True, inline="always")
-def _signs_byte(bits, start, count):  # pragma: no cover - compiled
-    byte = np.uint8(0)
-    nonzero = np.uint32(0)
-    for k in range(count):
-        b = bits[start + k]
-        magnitude = b & np.uint32(0x7FFFFFFF)
-        nonzero |= magnitude
-        byte |= np.uint8((b >> np.uint32(31)) == 0 or magnitude == 0) << np.uint8(k)
-    return byte, nonzero
+    for i in range(n - n % 64, n):
+        if i % 8 == 0:
+            out[i // 8] = 0
+        out[i // 8] |= np.uint8(bits[i] <= _U32(0x80000000)) << np.uint8(i % 8)
 
 
 @jit
-def _pack_signs_l1(x, scale, out):  # pragma: no cover - compiled
-    """Sign bits [x_i ≥ 0] as :func:`_pack_signs`, and Σ|trunc(x_i · scale)| (the fixed-point ‖x‖₁)."""
-    n = x.size
-    full = n // 8
+def _pack_signs(bits, out, nonzero):  # pragma: no cover - compiled
+    """bit i = [x_i ≥ 0]: sign bit clear, or a zero of either sign (IEEE compares −0.0 ≥ 0 true), i.e.
+    pattern ≤ 0x80000000; nonzero[0] = whether some x_i ≠ 0; returns the largest |x| as bits (0: all
+    zero; ≥ NON_FINITE: NaN/Inf)."""
+    wide_vectors()
+    n = bits.size
+    full = n - n % 64
+    words = out[:full // 8].view(np.uint64)
+    top = _U32(0)
+    for start in range(0, full, BLOCK):
+        stop = min(full, start + BLOCK)
+        for i in range(start, stop):
+            top = max(top, bits[_U64(i)] & _U32(0x7FFFFFFF))
+        _sign_words(bits, start, stop, words)
+    for i in range(full, n):
+        top = max(top, bits[i] & _U32(0x7FFFFFFF))
+    _sign_tail(bits, out)
+    nonzero[0] = top != 0
+    return top
+
+
+@jit
+def _pack_signs_l1(bits, scale, out, mean):  # pragma: no cover - compiled
+    """Sign bits [x_i ≥ 0] as :func:`_pack_signs` (x finite), and mean[0] = ‖x‖₁/d (float32) from the
+    exact fixed-point sum Σ|trunc(x_i · scale)| (int64: see
+    :func:`~gradpress.compressors.onebit.fixed_point_scale`), formed as :func:`~gradpress.compressors.onebit.mean_of`
+    does (float64 of the sum, / scale, / d)."""
+    wide_vectors()
+    n = bits.size
+    x = bits.view(np.float32)
+    full = n - n % 64
+    words = out[:full // 8].view(np.uint64)
     total = np.int64(0)
-    for j in range(full):
-        out[j], part = _signs_l1_byte(x, 8 * j, 8, scale)
-        total += part
-    if n > 8 * full:
-        out[full], part = _signs_l1_byte(x, 8 * full, n - 8 * full, scale)
-        total += part
+    narrow = scale <= 2.0**127  # then |x|·2^s is exact in float32 too (or below 2^-126, truncated to 0 alike)
+    scale32 = np.float32(scale if narrow else 1.0)
+    for start in range(0, full, BLOCK):
+        stop = min(full, start + BLOCK)
+        if narrow:  # trunc(|x|·2^s) = |trunc(x·2^s)|, formed without a float64 conversion
+            for i in range(start, stop):
+                total += np.int64(abs(x[_U64(i)]) * scale32)
+        else:
+            for i in range(start, stop):
+                total += np.int64(np.float64(abs(x[_U64(i)])) * scale)
+        _sign_words(bits, start, stop, words)
+    for i in range(full, n):
+        total += np.int64(np.float64(abs(x[i])) * scale)
+    _sign_tail(bits, out)
+    mean[0] = np.float32(np.float64(total) / scale / np.float64(n)) if n else np.float32(0.0)
     return total
 
 
-@njit(cache=True, inline="always")
-def _signs_l1_byte(x, start, count, scale):  # pragma: no cover - compiled
-    byte = np.uint8(0)
-    total = np.int64(0)
-    for k in range(count):
-        v = x[start + k]
-        total += abs(np.int64(np.float64(v) * scale))
-        byte |= np.uint8(v >= 0) << np.uint8(k)
-    return byte, total
+@jit
+def _scaled_signs(bits, out, mean):  # pragma: no cover - compiled
+    """EF-signSGD's encoder in one call: the largest |x| (False at once if it is NaN/Inf), the fixed-point
+    scale :func:`~gradpress.compressors.onebit.fixed_point_scale` gives for it (the same power of two,
+    from its bits), then :func:`_pack_signs_l1`."""
+    top = top_magnitude(bits)
+    if top >= _U32(NON_FINITE):
+        return False
+    scale = 1.0
+    if top:  # frexp's exponent of the largest: E − 126 for a normal float32, bit length − 149 for a subnormal
+        biased = np.int64(top >> _U32(23))
+        exponent = biased - 126 if biased else _bit_length(np.int64(top)) - 149
+        scale = f64_from_bits(np.uint64(62 - _bit_length(max(bits.size, 1)) - exponent + 1023) << np.uint64(52))
+    _pack_signs_l1(bits, scale, out, mean)
+    return True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bit_length(v):  # pragma: no cover - compiled
+    """Python's int.bit_length for 0 ≤ v < 2^63."""
+    return 64 - np.int64(leading_zeros(np.uint64(v)))
+
+
+@jit
+def _decode_signs(packed, low, high, out):  # pragma: no cover - compiled
+    """out_i = high if bit i is set, else low (both rounded to float32): 64 values per word of bits, one
+    vector select."""
+    low, high = np.float32(low), np.float32(high)
+    n = out.size
+    full = n - n % 64
+    words = packed[:full // 8].view(np.uint64)
+    for w in range(full // 64):
+        select_bits64(words[_U64(w)], low, high, out, w * 64)
+    for i in range(full, n):
+        out[i] = high if (packed[i // 8] >> np.uint8(i % 8)) & np.uint8(1) else low
 
 
 # -- SIGNUM's momentum ------------------------------------------------------------------------------
@@ -196,9 +303,35 @@ class SignumMomentum(KeyedMemory):
         check_params_of(self)  # also when built directly, not from a spec
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """z·δ + g·(1 − δ) in float32 (a new tensor): one numba pass on the CPU, the same bits as torch's
+        two products and sum (float32 operations in the same order, δ and 1 − δ rounded to float32)."""
         z = self._stored_for(key, grad)
-        fresh = grad.float() * (1.0 - self.momentum)
+        g = grad.float()
+        if z is not None and use_numba(g) and g.is_contiguous() and z.is_contiguous():
+            out = torch.empty(g.shape, dtype=torch.float32)
+            _momentum(as_numpy(z).reshape(-1), as_numpy(g).reshape(-1), np.float32(self.momentum),
+                      np.float32(1.0 - self.momentum), as_numpy(out).reshape(-1))
+            return out
+        fresh = g * (1.0 - self.momentum)
         return fresh if z is None else z * self.momentum + fresh
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         self._memory[key] = compensated.to(torch.float32, copy=True)
+
+    def update_from(self, key: str, compensated: torch.Tensor, packet: Packet, compressor: Compressor,
+                    owned: bool = False) -> None:
+        """z is kept as it was compressed (what was sent plays no part): no decoding, and no copy of a
+        float32 z that :meth:`compensate` made (``owned``)."""
+        if owned and compensated.dtype == torch.float32:
+            self._memory[key] = compensated
+        else:
+            self.update(key, compensated, compensated)
+
+
+@jit
+def _momentum(z, g, momentum, rest, out):  # pragma: no cover - compiled
+    """out = fl32(fl32(z·δ) + fl32(g·(1 − δ))), with δ and 1 − δ given as float32."""
+    wide_vectors()
+    for i in range(out.size):
+        j = _U64(i)
+        out[j] = z[j] * momentum + g[j] * rest

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress._numba import as_numpy, jit, use_numba
-from gradpress.compressor import Compressor, check_finite, count_nonfinite, nonfinite_error, register
+from numba.cpython.unsafe.numbers import trailing_zeros
+
+from gradpress._numba import as_numpy, bits_of_f32, finite, jit, mix32, use_numba, wide_vectors
+from gradpress.compressor import Compressor, check_finite, count_nonfinite, register
 from gradpress.packet import Packet
 from gradpress.registry import param
-from gradpress.rng import Context
+from gradpress.rng import Context, mix32_torch, seed32
 
 
 def keep_count(numel: int, ratio: float) -> int:
@@ -31,19 +33,45 @@ def _element_bytes(dtype: torch.dtype) -> int:
 
 
 def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
-    """Dense float32 vector of length ``numel`` with ``values`` at ``indices`` (distinct positions)."""
+    """Dense float32 vector of length ``numel`` with ``values`` at ``indices`` (distinct positions).
+
+    On the CPU one numba kernel zeroes the vector and writes the values, each index checked against
+    the range first (one out of range sends the call to torch's indexed assignment, which raises
+    IndexError)."""
+    if use_numba(values) and values.is_contiguous() and indices.is_contiguous() and indices.device.type == "cpu" \
+            and indices.dtype in (torch.int32, torch.int64):
+        dense = torch.empty(numel, dtype=torch.float32)
+        if _scatter(dense.numpy(), values.detach().float().numpy(), indices.detach().numpy()):
+            return dense
     dense = torch.zeros(numel, dtype=torch.float32, device=values.device)
-    if use_numba(dense) and values.is_contiguous() and indices.is_contiguous():
-        _scatter(as_numpy(dense), as_numpy(values.float()), as_numpy(indices))
-    else:
-        dense[indices.long()] = values.float()
+    dense[indices.long()] = values.float()
     return dense
 
 
 @jit
 def _scatter(dense, values, indices):  # pragma: no cover - compiled
+    """dense = 0 but dense[indices[j]] = values[j]; False, at the first index out of range."""
+    wide_vectors()
+    n = np.uint64(dense.size)
+    for t in range(dense.size):
+        dense[np.uint64(t)] = np.float32(0.0)
     for j in range(indices.size):
-        dense[indices[j]] = values[j]
+        i = np.uint64(indices[np.uint64(j)])  # a negative index wraps beyond every valid one
+        if i >= n:
+            return False
+        dense[i] = values[np.uint64(j)]
+    return True
+
+
+def float32_decompress(compressor: Compressor, packet: Packet) -> torch.Tensor:
+    """:meth:`Compressor.decompress` of a method whose ``_decompress`` gives float32, with a shortcut for a
+    float32 packet: the decode as it is (reshaped if need be), without the base class's cast and view,
+    which cost a visible share of a small tensor's decode. Other packets take the base class's way."""
+    if packet.dtype is torch.float32 and packet.numel:
+        flat = compressor._decompress(packet)
+        if flat.dtype is torch.float32:
+            return flat if flat.shape == packet.shape else flat.view(packet.shape)
+    return Compressor.decompress(compressor, packet)
 
 
 class Sparse(Compressor):
@@ -58,6 +86,9 @@ class Sparse(Compressor):
     def _decompress(self, packet: Packet) -> torch.Tensor:
         indices, values = self.sparse(packet)
         return scatter(values, indices, packet.numel)
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        return float32_decompress(self, packet)
 
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
         """Adds the sent values only: x + 0 = x exactly, and a sum that starts at +0 is never −0."""
@@ -102,14 +133,20 @@ class TopK(Sparse):
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         k = keep_count(flat.numel(), self.ratio)
-        indices = topk_indices(flat, k, self.spec)
+        indices = topk_indices(flat, k, self)
         return Packet({"values": flat[indices], "indices": indices.to(torch.int32)}, flat.shape, flat.dtype)
 
     def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
         return packet["indices"], packet["values"].float()
 
 
-def topk_indices(flat: torch.Tensor, k: int, where: str = "top-k") -> torch.Tensor:
+def named(where: str | Compressor) -> str:
+    """The name errors give: ``where`` itself, or a compressor's spec (formed only when needed: forming
+    a spec costs microseconds, a visible share of a small tensor's compression)."""
+    return where if isinstance(where, str) else where.spec
+
+
+def topk_indices(flat: torch.Tensor, k: int, where: str | Compressor = "top-k") -> torch.Tensor:
     """Indices (int64, ascending) of the k largest |flat|, exact, ties going to the lower index.
 
     Raises :class:`~gradpress.compressor.NonFiniteError` if ``flat`` holds NaN/Inf: on the sampled
@@ -121,39 +158,71 @@ def topk_indices(flat: torch.Tensor, k: int, where: str = "top-k") -> torch.Tens
         indices = _topk_by_sampled_threshold(values, k, where)
         if indices is not None:
             return indices
-    check_finite(flat, where)
+    check_finite(flat, named(where))
     if k >= n:
         return torch.arange(n, device=flat.device)
     return _largest(flat.float().abs(), k)
 
 
-def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str) -> torch.Tensor | None:
-    """CPU top-k without a full sort: estimate the k-th magnitude from a strided sample of ~65k values,
+SAMPLE = 16384  # about this many values, at a stride, estimate top-k's threshold
+
+
+def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str | Compressor) -> torch.Tensor | None:
+    """CPU top-k without a full sort: estimate the k-th magnitude from a strided sample of ~16k values,
     collect the candidates at or above it in one numba pass, then take the exact top-k among them.
 
     The estimate keeps ~3 standard deviations of margin, so it almost always leaves at least k
     candidates; if not, a threshold with twice the margin is tried, and None sends the caller to the
-    full top-k. Either way the result is exact.
+    full top-k. Either way the result is exact. Every NaN/Inf is a candidate (or lies in the sample):
+    seen there, :func:`check_finite` raises, so there is no check pass of its own.
     """
     n = values.numel()
-    stride = max(1, n // 65536)
-    sample = values[::stride].abs()
+    x = as_numpy(values)
+    stride = max(1, n // SAMPLE)
+    sample = np.empty(-(-n // stride), dtype=np.float32)
     expected = k / stride
-    candidates = torch.empty(n, dtype=torch.int64)  # pages are only touched up to the count found
     for margin in (3.0, 6.0):
-        want = min(sample.numel(), math.ceil(1.05 * expected + margin * math.sqrt(expected) + 8))
-        threshold = float(torch.topk(sample, want, sorted=False).values.min())
+        want = min(sample.size, math.ceil(1.05 * expected + margin * math.sqrt(expected) + 8))
+        threshold = float(_sampled_kth(x, stride, want, sample))
+        if not math.isfinite(threshold):  # NaN/Inf in the sample
+            check_finite(values, named(where))
         if threshold <= 0.0:
             return None
-        count = _collect_at_least(as_numpy(values), threshold, as_numpy(candidates))
-        bad = count_nonfinite(values[candidates[:count]])  # NaN/Inf are always candidates
-        if bad:
-            raise nonfinite_error(where, bad, n)
+        # about want·stride candidates: a buffer of twice that (then all n, if more are found)
+        for capacity in dict.fromkeys((min(n, 2 * want * stride + 1024), n)):
+            candidates = torch.empty(capacity, dtype=torch.int64)
+            count = _collect_at_least(x, np.float32(threshold), as_numpy(candidates))
+            if count >= 0:
+                break
         if count >= k:
             chosen = torch.empty(k, dtype=torch.int64)
-            _keep_largest(as_numpy(values), as_numpy(candidates[:count]), k, as_numpy(chosen))
+            if not _keep_largest(x, as_numpy(candidates[:count]), k, as_numpy(chosen)):
+                check_finite(values, named(where))  # a NaN/Inf candidate: raises, counting every one
             return chosen
+        if _any_nonfinite_at(x, as_numpy(candidates[:count])):
+            check_finite(values, named(where))
     return None
+
+
+@jit
+def _sampled_kth(x, stride, want, sample):  # pragma: no cover - compiled
+    """The ``want``-th largest |x| over x[0], x[stride], …; NaN if one of those is NaN or Inf."""
+    top = np.uint32(0)
+    for j in range(sample.size):
+        m = abs(x[j * stride])
+        sample[j] = m
+        top = max(top, bits_of_f32(m))
+    if top >= np.uint32(0x7F800000):
+        return np.float32(np.nan)
+    return np.partition(sample, sample.size - want)[sample.size - want]
+
+
+@jit
+def _any_nonfinite_at(x, positions):  # pragma: no cover - compiled
+    for j in range(positions.size):
+        if not abs(x[positions[j]]) < np.inf:
+            return True
+    return False
 
 
 def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -166,10 +235,28 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
 
 @jit
 def _collect_at_least(x, threshold, out):  # pragma: no cover - compiled
-    """Positions of |x| ≥ threshold, and of NaN (a comparison with NaN is false, its negation true)."""
+    """Positions of |x| ≥ threshold (float32), and of NaN (a comparison with NaN is false, its
+    negation true), ascending, into ``out``; their count, or −1 if more than fit. Per 64 values a bit
+    mask of the comparisons (vectorized), then the positions of its set bits."""
+    wide_vectors()
+    n = x.size
+    capacity = out.size
     count = 0
-    for i in range(x.size):
+    full = n - n % 64
+    for start in range(0, full, 64):
+        mask = np.uint64(0)
+        for j in range(64):
+            mask |= np.uint64(not abs(x[start + j]) < threshold) << np.uint64(j)
+        while mask:
+            if count == capacity:
+                return -1
+            out[count] = start + trailing_zeros(mask)
+            count += 1
+            mask &= mask - np.uint64(1)
+    for i in range(full, n):
         if not abs(x[i]) < threshold:
+            if count == capacity:
+                return -1
             out[count] = i
             count += 1
     return count
@@ -177,10 +264,16 @@ def _collect_at_least(x, threshold, out):  # pragma: no cover - compiled
 
 @jit
 def _keep_largest(x, candidates, k, out):  # pragma: no cover - compiled
-    """The k candidates (ascending positions) of largest |x|, ties to the lower position, written to out."""
+    """The k candidates (ascending positions) of largest |x|, ties to the lower position, written to out;
+    False (and nothing written) if a candidate is NaN or Inf."""
     magnitudes = np.empty(candidates.size, np.float32)
+    top = np.uint32(0)
     for j in range(candidates.size):
-        magnitudes[j] = abs(x[candidates[j]])
+        m = abs(x[candidates[j]])
+        magnitudes[j] = m
+        top = max(top, bits_of_f32(m))
+    if top >= np.uint32(0x7F800000):
+        return False
     kth = np.partition(magnitudes, candidates.size - k)[candidates.size - k]
     above = 0
     for j in range(candidates.size):
@@ -194,6 +287,7 @@ def _keep_largest(x, candidates, k, out):  # pragma: no cover - compiled
                 ties_left -= 1
             out[filled] = candidates[j]
             filled += 1
+    return True
 
 
 @register("randomk")
@@ -224,12 +318,25 @@ class RandomK(Sparse):
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return keep_count(numel, self.ratio) * _element_bytes(dtype)
 
+    checks_finite = True  # by a pass of its own, faster than the base class's (a max, not a count)
+
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
-        k = keep_count(flat.numel(), self.ratio)
-        indices = random_indices(flat.numel(), k, ctx.shared_generator(flat.device, "randomk"), flat.device)
+        n = flat.numel()
+        k = keep_count(n, self.ratio)
+        seed = ctx.shared_seed("randomk")
+        if not (use_numba(flat) and finite(flat)):  # (the message counts them: check_finite's pass)
+            check_finite(flat, self.spec)
+        if use_numba(flat) and n < HASHED_LIMIT:  # the subset drawn and its values gathered in one kernel
+            indices, values = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=flat.dtype)
+            bits = np.uint32 if flat.element_size() == 4 else np.uint16
+            _subset_gather(n, k, np.uint32(seed32(seed)), _bitmap(n), as_numpy(flat).view(bits),
+                           as_numpy(indices), as_numpy(values).view(bits))
+        else:
+            indices = random_subset(n, k, seed, flat.device)
+            values = flat[indices]
         # every receiver regenerates the indices from the seed; the sender's packet keeps them as well
-        meta = {"seed": ctx.shared_seed("randomk"), "indices": indices}
-        return Packet({"values": flat[indices]}, flat.shape, flat.dtype, meta)
+        meta = {"seed": seed, "indices": indices}
+        return Packet({"values": values}, flat.shape, flat.dtype, meta)
 
     def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
         """The values (scaled by d/k if ``scale``) at the k positions regenerated from the packet's seed."""
@@ -243,9 +350,7 @@ class RandomK(Sparse):
     def _indices(self, packet: Packet, n: int, k: int) -> torch.Tensor:
         indices = packet.meta.get("indices")
         if indices is None:
-            generator = torch.Generator(device=packet.device)
-            generator.manual_seed(packet.meta["seed"])
-            indices = random_indices(n, k, generator, packet.device)
+            indices = random_subset(n, k, packet.meta["seed"], packet.device)
         return indices
 
     def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
@@ -273,14 +378,124 @@ def _saturated(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values.clamp_(-largest, largest)
 
 
-def random_indices(n: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """A uniformly random k-subset of range(n), sorted (int64).
+#: random-k's subsets come from the counter hash for tensors below 2^32 values (:func:`random_subset`)
+HASHED_LIMIT = 2**32
+
+
+def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A uniformly random k-subset of range(n), ascending (int64): the same on every rank and device
+    for the same shared ``seed`` (DESIGN invariant 2).
+
+    Sequential sampling without replacement from a counter stream: draw j (j = 0, 1, …) is
+    mix32(j, seed) mapped to [0, n) by Lemire's multiply-shift with rejection (exactly uniform: a hash
+    whose low product word falls below 2^32 mod n is skipped), and a value already drawn is skipped;
+    the first m = min(k, n − k) distinct values are the subset, or, when k > n/2, its complement. Every
+    k-subset is equally likely (each draw is uniform over the values not yet drawn), so each position is
+    kept with probability k/n. O(k + n/64) on the CPU: a bitmap of n bits marks the values drawn, and
+    a scan of its words lists them in order (numba); elsewhere, the same draws vectorized (torch).
+    Tensors of 2^32 values or more use torch's generator seeded with ``seed`` (device-specific draws).
+    """
+    if k >= n:
+        return torch.arange(n, device=device)
+    if n >= HASHED_LIMIT:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        return _generator_subset(n, k, generator, device)
+    seed = seed32(seed)
+    if use_numba(torch.empty(0, device=device)):
+        out = torch.empty(k, dtype=torch.int64)
+        _subset_gather(n, k, np.uint32(seed), _bitmap(n), _NO_VALUES, as_numpy(out), _NO_VALUES)
+        return out
+    return _subset_torch(n, k, seed, torch.device(device))
+
+
+def _bitmap(n: int) -> np.ndarray:
+    return np.zeros((n + 63) // 64, dtype=np.uint64)
+
+
+_NO_VALUES = np.empty(0, dtype=np.uint32)
+
+
+def _lemire_threshold(n: int) -> int:
+    """Products h·n whose low 32 bits fall below this are rejected: 2^32 mod n of them, which leaves
+    every value of [0, n) exactly ⌊2^32/n⌋ accepted hashes."""
+    return (2**32 - n) % n
+
+
+@jit
+def _subset_gather(n, k, seed, bitmap, x, out, values):  # pragma: no cover - compiled
+    """:func:`random_subset` into ``out`` (``bitmap``: zeroed, n bits); with ``values`` non-empty, also
+    values[j] = x[out[j]] (raw bits: gathered in the same scan)."""
+    m = min(k, n - k)
+    threshold = np.uint64((np.uint64(2**32) - np.uint64(n)) % np.uint64(n))
+    modulus = np.uint64(n)
+    low = np.uint64(0xFFFFFFFF)
+    j = np.uint32(0)
+    count = 0
+    while count < m:
+        product = np.uint64(mix32(j, seed)) * modulus
+        j = np.uint32(j + np.uint32(1))
+        if product & low < threshold:
+            continue
+        v = product >> np.uint64(32)
+        word = v >> np.uint64(6)
+        bit = np.uint64(1) << (v & np.uint64(63))
+        if bitmap[word] & bit:
+            continue
+        bitmap[word] |= bit
+        count += 1
+    gather = values.size > 0
+    filled = 0
+    last = bitmap.size - 1
+    for w in range(bitmap.size):
+        b = bitmap[w]
+        if m < k:  # k > n/2: the complement of the values drawn
+            b = ~b
+            if w == last and n % 64:
+                b &= (np.uint64(1) << np.uint64(n % 64)) - np.uint64(1)
+        while b:
+            i = w * 64 + trailing_zeros(b)
+            out[filled] = i
+            if gather:
+                values[filled] = x[i]
+            filled += 1
+            b &= b - np.uint64(1)
+
+
+def _subset_torch(n: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The torch twin of :func:`_subset_gather` (the same draws, vectorized): the first m distinct
+    accepted values of the stream, found among the first ``draws`` hashes (more if they hold fewer)."""
+    m = min(k, n - k)
+    threshold = _lemire_threshold(n)
+    # m distinct among n: about n·ln(n/(n−m)) draws are needed, a few more are drawn
+    draws = int(n * (math.log(n) - math.log(n - m)) * 1.1) + 64
+    while True:
+        h = mix32_torch(torch.arange(draws, dtype=torch.int64, device=device), seed)
+        # h·n = A·2^16 + B (A, B < 2^48: h's 16-bit halves times n), exactly in int64 (n < 2^32): its
+        # low word is that of S = (A mod 2^16)·2^16 + B, its high word ⌊A/2^16⌋ + ⌊S/2^32⌋
+        a, b = (h >> 16) * n, (h & 0xFFFF) * n
+        s = ((a & 0xFFFF) << 16) + b
+        accepted = ((a >> 16) + (s >> 32))[(s & 0xFFFFFFFF) >= threshold]
+        distinct, inverse = torch.unique(accepted, return_inverse=True)
+        if distinct.numel() >= m:
+            break
+        draws *= 2
+    first = torch.full((distinct.numel(),), accepted.numel(), dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, inverse, torch.arange(accepted.numel(), device=device), "amin")
+    chosen = distinct[first.argsort()[:m]]  # the first m distinct values in draw order
+    if m == k:
+        return chosen.sort().values
+    kept = torch.ones(n, dtype=torch.bool, device=device)
+    kept[chosen] = False
+    return kept.nonzero().squeeze(1)
+
+
+def _generator_subset(n: int, k: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """A uniformly random k-subset of range(n), sorted (int64), from torch's generator (huge tensors).
 
     For k ≤ n/2, draws with replacement until k distinct values are seen (which is sampling without
     replacement), costing O(k log k) instead of a permutation of all n.
     """
-    if k >= n:
-        return torch.arange(n, device=device)
     if 2 * k > n:
         return torch.randperm(n, generator=generator, device=device)[:k].sort().values
     draws = k + 2 * k * k // n + 16

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress._numba import as_numpy, jit, use_numba
-from gradpress.compressor import register
+from gradpress._numba import abs_above64, as_numpy, compress_above16, jit, mix32, use_numba, wide_vectors
+from gradpress.compressor import Compressor, check_finite, register
 from gradpress.compressors.onebit import as_float32
-from gradpress.compressors.sparsify import Sparse
+from gradpress.compressors.sparsify import Sparse, named
 from gradpress.packet import Packet
 from gradpress.registry import param
-from gradpress.rng import Context
+from gradpress.rng import Context, mix32_torch, seed32
 
 MIN_SAMPLE = 4096  # below this many elements the threshold comes from the whole tensor, exactly
 MIN_KEPT = 50      # a sample large enough to hold this many kept elements (±14 % on the count)
@@ -41,9 +41,10 @@ class Threshold(Sparse):
     v: float = param(0.01, "[0, inf)")
     kept = "values"
     examples = ("threshold:v=0.001", "threshold:v=0")
+    checks_finite = True  # the selecting pass keeps the largest |x|, which shows NaN/Inf
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
-        return packet_above(flat, self.v)
+        return packet_above(flat, self.v, self)
 
     def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
         return packet["indices"], packet["values"].float()
@@ -54,17 +55,31 @@ def sparse_packet(flat: torch.Tensor, indices: torch.Tensor) -> Packet:
     return Packet({"values": flat[indices], "indices": indices.to(torch.int32)}, flat.shape, flat.dtype)
 
 
-def packet_above(flat: torch.Tensor, threshold: float) -> Packet:
+def packet_above(flat: torch.Tensor, threshold: float, where: str | Compressor = "threshold", expected: int | None = None,
+                 checked: bool = False) -> Packet:
     """:func:`sparse_packet` of the elements with |x| > threshold, values and int32 indices gathered in
-    the pass that finds them (numba); buffers are trimmed to the count found unless that keeps most."""
+    the pass that finds them (numba: 16 values at a time, compressed in registers), which also keeps
+    the largest |x|: NaN/Inf in ``flat`` raise :class:`~gradpress.compressor.NonFiniteError` (as
+    ``where``'s), so the caller needs no check pass (``checked``: the caller's own pass has found x
+    finite). ``expected``: about how many will be kept (DGC's estimate): buffers of twice that, and a
+    second pass with whole-size ones if more are found. Buffers are trimmed to the count found unless
+    that keeps most."""
     x = as_float32(flat)
-    if not use_numba(x) or x.numel() > torch.iinfo(torch.int32).max:
+    if not use_numba(x) or x.numel() > torch.iinfo(torch.int32).max - 64:
+        if not checked:
+            check_finite(x, named(where))
         return sparse_packet(flat, select_above(flat, threshold))
     n = x.numel()
-    values, indices = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32)
-    count = _gather_above(as_numpy(x), np.float32(threshold), as_numpy(values), as_numpy(indices))
+    for capacity in ((2 * expected + 1024, n) if expected is not None and 2 * expected + 1024 < n else (n,)):
+        values = torch.empty(capacity + 64, dtype=torch.float32)
+        indices = torch.empty(capacity + 64, dtype=torch.int32)
+        count, top = _gather_above(as_numpy(x), np.float32(threshold), values.numpy(), indices.numpy(), not checked)
+        if top >= NON_FINITE:
+            check_finite(x, named(where))
+        if count >= 0:
+            break
     values, indices = values[:count], indices[:count]
-    if 2 * count < n:  # don't hold n-sized buffers for a few values
+    if 2 * count + 1024 < capacity:  # don't hold large buffers for a few values
         values, indices = values.clone(), indices.clone()
     return Packet({"values": values.to(flat.dtype), "indices": indices}, flat.shape, flat.dtype)
 
@@ -91,6 +106,87 @@ def draw_sample(x: torch.Tensor, ratio: float, generator: torch.Generator, fract
     return x[torch.randint(n, (size,), generator=generator, device=x.device)]
 
 
+def stratified_threshold(x: torch.Tensor, ratio: float, fraction: float, seed: int) -> tuple[float, bool]:
+    """DGC's threshold: :func:`sample_threshold` of |x| over a sample of about the size
+    :func:`draw_sample` takes (or the whole tensor), drawn by stratified sampling: the tensor is cut
+    into strata of w = ⌊d/size⌋ values (the last one shorter) and one position is drawn uniformly in
+    each (mix32(t, seed) times the stratum's width, high word: a bias below w/2^32). Each position is as
+    likely to be drawn as with sampling at random (but in the last, shorter stratum), and a quantile of
+    the sample varies no more; the positions ascend, so the CPU kernel reads them in the pass that also
+    finds the largest |x|: a NaN or Inf anywhere makes the threshold NaN, with no pass of its own.
+    Returns (threshold, checked): whether that pass saw the whole tensor finite (the numba path)."""
+    n = x.numel()
+    size = max(math.ceil(ratio * n), MIN_SAMPLE, math.ceil(MIN_KEPT / fraction))
+    width = max(1, n // size)
+    strata = -(-n // width)
+    keep = math.ceil(fraction * strata)
+    rank = keep + 1 if keep < strata else 0  # the (keep + 1)-th largest; 0: every value is kept
+    if use_numba(x) and n < 2**31:
+        threshold = float(_stratified_kth(as_numpy(x), width, np.uint32(seed32(seed)), rank))
+        return threshold, True
+    if not rank:
+        return 0.0, False
+    if width == 1:
+        return sample_threshold(x.abs(), fraction), False
+    return sample_threshold(x[_strata_positions(n, width, seed32(seed), x.device)].abs(), fraction), False
+
+
+def _strata_positions(n: int, width: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The sample's positions (torch twin of :func:`_stratified_kth`'s), int64, ascending."""
+    starts = torch.arange(0, n, width, dtype=torch.int64, device=device)
+    widths = (n - starts).clamp(max=width)
+    return starts + ((mix32_torch(starts // width, seed) * widths) >> 32)
+
+
+@jit
+def _stratified_kth(x, width, seed, rank):  # pragma: no cover - compiled
+    """The ``rank``-th largest |x| over the stratified sample (x itself when width is 1; rank 0: 0.0), or
+    NaN if x holds NaN or Inf. STRATA strata at a time: the largest |x| of their values and their
+    positions (both vectorized), then the values at those positions: with few kept, a list of the
+    largest seen (sorted, descending; most values fail the first compare), else all of them for a
+    partition."""
+    wide_vectors()
+    n = x.size
+    bits = x.view(np.uint32)
+    strata = (n + width - 1) // width if rank else 0  # (rank 0: no sample; the pass checks x only)
+    few = rank <= 512
+    best = np.full(rank if few else 0, -np.inf, dtype=np.float32)
+    sample = np.empty(0 if few else strata, dtype=np.float32)
+    positions = np.empty(STRATA, dtype=np.int64)
+    top = np.uint32(0)
+    if not rank:
+        for i in range(n):
+            top = max(top, bits[np.uint64(i)] & np.uint32(0x7FFFFFFF))
+    for t0 in range(0, strata, STRATA):
+        t1 = min(strata, t0 + STRATA)
+        for i in range(t0 * width, min(n, t1 * width)):
+            top = max(top, bits[np.uint64(i)] & np.uint32(0x7FFFFFFF))
+        for t in range(t0, t1):
+            start = t * width
+            span = np.uint64(min(width, n - start))
+            positions[t - t0] = start + np.int64((np.uint64(mix32(np.uint32(t), seed)) * span) >> np.uint64(32))
+        for t in range(t0, t1):
+            m = abs(x[positions[t - t0]])
+            if not few:
+                sample[t] = m
+            elif m > best[rank - 1]:
+                k = rank - 1
+                while k > 0 and m > best[k - 1]:
+                    best[k] = best[k - 1]
+                    k -= 1
+                best[k] = m
+    if top >= np.uint32(0x7F800000):
+        return np.float32(np.nan)
+    if rank == 0:
+        return np.float32(0.0)
+    if few:
+        return best[rank - 1]
+    return np.partition(sample, strata - rank)[strata - rank]
+
+
+STRATA = 512  # strata per step of _stratified_kth
+
+
 def sample_threshold(magnitudes: torch.Tensor, fraction: float) -> float:
     """The threshold t with ``ceil(fraction · s)`` of the s sampled magnitudes above it: the next
     largest sampled value (0 when all are to be kept, so that only zeros are dropped)."""
@@ -102,15 +198,51 @@ def sample_threshold(magnitudes: torch.Tensor, fraction: float) -> float:
 
 
 @jit
-def _gather_above(x, threshold, values, indices):  # pragma: no cover - compiled
+def _gather_above(x, threshold, values, indices, check):  # pragma: no cover - compiled
+    """(count, largest |x| as bits): values[:count] and indices[:count] are the elements with
+    |x| > threshold and their positions, ascending (the buffers hold 64 slots more than their
+    capacity: a word of 64 values is written 16 at a time, 16 wide, before the count is checked);
+    count −1 if more than the capacity are found (the largest |x| is still the whole tensor's). Block
+    by block: the largest magnitude (vectorized), then per word of 64 a mask of |x| > threshold (a
+    sparse selection skips most words on it) and the word's values 16 at a time, compressed."""
+    wide_vectors()
+    n = x.size
+    capacity = values.size - 64
+    bits = x.view(np.uint32)
     count = 0
-    for i in range(x.size):
-        v = x[i]
-        if abs(v) > threshold:
-            values[count] = v
-            indices[count] = i
-            count += 1
-    return count
+    top = np.uint32(0)
+    full = n - n % 64
+    for start in range(0, full, BLOCK):
+        stop = min(full, start + BLOCK)
+        if check:
+            for i in range(start, stop):
+                top = max(top, bits[np.uint64(i)] & np.uint32(0x7FFFFFFF))
+        if count < 0:
+            if check:
+                continue
+            break
+        for w in range(start, stop, 64):
+            if abs_above64(x, w, threshold) == 0:  # (sparse selections skip most words here)
+                continue
+            for i in range(w, w + 64, 16):
+                count += compress_above16(x, i, threshold, values, indices, count)
+            if count > capacity:
+                count = -1
+                break
+    for i in range(full, n):
+        top = max(top, bits[i] & np.uint32(0x7FFFFFFF))
+        if count >= 0 and abs(x[i]) > threshold:
+            if count == capacity:
+                count = -1
+            else:
+                values[count] = x[i]
+                indices[count] = i
+                count += 1
+    return count, top
+
+
+BLOCK = 4096  # values per block of _gather_above: the max pass and the gathering pass read them from L1
+NON_FINITE = 0x7F800000  # |x| bit patterns from here up are Inf and NaN
 
 
 @jit
