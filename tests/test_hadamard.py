@@ -1,6 +1,7 @@
 """The randomized Hadamard transform (THC paper, Section 5.1)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import scipy.linalg
 import torch
@@ -124,14 +125,19 @@ def test_a_rebuilt_layout_inverts_another_workers_transform():
 
 @pytest.mark.parametrize(
     ("numel", "partition"),
-    [(1, 16), (2, 16), (3, 16), (4, 4), (6, 4), (55, 16), (40, 12), (3, 1), (7, 2),
-     (2**12, 2**12), (2**14 + 5, 2**14), (2**16, 2**16), (70_000, 2**17)],
+    [(1, 16), (2, 16), (3, 16), (4, 4), (6, 4), (55, 16), (40, 12), (3, 1), (7, 2), (300, 100),
+     (2**12, 2**12), (2**14 + 5, 2**14), (2**16, 2**16), (70_000, 2**17), (3 * 2**13 + 7, 2**13),
+     (40_000, 5000), (2**15 + 2**10, 2**15), (2**18 + 33, 2**18), (2**16, 2**24)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_numba_kernel_gives_the_torch_paths_bits(numel, partition, dtype):
-    """The CPU kernel (loading with signs and padding, stages chunk by chunk, then radix-8/4/2 passes
-    across chunks, scaling fused) and the torch path (one reshape per stage) agree bit for bit, forward
-    and inverse: blocks below 4 values, at and past the 2^11-value chunk, remainders of 1 and 2 stages."""
+    """The CPU kernels and the torch path (one reshape per stage) agree bit for bit, forward and inverse.
+    float32 (and bf16, transformed in float32) blocks of at least 16 values go through the vector kernel:
+    one row (up to 2^12 values, and fewer than 16 vectors: 2^7), 2 to 8 rows (the stages across rows in
+    one group of 1 to 3), 16, 32 and 64 rows (a group of 4 after 0, 1 or 2 stages), blocks starting off a
+    multiple of 16 or 32 (their signs straddle two hashes), a last block of 1 to 8 values (the scalar
+    kernel's), a partition larger than the vector; float64 goes through the scalar kernel (loading with
+    signs and padding, stages chunk by chunk, then radix-8/4/2 passes across chunks, scaling fused)."""
     x = (torch.randn(numel, generator=_generator(numel)) * 100).to(dtype)
     layout = rht_layout(numel, _generator(3), partition)
     forward = apply_rht(x, layout)
@@ -142,13 +148,15 @@ def test_numba_kernel_gives_the_torch_paths_bits(numel, partition, dtype):
 
 
 def test_signs_come_from_the_counter_hash_of_one_shared_key():
-    """D_ii = −1 exactly where mix32(i, key) has its top bit set; the key is drawn from the shared
-    generator (the same seed gives the same key on every rank) or given (modulo 2^32)."""
+    """D_ii = −1 exactly where bit i mod 32 of mix32(⌊i/32⌋, key) is set (32 signs per hash); the key is
+    drawn from the shared generator (the same seed gives the same key on every rank) or given (modulo
+    2^32)."""
     layout = rht_layout(5000, _generator(11), 1024)
     assert layout.key == rht_layout(5000, _generator(11), 1024).key
     assert layout.key != rht_layout(5000, _generator(12), 1024).key
-    top = mix32_torch(torch.arange(5000), layout.key) >> 31
-    assert torch.equal(layout.signs, 1.0 - 2.0 * top.float())
+    i = torch.arange(5000)
+    bit = (mix32_torch(i // 32, layout.key) >> (i % 32)) & 1
+    assert torch.equal(layout.signs, 1.0 - 2.0 * bit.float())
     given = rht_layout(5000, layout.key + (7 << 32), 1024)
     assert given.key == layout.key and torch.equal(given.signs, layout.signs)
     x = torch.randn(5000, generator=_generator(13))
@@ -184,3 +192,16 @@ def test_empty_vector():
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_work_buffer_is_aligned_and_kept():
+    """The vector kernel's work buffer: 64-byte aligned (no vector straddles two cache lines; 2 MiB where
+    huge pages are granted), large enough for the rows (C + 16 apart) and one radix, this thread's own and
+    kept between calls."""
+    from gradpress.hadamard import work_buffer
+
+    layout = rht_layout(3 * 2**20 + 5, 1, 2**20)
+    work = work_buffer(layout)
+    assert work.dtype == np.float32 and work.ctypes.data % 64 == 0
+    assert work.size >= 256 * (4096 + 16) + 256
+    assert work_buffer(rht_layout(1000, 2, 2**20)) is work  # a smaller one fits in it

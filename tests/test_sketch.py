@@ -64,8 +64,8 @@ def test_the_lower_median_would_be_biased():
         packet = c.compress(x, Context(seed=3, step=step))
         indices = torch.arange(x.numel())
         table = packet["table"]
-        rows = [_signs(indices, s) * table[j, _buckets(indices, b, table.shape[1])]
-                for j, (b, s) in enumerate(packet.meta["seeds"])]
+        rows = [_signs(indices, seed) * table[j, _buckets(indices, seed, table.shape[1])]
+                for j, seed in enumerate(packet.meta["seeds"])]
         scale = 2.0 ** packet.meta["exponent"]  # the table holds the sums times 2^-s
         return torch.stack(rows).median(dim=0).values.view_as(x) * x.ne(0).any(1, keepdim=True) * scale
 
@@ -346,3 +346,156 @@ def test_blocktopk_ranks_blocks_whose_squared_norms_overflow():
     assert gradpress.make("blocktopk").compress(y)["indices"].tolist() == [5, 40]
     sketched = gradpress.make("sketch:ratio=1/32,block=33")  # the sketch's block top-K as well: K = 2
     assert sketched.compress(x)["bitmap"].nonzero().squeeze(1).tolist() == [5, 40]
+
+
+# -- the numba kernels (issue 12): the torch path's bits, on every layout they take apart ----------------
+def _mixed(shape, dtype=torch.float32, seed=0, zero_rows=0.5, zero_values=0.1):
+    """Blocks that are all zero, partly zero and full, -0.0 among the zeros: runs of every kind."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x[torch.rand(shape, generator=g) < zero_values] = -0.0
+    if x.dim() == 2:
+        x[torch.rand(shape[0], generator=g) < zero_rows] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("spec", ["sketch", "sketch:rows=2,lam=2", "sketch:rows=4", "sketch:rows=5,lam=4",
+                                  "sketch:rows=7,lam=8", "sketch:block=3", "sketch:block=1500,rows=3",
+                                  "sketch:ratio=0.1,block=2", "sketch:ratio=0.02,rows=3"])
+@pytest.mark.parametrize("shape", [(70001,), (5003, 7), (3, 2000)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_sketch_kernels_give_the_torch_paths_bits(spec, shape, dtype):
+    """One pass per side: bitmap + insertion (all-marked chunks, runs, single blocks, a last shorter block,
+    block top-K with the sampled threshold) and query (the sorting networks of r = 2..5, the insertion
+    sort beyond), for decompress and for decode_sum of several workers, bit for bit (sign of zero too)."""
+    c = gradpress.make(spec)
+    xs = [_mixed(shape, dtype, seed=s) for s in range(3)]
+    packets = [c.compress(x, Context(seed=9, step=4, key="w", rank=r)) for r, x in enumerate(xs)]
+    with numba_disabled():
+        slow = [c.compress(x, Context(seed=9, step=4, key="w", rank=r)) for r, x in enumerate(xs)]
+    for fast, reference in zip(packets, slow, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(fast.wire(), reference.wire(), strict=True))
+    summed = list(all_reduce(packets).wire())
+    decoded = [c.decompress(packets[0]), c.decode_sum(packets[0], [t.clone() for t in summed], 3)]
+    with numba_disabled():
+        expected = [c.decompress(packets[0]), c.decode_sum(packets[0], [t.clone() for t in summed], 3)]
+    for y, z in zip(decoded, expected, strict=True):
+        assert y.dtype == z.dtype == dtype and torch.equal(_bits(y), _bits(z))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6])
+def test_medians_of_signed_zeros_match_the_stable_sort(rows):
+    """Estimates +0 and −0 compare equal: the sorting networks keep their order, as the torch path's
+    stable sort does, so the median's sign bit is the same on both paths."""
+    from gradpress.compressors.sketch import query
+
+    g = torch.Generator().manual_seed(rows)
+    width, numel = 8, 4096
+    table = torch.randn(rows, width, generator=g)
+    table[:, ::2] = 0.0  # half the buckets hold +0: s_j(i)·S[j, h] is then +0 or −0
+    seeds = tuple(int(seed) for seed in torch.randint(0, 2**32, (rows,), generator=g))
+    marked = torch.rand(numel, generator=g) < 0.9
+    fast = query(marked, 1, numel, table, seeds)
+    with numba_disabled():
+        slow = query(marked, 1, numel, table, seeds)
+    assert torch.equal(_bits(fast), _bits(slow))
+    assert (_bits(fast) == -(2**31)).any()  # −0 medians occur: the check above looked at signs
+
+
+def test_sketch_counts_nan_and_inf_in_its_own_pass():
+    """``checks_finite``: the numba pass that inserts every non-zero block counts NaN/Inf exactly (the
+    message says how many), ``ratio < 1`` and the torch path check first, and a NaN in a block that is
+    otherwise zero marks it (its bits are not zero)."""
+    x = torch.zeros(300, 40)
+    x[7, 3], x[7, 9], x[200, 0], x[299, 39] = math.nan, math.inf, -math.inf, math.nan
+    x[5] = 1.0
+    for spec in ("sketch", "sketch:ratio=0.1", "sketch:block=7,rows=3"):
+        c = gradpress.make(spec)
+        assert c.checks_finite
+        with pytest.raises(gradpress.NonFiniteError, match="holds 4 NaN/Inf value.s. out of 12000"):
+            c.compress(x)
+        with numba_disabled(), pytest.raises(gradpress.NonFiniteError, match="holds 4 NaN/Inf"):
+            c.compress(x)
+
+
+def test_sketch_table_is_the_plain_insert_of_the_marked_values():
+    """The fused kernel adds the same values in the same order as :func:`insert` given the indices of
+    the marked blocks, so the tables are equal bit for bit (collisions included: λ = 1/4)."""
+    from gradpress.compressors.sketch import insert
+
+    c = gradpress.make("sketch:rows=3,lam=0.25,block=5")
+    x = _mixed((40003,), seed=4, zero_values=0.5)
+    packet = c.compress(x, Context(seed=1, step=1))
+    indices = element_indices(packet["bitmap"].nonzero().squeeze(1), 5, x.numel())
+    values = x[indices] * 2.0 ** -packet.meta["exponent"]
+    with numba_disabled():
+        plain = insert(indices, values, packet.meta["seeds"], packet["table"].shape[1])
+    assert torch.equal(packet["table"], plain)
+
+
+@pytest.mark.parametrize("size", [1, 3, 64])
+@pytest.mark.parametrize("ratio", [0.001, 0.03, 0.5])
+def test_block_selection_equals_topk_of_block_norms(size, ratio):
+    """:func:`select_blocks` (sampled threshold, one pass, partial selection) returns exactly the blocks
+    of ``topk_indices(block_norms(...))``, ties to the lower block, with many tied norms as well."""
+    from gradpress.compressors.sketch import as_blocks, block_norms, select_blocks
+    from gradpress.compressors.sparsify import keep_count, topk_indices
+
+    numel = 40 * 16384 * size // 8 + 5  # enough blocks for the sampled threshold at every size
+    g = torch.Generator().manual_seed(size)
+    for x in (torch.randn(numel, generator=g), torch.randint(-3, 4, (numel,), generator=g).float()):
+        blocks = -(-numel // size)
+        kept = keep_count(blocks, ratio)
+        expected = topk_indices(block_norms(as_blocks(x, size)), kept)
+        assert torch.equal(select_blocks(x, size, kept), expected)
+
+
+def test_block_norms_sum_pairwise():
+    """The squares of a block are added as a halving tree over the block padded to a power of two."""
+    from gradpress.compressors.sketch import block_norms
+
+    x = torch.tensor([[1e8, 1.0, -1e8, 1.0, 3.0], [2.0, 0.0, 0.0, 0.0, 0.0]])
+    squares = x.square()
+    tree = ((squares[:, 0] + squares[:, 4]) + squares[:, 2]) + (squares[:, 1] + squares[:, 3])
+    assert torch.equal(block_norms(x), tree)
+
+
+@pytest.mark.parametrize("spec", ["blocktopk", "blocktopk:ratio=0.01,block=3",
+                                  "blocktopk:ratio=0.2,block=100"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_blocktopk_kernels_give_the_torch_paths_bits(spec, dtype):
+    c = gradpress.make(spec)
+    x = _mixed((600011,), dtype, seed=2, zero_values=0.3)
+    fast = c.compress(x)
+    with numba_disabled():
+        slow = c.compress(x)
+        reference = c.decompress(fast)
+    assert all(torch.equal(a, b) for a, b in zip(fast.wire(), slow.wire(), strict=True))
+    assert fast["values"].dtype == dtype and torch.equal(_bits(c.decompress(fast)), _bits(reference))
+
+
+def test_blocktopk_overflowing_norms_on_the_sampled_path():
+    """Squares beyond float32 among many blocks: the sampled path sees an infinite norm and ranks all
+    norms scaled, as block_norms does."""
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(5))
+    x[[17, 123_456, 199_999]] = torch.tensor([3e30, -2e30, 1e30])
+    c = gradpress.make("blocktopk:ratio=0.001")
+    packet = c.compress(x)
+    with numba_disabled():
+        assert torch.equal(packet["indices"], c.compress(x)["indices"])
+    assert {17, 123_456, 199_999} <= set(packet["indices"].tolist())
+
+
+def test_blocktopk_decodes_indices_in_any_order():
+    """The dense decode copies blocks in one ascending pass; a packet whose indices are not ascending
+    (not one of ours) is decoded by the general path, with the same meaning."""
+    c = gradpress.make("blocktopk:ratio=0.25,block=4")
+    x = torch.randn(64, generator=torch.Generator().manual_seed(6))
+    packet = c.compress(x)
+    order = torch.randperm(packet["indices"].numel(), generator=torch.Generator().manual_seed(0))
+    shuffled = packet.with_wire([packet["values"][order], packet["indices"][order]])
+    assert torch.equal(c.decompress(shuffled), c.decompress(packet))

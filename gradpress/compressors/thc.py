@@ -42,6 +42,18 @@ coordinates (``thc``: c is the padded length, up to 2× the tensor's for sizes j
 the summands in the narrowest collective dtype that holds g·n (uint8, else int32), never wrapping.
 The all-reduce strategy sends those summands, not the packed b-bit indices; in parameter-server and
 switch modes the server receives the b-bit indices and looks them up itself (Section 6, Fig. 4).
+
+Speed (issue 12): on CPU tensors each method is a few numba passes (the vector kernels below, on
+:mod:`gradpress._simd`): ``thc`` compresses in two passes per Hadamard block (the transform's pass A;
+pass B fused with the scaling, the quantization and the packing) after the preliminary norm, and decodes
+a packet or a sum in two passes (unpacking and table lookup fused into pass A; D, the scale and the
+output into pass B); ``thc_uniform`` quantizes and packs in one pass after its min/max, and decodes in
+one. The torch path (other devices, or ``GRADPRESS_NUMBA=0``) does the same float32 operations in the
+same order and gives the same bits. Issue 12 changed two bits of the method that reach the wire (its
+layout does not change): the RHT signs come 32 to a hash (:mod:`gradpress.hadamard`), and a step up is
+drawn as (mix32(i, seed) >> 8) < (a − T[z])·2^24/(T[z+1] − T[z]) in float32, the old comparison of
+r·2^-24 with the probability less one multiplication (they differ only where the probability is below
+float32's normal range); the same inputs, seeds and keys therefore give other codes than before.
 """
 from __future__ import annotations
 
@@ -51,15 +63,20 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from numba import njit
 from scipy.stats import norm
 
-from gradpress._numba import as_numpy, jit, uniform24, use_numba
+from gradpress import _simd as V
+from gradpress._numba import GOLDEN, as_numpy, bits_of_f32, jit, mix32, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, Preliminary, register, saturate
-from gradpress.hadamard import DEFAULT_PARTITION, apply_rht, inverse_rht, rht_layout
+from gradpress.compressor import Compressor, Preliminary, check_finite, register, saturate
+from gradpress.hadamard import (_PANEL, _STREAMED, DEFAULT_PARTITION, ONE, _columns_but_last, _geometry, _kernel_args,
+                                _last_group, _load_signed, _load_signed_rows, _negative, _quad, _radix_any,
+                                _row_rest, _row_small, _stages, apply_rht, inverse_columns, inverse_rht,
+                                rht_layout, work_buffer)
 from gradpress.packet import Packet
 from gradpress.registry import param
-from gradpress.rng import Context, seed32, uniform24_torch
+from gradpress.rng import Context, mix32_torch, seed32
 from gradpress.thc_table import thc_table
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -74,12 +91,21 @@ class Grid:
     rounded up to T[z+1] with probability (a − T[z])/(T[z+1] − T[z]), down to T[z] otherwise: unbiased
     stochastic quantization between the two nearest table values, which App. B (citing [7]) shows
     optimal for a given table. ``values`` are the table values as the integers an aggregator adds.
+
+    The draw: up exactly when r < (a − T[z])·2^24/(T[z+1] − T[z]) in float32, r = mix32(i, seed) >> 8 the
+    24-bit integer of the counter hash (gradpress.rng) for coordinate i: r·2^-24 < the probability, but
+    without a multiplication by 2^-24 per value (the power of two is in ``inv_gap``).
     """
 
     table: np.ndarray  # float32, 2^b increasing values 0 = T[0] < … < T[2^b − 1] = top
     values: np.ndarray  # the same as uint8 (top ≤ 255) or int32 summands
     gap: np.ndarray  # int64, top + 1 entries: the z with T[z] ≤ i < T[z+1] (2^b − 2 at i = top)
-    inv_gap: np.ndarray  # float32, 1 / (T[z+1] − T[z])
+    inv_gap: np.ndarray  # float32, 2^24 / (T[z+1] − T[z]): the step probability in units of the uniforms'
+    # per grid point i (the vector kernels' lookups, zero-padded to at least 32 entries for V.permute32):
+    point_gap: np.ndarray  # int32, gap[i]
+    point_low: np.ndarray  # float32, T[gap[i]]
+    point_inv: np.ndarray  # float32, inv_gap[gap[i]]
+    values32: np.ndarray  # int32, the table values, padded to at least 32
 
     @classmethod
     def of(cls, table: Sequence[int]) -> Grid:
@@ -88,8 +114,15 @@ class Grid:
             raise ValueError(f"a THC table must increase from 0, got {tuple(table)}")
         top = int(t[-1])
         gap = np.clip(np.searchsorted(t, np.arange(top + 1), side="right") - 1, 0, t.size - 2)
-        return cls(t.astype(np.float32), t.astype(np.uint8 if top <= 255 else np.int32), gap,
-                   (1.0 / np.diff(t)).astype(np.float32))
+        inv_gap = (1.0 / np.diff(t)).astype(np.float32) * np.float32(2.0**24)  # (exact: a power of two)
+        table32 = t.astype(np.float32)
+
+        def padded(a: np.ndarray) -> np.ndarray:
+            return np.concatenate([a, np.zeros(max(0, 32 - a.size), dtype=a.dtype)])
+
+        return cls(table32, t.astype(np.uint8 if top <= 255 else np.int32), gap, inv_gap,
+                   padded(gap.astype(np.int32)), padded(table32[gap]), padded(inv_gap[gap]),
+                   padded(t.astype(np.int32)))
 
     @property
     def top(self) -> int:
@@ -119,7 +152,8 @@ class Grid:
         z = torch.from_numpy(self.gap).to(device)[a.long()]
         table, inv_gap = (torch.from_numpy(t).to(device) for t in (self.table, self.inv_gap))
         frac = (a - table[z]).mul_(inv_gap[z])
-        up = uniform24_torch(x.numel(), seed, device) < frac
+        index = torch.arange(x.numel(), dtype=torch.int64, device=device)
+        up = (mix32_torch(index, seed) >> 8).to(torch.float32) < frac
         return (z + up).to(torch.uint8)
 
     def lookup(self, packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -129,7 +163,7 @@ class Grid:
             if packed.numel() != packed_nbytes(n, bits):
                 raise ValueError(f"{packed.numel()} bytes cannot hold {n} codes of {bits} bits")
             out = torch.empty(n, dtype=self.dtype)
-            _lookup_numba(as_numpy(packed.contiguous()), bits, self.values, as_numpy(out))
+            _lookup_fast(as_numpy(packed.contiguous()), bits, self.values32, as_numpy(out))
             return out
         codes = unpack_bits(packed, bits, n)
         return torch.from_numpy(self.values).to(packed.device)[codes.long()]
@@ -153,25 +187,386 @@ def _quantize_numba(x, pre, origin, scale, top, gap, table, inv_gap, seed, codes
     for i in range(x.size):
         a = min(max((x[i] * pre - origin) * scale, zero), top)
         z = gap[np.int64(a)]
-        up = uniform24(i, seed) < (a - table[z]) * inv_gap[z]
+        up = np.float32(mix32(i, seed) >> np.uint32(8)) < (a - table[z]) * inv_gap[z]
         codes[i] = np.uint8(z + up)
 
 
+# -- the vector kernels --------------------------------------------------------------------------------
+# THC in two passes over each Hadamard block (gradpress.hadamard's vector kernel). Compressing, pass A loads
+# the block with its signs and runs the stages within a row; pass B runs the stages across rows, the last
+# four of them straight into 16 vectors of scratch, which the quantizer scales, rounds and packs (a
+# NaN/Inf input shows in any vector of its block). Decoding, pass A unpacks the codes and looks up their
+# centred table values (or reads the sums and centres them) and runs the row stages; pass B the rest, then
+# D, the scales and the output, row by row. Uniform THC is one pass each way. Every value goes through the
+# float32 operations of the torch path, in its order: the same bits (tests/test_thc_kernels.py).
+_MASK = np.uint32(0x7F800000)  # a float's exponent field: all ones for NaN and Inf
+_GOLDEN16 = np.uint32((int(GOLDEN) * 16) & 0xFFFFFFFF)
+_U24 = np.float32(2.0**24)  # Grid's inv_gap of a gap of width 1 (uniform THC's)
+
+
+@njit(cache=True, inline="always")
+def _uniforms(h, seed):  # pragma: no cover - compiled
+    """float32(mix32(k, seed) >> 8) for the 16 lanes' indices k (the 24-bit integers of Grid's draw),
+    given h = k·GOLDEN mod 2^32 (a loop over indices a fixed step apart adds to it instead of multiplying)."""
+    h = V.xor(h, V.isplat(seed))
+    h = V.xor(h, V.shr(h, V.isplat(np.uint32(16))))
+    h = V.mul(h, V.isplat(np.uint32(0x85EBCA6B)))
+    h = V.xor(h, V.shr(h, V.isplat(np.uint32(13))))
+    h = V.mul(h, V.isplat(np.uint32(0xC2B2AE35)))
+    h = V.xor(h, V.shr(h, V.isplat(np.uint32(16))))
+    return V.to_float(V.shr(h, V.isplat(np.uint32(8))))
+
+
+@njit(cache=True, inline="always")
+def _golden(k):  # pragma: no cover - compiled
+    """k·GOLDEN, …, (k + 15)·GOLDEN mod 2^32."""
+    return V.mul(V.iota(k), V.isplat(GOLDEN))
+
+
+@njit(cache=True, inline="always")
+def _write_codes(codes, byte, v, bits, valid):  # pragma: no cover - compiled
+    """The 16 codes of ``v`` (below 2^bits) packed into the 2·bits bytes at codes[byte:], or only their
+    first ``valid`` bytes (gradpress.bits' layout)."""
+    u = np.uint64
+    whole = valid >= u(2) * bits
+    if whole and bits == u(4):
+        V.store_nibbles(codes, byte, v)
+    elif whole and bits == u(8):
+        V.store_ints(codes, byte, v)
+    else:
+        low = V.pack_low(v, bits)
+        high = V.pack_high(v, bits)
+        if whole and bits == u(2):
+            V.store_word(codes, byte, low | (high << u(16)), 4)
+        elif whole and bits == u(1):
+            V.store_word(codes, byte, low | (high << u(8)), 2)
+        else:
+            for k in range(min(valid, u(2) * bits)):
+                word = low if k < bits else high
+                codes[byte + k] = np.uint8((word >> (u(8) * (k % bits))) & u(0xFF))
+
+
+@njit(cache=True, inline="always")
+def _read_codes(packed, byte, bits):  # pragma: no cover - compiled
+    """The 16 codes of ``bits`` bits packed in the 2·bits bytes at packed[byte:]."""
+    u = np.uint64
+    if bits == u(4):
+        v = V.load_nibbles(packed, byte)
+    elif bits == u(8):
+        v = V.load_bytes(packed, byte)
+    else:
+        if bits == u(2):
+            low, high = V.load_word(packed, byte, 2), V.load_word(packed, byte + u(2), 2)
+        elif bits == u(1):
+            low, high = V.load_word(packed, byte, 1), V.load_word(packed, byte + u(1), 1)
+        else:
+            low = u(0)
+            high = u(0)
+            for k in range(bits):
+                low |= u(packed[byte + k]) << (u(8) * k)
+                high |= u(packed[byte + bits + k]) << (u(8) * k)
+        v = V.unpack16(low, high, bits)
+    return v
+
+
+@njit(cache=True, inline="always")
+def _code_at(packed, k, bits):  # pragma: no cover - compiled
+    """Code k of a packed stream of ``bits``-bit codes (any position)."""
+    u = np.uint64
+    bit = k * bits
+    byte = bit >> u(3)
+    word = u(packed[byte])
+    if (bit & u(7)) + bits > u(8):
+        word |= u(packed[byte + u(1)]) << u(8)
+    return (word >> (bit & u(7))) & ((u(1) << bits) - u(1))
+
+
+@njit(cache=True, inline="always")
+def _or_code(codes, k, bits, code):  # pragma: no cover - compiled
+    """OR code k of ``bits`` bits into a zeroed packed stream (any position)."""
+    u = np.uint64
+    bit = k * bits
+    byte = bit >> u(3)
+    word = u(code) << (bit & u(7))
+    codes[byte] |= np.uint8(word & u(0xFF))
+    if (bit & u(7)) + bits > u(8):
+        codes[byte + u(1)] |= np.uint8(word >> u(8))
+
+
+@njit(cache=True, inline="always")
+def _quantize16(v, h, pre, origin, scale, top, tables, seed):  # pragma: no cover - compiled
+    """Grid.quantize of 16 values at coordinates k … (h = k·GOLDEN …): a = clamp((v·pre − origin)·scale,
+    0, top), the gap z of ⌊a⌋ and a step up with probability (a − T[z])·inv[z]; ``tables``: the per-point
+    tables (their vectors where the grid has at most 32 points, for one permutation each; else the
+    arrays, for gathers)."""
+    a = V.clamp(V.mul(V.sub(V.mul(v, V.fsplat(pre)), V.fsplat(origin)), V.fsplat(scale)),
+                V.fsplat(np.float32(0.0)), V.fsplat(top))
+    i = V.to_int(a)
+    gap0, gap1, low0, low1, inv0, inv1, point_gap, point_low, point_inv = tables
+    if top < np.float32(32.0):
+        z = V.permute32(gap0, gap1, i)
+        low = V.permute32(low0, low1, i)
+        inv = V.permute32(inv0, inv1, i)
+    else:
+        z = V.gather(point_gap, i)
+        low = V.gather(point_low, i)
+        inv = V.gather(point_inv, i)
+    return V.step_up(z, _uniforms(h, seed), V.mul(V.sub(a, low), inv))
+
+
+@njit(cache=True, inline="always")
+def _quantize_store(v, k, h, pre, origin, scale, top, tables, seed, bits, codes):  # pragma: no cover - compiled
+    """Quantize and pack the 16 coordinates k … (k a multiple of 16, h = k·GOLDEN …)."""
+    code = _quantize16(v, h, pre, origin, scale, top, tables, seed)
+    _write_codes(codes, k * bits // np.uint64(8), code, bits, np.uint64(2) * bits)
+
+
+@njit(cache=True, inline="always")
+def _exponent(exponent, v):  # pragma: no cover - compiled
+    """The running largest exponent field, with v's."""
+    return V.umax(exponent, V.and_(V.bits(v), V.isplat(_MASK)))
+
+
 @jit
-def _lookup_numba(packed, bits, values, out):  # pragma: no cover - compiled
-    """Unpack b-bit codes (gradpress.bits' layout) and write their table values."""
-    mask = np.uint32((1 << bits) - 1)
-    acc = np.uint32(0)
-    have = 0
-    j = 0
-    for i in range(out.size):
-        if have < bits:
-            acc |= np.uint32(packed[j]) << np.uint32(have)
-            j += 1
-            have += 8
-        out[i] = values[acc & mask]
-        acc >>= np.uint32(bits)
-        have -= bits
+def _thc_compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
+                  point_gap, point_low, point_inv, seed, bits, codes):  # pragma: no cover - compiled
+    """THC's compression (Algorithm 3 lines 9-15) of float32 ``x``: the RHT (gradpress.hadamard's layout
+    arguments and work buffer), Grid.quantize on the grid (pre, origin, qscale, top) and the packing of
+    the b-bit codes into ``codes`` (zeroed where a block has fewer than 16 values). Returns the largest
+    exponent field of the transformed values (all ones: x held NaN or Inf)."""
+    u = np.uint64
+    start = u(0)
+    exponent = V.isplat(np.uint32(0))
+    xp, wp, cp = V.pointer(x), V.pointer(work), V.pointer(codes)
+    gp, lp, ip = V.pointer(point_gap), V.pointer(point_low), V.pointer(point_inv)
+    tables = (V.load(gp, 0), V.load(gp, 16), V.load(lp, 0), V.load(lp, 16), V.load(ip, 0), V.load(ip, 16), gp, lp, ip)
+    scratch = V.advance(wp, work.size - 256)
+    for first in range(u(0), numel, partition):
+        count = min(partition, numel - first)
+        n, s = (size, scale) if count == partition else (tail, tail_scale)
+        if n < u(16):  # the scalar way (a partition of at most 8 values, or such a last one)
+            tiny = work[:16]
+            _load_signed(x, first, count, n, key, tiny, u(0))
+            _stages(tiny, u(0), n, s)
+            for i in range(n):
+                a = min(max((tiny[i] * pre - origin) * qscale, np.float32(0.0)), top)
+                z = np.int64(a)
+                up = np.float32(mix32(start + i, seed) >> np.uint32(8)) < (a - point_low[z]) * point_inv[z]
+                _or_code(codes, start + i, bits, point_gap[z] + up)
+                if bits_of_f32(tiny[i]) & _MASK == _MASK:
+                    exponent = V.isplat(_MASK)
+            start += n
+            continue
+        _load_signed_rows(xp, first, count, n, key, wp, one)
+        c, rows, stride = _geometry(n)
+        if rows == u(1):
+            h = _golden(start)
+            for m in range(c // u(16)):
+                v = V.mul(V.load(wp, u(16) * m), V.fsplat(s))
+                exponent = _exponent(exponent, v)
+                _quantize_store(v, start + u(16) * m, h, pre, origin, qscale, top, tables, seed, bits, cp)
+                h = V.add(h, V.isplat(_GOLDEN16))
+            start += n
+            continue
+        low, stages = _last_group(rows)
+        step = u(1) << low
+        golden_d = np.uint32((step * c * u(GOLDEN)) & u(0xFFFFFFFF))  # the hashes' step from k to k + d
+        for panel in range(u(0), c, u(_PANEL)):
+            _columns_but_last(wp, panel, rows, stride, one)
+            for high in range(u(0), rows, step << stages):
+                for base in range(high, high + step):
+                    for lane in range(panel, panel + u(_PANEL), u(16)):
+                        at = lane + base * stride
+                        k = start + base * c + lane
+                        d = step * c
+                        _radix_any(stages, wp, at, step * stride, scratch, u(0), u(16), s, one, True)
+                        # the coordinates are k + m·d: a NaN/Inf input makes every coordinate of its block
+                        # NaN/Inf (each is a ± sum of all its values), so one vector of each radix shows it
+                        exponent = _exponent(exponent, V.load(scratch, u(0)))
+                        h = _golden(k)
+                        for m in range(u(1) << stages):
+                            _quantize_store(V.load(scratch, u(16) * m), k + m * d, h, pre, origin, qscale, top,
+                                            tables, seed, bits, cp)
+                            h = V.add(h, V.isplat(golden_d))
+        start += n
+    return V.hmax(exponent)
+
+
+@njit(cache=True, inline="always")
+def _centred_code(packed, k, bits, centred):  # pragma: no cover - compiled
+    """wht16(T[z] − centre) of the 16 packed codes z at coordinates k … (k a multiple of 16), from the
+    float32 table of T[z] − centre (``centred``: its two vectors and the array)."""
+    z = _read_codes(packed, k * bits // np.uint64(8), bits)
+    low, high, table = centred
+    return V.wht16(V.permute32(low, high, z) if bits <= np.uint64(5) else V.gather(table, z))
+
+
+@njit(cache=True, inline="always")
+def _centred_sum(total, k, centre):  # pragma: no cover - compiled
+    """wht16(Y − centre) of the 16 sums Y at total[k …]."""
+    return V.wht16(V.sub(V.load_float(total, k), V.fsplat(centre)))
+
+
+@njit(cache=True, inline="always")
+def _centred(source, packed, k, bits, values, centre):  # pragma: no cover - compiled
+    if packed:
+        v = _centred_code(source, k, bits, values)
+    else:
+        v = _centred_sum(source, k, centre)
+    return v
+
+
+@njit(cache=True, inline="always")
+def _decode_rows(source, packed, start, n, bits, values, centre, buf, one):  # pragma: no cover - compiled
+    """Pass A of the decoding: the centred values of coordinates start … start + n (packed codes, or sums),
+    every stage within a row, into buf."""
+    u = np.uint64
+    c, rows, stride = _geometry(n)
+    vectors = c // u(16)
+    for r in range(rows):
+        at = r * stride
+        for m in range(vectors):
+            V.store(buf, at + u(16) * m, _centred(source, packed, start + r * c + u(16) * m, bits, values, centre))
+            if m % u(16) == u(15):  # a group of 16 vectors loaded: its four stages while in L1
+                V.radix16(buf, at + u(16) * (m - u(15)), u(16), buf, at + u(16) * (m - u(15)), u(16), one, one)
+        if vectors < u(16):
+            _row_small(buf, at, vectors, one)
+        _row_rest(buf, at, vectors, one)
+
+
+@njit(cache=True, inline="always")
+def _decode(source, packed, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
+            centre, factor):  # pragma: no cover - compiled
+    """THC's decoding (Algorithm 3 lines 18-20): RHT⁻¹(Y − centre)·factor per block into ``out``, Y the
+    table values of packed codes (``packed``; ``values``: float32 T[z] − centre, at least 32 entries) or
+    the workers' summed values."""
+    u = np.uint64
+    start = u(0)
+    sp, op, wp, vp = V.pointer(source), V.pointer(out), V.pointer(work), V.pointer(values)
+    centred = (V.load(vp, 0), V.load(vp, 16), vp)
+    scratch = V.advance(wp, work.size - 256)
+    streamed = out.size >= _STREAMED
+    for first in range(u(0), numel, partition):
+        count = min(partition, numel - first)
+        n, s = (size, scale) if count == partition else (tail, tail_scale)
+        if n < u(16):  # the scalar way (a partition of at most 8 values, or such a last one)
+            tiny = work[:16]
+            for i in range(n):
+                if packed:
+                    y = values[_code_at(source, start + i, bits)]
+                else:
+                    y = np.float32(source[start + i]) - centre
+                tiny[i] = y
+            if n >= u(4):
+                for q in range(u(0), n, u(4)):
+                    _quad(tiny, q, tiny[q], tiny[q + u(1)], tiny[q + u(2)], tiny[q + u(3)])
+            _stages(tiny, u(0), n, s)
+            one_ = s / s
+            for i in range(count):
+                out[first + i] = (tiny[i] * (-one_ if _negative(first + i, key) else one_)) * factor
+            start += n
+            continue
+        _decode_rows(sp, packed, start, n, bits, centred, centre, wp, one)
+        inverse_columns(wp, n, count, first, key, s, one, scratch, op, factor, True, streamed)
+        start += n
+
+
+@jit
+def _thc_decode_packed(packed, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
+                       centre, factor):  # pragma: no cover - compiled
+    _decode(packed, True, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
+            centre, factor)
+
+
+@jit
+def _thc_decode_sums(total, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
+                     centre, factor):  # pragma: no cover - compiled
+    _decode(total, False, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
+            centre, factor)
+
+
+@jit
+def _lookup_fast(packed, bits, values, out):  # pragma: no cover - compiled
+    """out[i] = values[code i] for the b-bit codes packed in ``packed`` (uint8 or int32 ``out``)."""
+    u = np.uint64
+    bits = u(bits)
+    n = u(out.size)
+    whole = n - n % u(16)
+    pp, vp, op = V.pointer(packed), V.pointer(values), V.pointer(out)
+    low, high = V.load(vp, 0), V.load(vp, 16)
+    for k in range(u(0), whole, u(16)):
+        z = _read_codes(pp, k * bits // u(8), bits)
+        t = V.permute32(low, high, z) if bits <= u(5) else V.gather(vp, z)
+        V.store_ints(op, k, t)
+    for k in range(whole, n):
+        out[k] = values[_code_at(packed, k, bits)]
+
+
+@jit
+def _uniform_compress(x, pre, origin, scale, top, seed, bits, codes):  # pragma: no cover - compiled
+    """Uniform THC's quantization (Algorithm 1 line 5) and packing in one pass: Grid.quantize on the
+    identity table 0 … top (the gap of ⌊a⌋ is min(⌊a⌋, top − 1), its width 1). Returns the largest
+    exponent field of x (all ones: NaN or Inf)."""
+    u = np.uint64
+    n = u(x.size)
+    bits = u(bits)
+    total = (n * bits + u(7)) // u(8)
+    xp, cp = V.pointer(x), V.pointer(codes)
+    exponent = V.isplat(np.uint32(0))
+    zero = V.fsplat(np.float32(0.0))
+    last = V.isplat(np.uint32(top) - np.uint32(1))
+    h = _golden(u(0))
+    for j in range(u(0), n, u(16)):
+        whole = j + u(16) <= n
+        v = V.load(xp, j) if whole else V.load_first(xp, j, np.int64(n - j))
+        exponent = V.umax(exponent, V.and_(V.bits(v), V.isplat(_MASK)))
+        a = V.clamp(V.mul(V.sub(V.mul(v, V.fsplat(pre)), V.fsplat(origin)), V.fsplat(scale)), zero, V.fsplat(top))
+        z = V.umin(V.to_int(a), last)
+        code = V.step_up(z, _uniforms(h, seed), V.mul(V.sub(a, V.to_float(z)), V.fsplat(_U24)))
+        h = V.add(h, V.isplat(_GOLDEN16))
+        byte = j * bits // u(8)
+        if whole:
+            _write_codes(cp, byte, code, bits, u(2) * bits)
+        else:
+            _write_codes(cp, byte, V.keep_first(code, np.int64(n - j)), bits, total - byte)
+    return V.hmax(exponent)
+
+
+@jit
+def _uniform_decode_packed(packed, bits, step, origin, out):  # pragma: no cover - compiled
+    """out[i] = float32(code_i·step + origin) in float64 (Algorithm 1 line 9 for one packet)."""
+    u = np.uint64
+    bits = u(bits)
+    n = u(out.size)
+    whole = n - n % u(16)
+    streamed = out.size >= _STREAMED
+    pp, op = V.pointer(packed), V.pointer(out)
+    for k in range(u(0), whole, u(16)):
+        v = V.affine64(_read_codes(pp, k * bits // u(8), bits), step, origin)
+        if streamed:
+            V.store_stream(op, k, v)
+        else:
+            V.store(op, k, v)
+    for k in range(whole, n):
+        out[k] = np.float32(np.float64(_code_at(packed, k, bits)) * step + origin)
+
+
+@jit
+def _uniform_decode_sums(total, step, origin, out):  # pragma: no cover - compiled
+    """out[i] = float32(total_i·step + origin) in float64 (Algorithm 1 line 9)."""
+    u = np.uint64
+    n = u(out.size)
+    whole = n - n % u(16)
+    streamed = out.size >= _STREAMED
+    tp, op = V.pointer(total), V.pointer(out)
+    for k in range(u(0), whole, u(16)):
+        v = V.load_affine64(tp, k, step, origin)
+        if streamed:
+            V.store_stream(op, k, v)
+        else:
+            V.store(op, k, v)
+    for k in range(whole, n):
+        out[k] = np.float32(np.float64(total[k]) * step + origin)
 
 
 # -- the shared mechanism ----------------------------------------------------------------------------------
@@ -214,10 +609,29 @@ class _Homomorphic(Compressor):
         return saturate(self._decode(packet, summed[0], count), packet.dtype).to(packet.dtype).view(packet.shape)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
+        if use_numba(packet["codes"]):  # unpacking, the lookup and the decoding in one kernel
+            return self._decode_codes(packet, packet["codes"].contiguous())
         return self._decode(packet, self.summands(packet)[0], 1)
 
     def _decode(self, packet: Packet, total: torch.Tensor, count: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def _decode_codes(self, packet: Packet, packed: torch.Tensor) -> torch.Tensor:
+        """The numba kernel's :meth:`_decode` of one packet's own table values (count 1)."""
+        raise NotImplementedError
+
+    def _nonfinite(self, flat: torch.Tensor) -> None:
+        """The values to quantize hold NaN/Inf: the input does (check_finite raises NonFiniteError with
+        their count), or its transform overflowed float32 (a given norm far below its own)."""
+        check_finite(flat, self.spec)
+        raise OverflowError(f"{self.spec}: the transformed values overflow float32 (a preliminary norm smaller "
+                            "than this tensor's own?)")
+
+
+def _kernel_source(total: torch.Tensor, numel: int) -> bool:
+    """Whether the numba kernels can decode the integer sums ``total`` of ``numel`` values."""
+    return (use_numba(total) and total.dim() == 1 and total.numel() == numel
+            and total.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 
 
 # -- uniform THC -----------------------------------------------------------------------------------------
@@ -233,6 +647,7 @@ class UniformTHC(_Homomorphic):
 
     bits: int = param(4, "[1, 8]")
     unbiased = True
+    checks_finite = True  # NaN/Inf input makes the preliminary (−min, max) NaN/Inf; the kernel sees them too
     examples = ("thc_uniform:bits=1", "thc_uniform:bits=8")
 
     def __post_init__(self) -> None:
@@ -249,16 +664,43 @@ class UniformTHC(_Homomorphic):
         if prepared.numel() != 2:
             raise ValueError(f"{self.spec}: expected the prepared (−min, max), got {prepared.numel()} values")
         lo, hi = -float(prepared[0]), float(prepared[1])
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            check_finite(flat, self.spec)  # (NaN/Inf input: its own range is NaN/Inf)
+            raise ValueError(f"{self.spec}: the prepared range [{lo}, {hi}] is not finite")
         if not lo <= hi:
             raise ValueError(f"{self.spec}: the prepared range [{lo}, {hi}] is empty")
-        codes = self.grid.quantize(flat.float(), lo, hi - lo, ctx.private_seed("thc_uniform"))
-        return Packet({"codes": pack_bits(codes, self.bits)}, flat.shape, flat.dtype, {"lo": lo, "hi": hi})
+        seed = ctx.private_seed("thc_uniform")
+        meta = {"lo": lo, "hi": hi}
+        if use_numba(flat):  # quantization and packing in one pass
+            x = flat.float().contiguous()
+            codes = torch.empty(packed_nbytes(x.numel(), self.bits), dtype=torch.uint8)
+            pre, origin, scale = _affine(lo, hi - lo, self.grid.top)
+            exponent = _uniform_compress(as_numpy(x), pre, origin, scale, np.float32(self.grid.top),
+                                         np.uint32(seed32(seed)), self.bits, as_numpy(codes))
+            if exponent == _MASK:
+                self._nonfinite(flat)
+            return Packet({"codes": codes}, flat.shape, flat.dtype, meta)
+        check_finite(flat, self.spec)
+        codes = self.grid.quantize(flat.float(), lo, hi - lo, seed)
+        return Packet({"codes": pack_bits(codes, self.bits)}, flat.shape, flat.dtype, meta)
 
     def _decode(self, packet: Packet, total: torch.Tensor, count: int) -> torch.Tensor:
         """Algorithm 1 line 9: m + (X/n)·(M − m)/(2^b − 1), in float64 (then float32)."""
         lo, hi = packet.meta["lo"], packet.meta["hi"]
         step = (hi - lo) / (self.grid.top * count)
+        if _kernel_source(total, packet.numel):
+            out = torch.empty(packet.numel, dtype=torch.float32)
+            _uniform_decode_sums(as_numpy(total.contiguous()), step, float(lo), as_numpy(out))
+            return out
         return total.double().mul_(step).add_(lo).float()
+
+    def _decode_codes(self, packet: Packet, packed: torch.Tensor) -> torch.Tensor:
+        lo, hi = packet.meta["lo"], packet.meta["hi"]
+        if packed.numel() != packed_nbytes(packet.numel, self.bits):
+            raise ValueError(f"{packed.numel()} bytes cannot hold {packet.numel} codes of {self.bits} bits")
+        out = torch.empty(packet.numel, dtype=torch.float32)
+        _uniform_decode_packed(as_numpy(packed), self.bits, (hi - lo) / self.grid.top, float(lo), as_numpy(out))
+        return out
 
 
 # -- THC ---------------------------------------------------------------------------------------------------
@@ -284,6 +726,7 @@ class THC(_Homomorphic):
     p: float = param(1 / 32, "(0, 1)")
     partition: int = param(DEFAULT_PARTITION, "[1, inf)")
     symmetric: bool = True
+    checks_finite = True  # NaN/Inf input makes the preliminary norm NaN/Inf; the kernel sees them too
     examples = ("thc:bits=2,granularity=8", "thc:bits=3,granularity=12,p=1/512,partition=64",
                 "thc:granularity=16,symmetric=false")
 
@@ -320,15 +763,35 @@ class THC(_Homomorphic):
             raise ValueError(f"{self.spec}: expected the prepared largest norm, got {prepared.numel()} "
                              "values")
         ell = float(prepared[0])
+        if not math.isfinite(ell):
+            check_finite(flat, self.spec)  # (NaN/Inf input: its own norm is NaN/Inf)
         if ell * math.sqrt(_power_of_two(min(flat.numel(), self.partition))) >= FLOAT32_MAX:
             raise OverflowError(f"{self.spec}: an L2 norm of {ell:.3g} overflows the float32 Hadamard "
                                 "transform")
         signs = ctx.shared_generator(flat.device, "thc/rht")
         layout = rht_layout(flat.numel(), signs, self.partition, flat.device)
-        rotated = apply_rht(flat, layout)  # line 9: R_i = H·D·x_i (orthonormal per partition)
-        bound = float(np.float32(self.t_p * ell / math.sqrt(rotated.numel())))  # line 11: M; m = −M
-        codes = self.grid.quantize(rotated, -bound, 2 * bound, ctx.private_seed("thc"))  # lines 12-14
+        bound = float(np.float32(self.t_p * ell / math.sqrt(layout.padded_numel)))  # line 11: M; m = −M
+        seed = ctx.private_seed("thc")
         meta = {"M": bound, "rht": layout}
+        if use_numba(flat):  # lines 9-15 in two passes per partition (the RHT, quantization and packing)
+            x = flat.float().contiguous()
+            pre, origin, scale = _affine(-bound, 2 * bound, self.grid.top)
+            coded = layout.padded_numel
+            # blocks of fewer than 16 values OR their codes into a zeroed stream; the others write whole bytes
+            tiny = _power_of_two(layout.partition) < 16 or 0 < layout.tail and _power_of_two(layout.tail) < 16
+            codes = (torch.zeros if tiny else torch.empty)(packed_nbytes(coded, self.bits), dtype=torch.uint8)
+            g = self.grid
+            exponent = _thc_compress(as_numpy(x), *_kernel_args(layout, torch.float32), ONE, work_buffer(layout), pre,
+                                     origin, scale, np.float32(g.top), g.point_gap, g.point_low, g.point_inv,
+                                     np.uint32(seed32(seed)), np.uint64(self.bits), as_numpy(codes))
+            if exponent == _MASK:
+                self._nonfinite(flat)
+            return Packet({"codes": codes}, flat.shape, flat.dtype, meta)
+        check_finite(flat, self.spec)
+        rotated = apply_rht(flat, layout)  # line 9: R_i = H·D·x_i (orthonormal per partition)
+        if not bool(torch.isfinite(rotated).all()):  # (a given norm too small for x: as the kernel raises)
+            self._nonfinite(flat)
+        codes = self.grid.quantize(rotated, -bound, 2 * bound, seed)  # lines 12-14
         return Packet({"codes": pack_bits(codes, self.bits)}, flat.shape, flat.dtype, meta)
 
     def _decode(self, packet: Packet, total: torch.Tensor, count: int) -> torch.Tensor:
@@ -340,10 +803,30 @@ class THC(_Homomorphic):
         √(2^k) times less), so the result is rounded about twice: decoding the sum agrees with the
         mean of the workers' decodes to a few ulps, Definition 3's homomorphism up to float rounding
         (the affine map first, then a float32 transform, is about ten times less accurate)."""
+        scale = float(np.float32(2.0 * packet.meta["M"] / (self.granularity * count)))
+        layout = packet.meta["rht"]
+        if _kernel_source(total, layout.padded_numel):
+            return self._kernel_decode(_thc_decode_sums, total.contiguous(), layout, count, scale)
         centered = torch.sub(total, self.granularity * count / 2,
                              out=torch.empty(total.shape, dtype=torch.float32, device=total.device))
-        scale = float(np.float32(2.0 * packet.meta["M"] / (self.granularity * count)))
-        return inverse_rht(centered, packet.meta["rht"]).mul_(scale)
+        return inverse_rht(centered, layout).mul_(scale)
+
+    def _decode_codes(self, packet: Packet, packed: torch.Tensor) -> torch.Tensor:
+        layout = packet.meta["rht"]
+        if packed.numel() != packed_nbytes(layout.padded_numel, self.bits):
+            raise ValueError(f"{packed.numel()} bytes cannot hold {layout.padded_numel} codes of {self.bits} bits")
+        scale = float(np.float32(2.0 * packet.meta["M"] / self.granularity))
+        return self._kernel_decode(_thc_decode_packed, packed, layout, 1, scale)
+
+    def _kernel_decode(self, kernel, source: torch.Tensor, layout, count: int, scale: float) -> torch.Tensor:  # noqa: ANN001
+        """``kernel`` (packed codes or sums) into a new float32 tensor: lines 18-20 in two passes per
+        partition."""
+        out = torch.empty(layout.numel, dtype=torch.float32)
+        centre = np.float32(self.granularity * count / 2)
+        centred = self.grid.values32.astype(np.float32) - centre  # float32 T[z] − centre: the kernel's own bits
+        kernel(as_numpy(source), as_numpy(out), *_kernel_args(layout, torch.float32), ONE, work_buffer(layout),
+               np.uint64(self.bits), centred, centre, np.float32(scale))
+        return out
 
 
 def _power_of_two(n: int) -> int:

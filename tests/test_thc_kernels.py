@@ -1,0 +1,123 @@
+"""THC's fused CPU kernels (issue 12): the numba path gives the torch path's bits, for every step of
+both methods, on every shape of input and table the kernels treat apart."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+import gradpress
+from gradpress import _simd
+from gradpress._numba import numba_disabled
+from gradpress.bits import unpack_bits
+from gradpress.compressors.thc import _affine
+from gradpress.rng import Context, mix32_torch, seed32
+
+# the vector kernel (blocks ≥ 16 values: one row, rows of fewer than 16 vectors, 2-256 rows), the scalar
+# kernel (blocks < 16), tails of 1-15 values, blocks off a multiple of 16 or 32, tables of at most 32 grid
+# points (permutations) and more (gathers), 1 to 8 bits (the packing's fast and general paths)
+SPECS = ["thc", "thc:partition=1000", "thc:partition=5", "thc:bits=1,granularity=1", "thc:bits=2,granularity=8",
+         "thc:bits=3,granularity=12,p=1/512,partition=64", "thc:bits=5,granularity=31",
+         "thc:bits=6,granularity=70,symmetric=false", "thc:bits=8,granularity=300,symmetric=false",
+         "thc_uniform", "thc_uniform:bits=1", "thc_uniform:bits=3", "thc_uniform:bits=8"]
+SIZES = [1, 5, 17, 300, 4096 + 3, 70_000]
+
+
+def steps(c, x: torch.Tensor, ctx: Context, count: int = 3) -> dict[str, torch.Tensor]:
+    packet = c.compress(x, ctx)
+    summands = c.summands(packet)[0]
+    out = {"codes": packet["codes"], "decompress": c.decompress(packet), "summands": summands}
+    for dtype in (torch.uint8, torch.int32, torch.int64):
+        total = (summands.to(torch.int64) * count).to(dtype) if dtype != torch.uint8 else summands
+        out[f"decode_sum {dtype}"] = c.decode_sum(packet, [total], count if dtype != torch.uint8 else 1)
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_kernels_give_the_torch_paths_bits(spec):
+    """Compression (codes), decompression, the aggregator's lookup and the decoding of sums of every
+    integer dtype: numba == torch, bit for bit."""
+    c = gradpress.make(spec)
+    for numel in SIZES:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+        ctx = Context(seed=1, step=2, key="k", rank=1)
+        fast = steps(c, x, ctx)
+        with numba_disabled():
+            reference = steps(c, x, ctx)
+        for name, value in fast.items():
+            assert value.dtype == reference[name].dtype and torch.equal(value, reference[name]), (spec, numel, name)
+
+
+def test_uniform_codes_follow_the_documented_draw():
+    """Uniform THC's code of x_i: z = min(⌊a⌋, top − 1) for a = clamp((x_i·pre − m·pre)·top/((M − m)·pre),
+    0, top), plus one where (mix32(i, seed) >> 8) < (a − z)·2^24 in float32."""
+    c = gradpress.make("thc_uniform:bits=3")
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(3))
+    ctx = Context(seed=4, key="w")
+    packet = c.compress(x, ctx)
+    lo, hi = float(x.min()), float(x.max())
+    pre, origin, scale = (float(v) for v in _affine(lo, hi - lo, 7))
+    a = (x * pre).sub_(origin).mul_(scale).clamp_(0, 7)
+    z = a.long().clamp(max=6)
+    r = (mix32_torch(torch.arange(1001), seed32(ctx.private_seed("thc_uniform"))) >> 8).float()
+    expected = z + (r < (a - z.float()) * 2.0**24).long()
+    assert torch.equal(unpack_bits(packet["codes"], 3, 1001).long(), expected)
+
+
+@pytest.mark.parametrize("spec", ["thc", "thc:partition=100", "thc_uniform"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("numba", [True, False], ids=["numba", "torch"])
+def test_nonfinite_input_with_finite_prepared_values_raises(spec, bad, numba):
+    """checks_finite: the kernels see NaN/Inf in the values they quantize (THC: a NaN/Inf makes every
+    coordinate of its block NaN/Inf) even when the preliminary values were finite."""
+    c = gradpress.make(spec)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    prepared = c.prepare(x, Context(), 1).values
+    x[777] = bad
+    path = contextlib.nullcontext() if numba else numba_disabled()
+    with path, pytest.raises(gradpress.NonFiniteError, match="holds 1 NaN/Inf"):
+        c.compress(x, Context(), prepared=prepared)
+
+
+@pytest.mark.parametrize("numba", [True, False], ids=["numba", "torch"])
+def test_a_norm_too_small_for_the_values_overflows_clearly(numba):
+    """A finite input whose transform overflows float32 under a too-small preliminary norm (given, not
+    its own) raises an OverflowError on both paths, instead of quantizing Inf."""
+    c = gradpress.make("thc")
+    x = torch.full((4096,), 3e38)
+    path = contextlib.nullcontext() if numba else numba_disabled()
+    with path, pytest.raises(OverflowError, match="overflow"):
+        c.compress(x, Context(), prepared=torch.tensor([1.0], dtype=torch.float64))
+
+
+def test_checks_finite_skips_the_separate_pass(monkeypatch):
+    """Both methods find NaN/Inf in their own passes (their preliminary values, their kernels): no
+    check_finite pass over a finite input."""
+    calls = []
+    monkeypatch.setattr(gradpress.compressor, "check_finite", lambda flat, where: calls.append(where))
+    for spec in ("thc", "thc_uniform"):
+        assert gradpress.make(spec).checks_finite
+        gradpress.make(spec).compress(torch.randn(5000))
+    assert calls == []
+
+
+def test_permute32_without_avx512_gathers_the_same_lanes(monkeypatch):
+    """V.permute32's fallback (no AVX-512: a gather from a copy of the table on the stack)."""
+    from numba import njit
+
+    monkeypatch.setattr(_simd, "AVX512", False)
+
+    @njit
+    def lookup(table, index, out):  # compiled now, with the fallback (not cached)
+        low, high = _simd.load(table, 0), _simd.load(table, 16)
+        for k in range(0, index.size, 16):
+            _simd.store(out, k, _simd.permute32(low, high, _simd.load(index, k)))
+
+    table = np.arange(32, dtype=np.float32) * 1.5 - 7
+    index = np.random.default_rng(0).integers(0, 32, 64).astype(np.int32)
+    out = np.empty(64, dtype=np.float32)
+    lookup(table, index, out)
+    assert np.array_equal(out, table[index])
+
