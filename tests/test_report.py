@@ -162,6 +162,23 @@ def test_table_values_by_hand(tmp_path, accuracy_runs):
         "`qsgd`", "125.0", "75.0", "12.5", "37.5", "30 %"]
 
 
+def test_time_table_states_costs_in_copies_of_the_gradient_where_runs_timed_one(tmp_path, accuracy_runs):
+    """With ``info["copy_s"]`` (2 ms here) the table adds the copy, the compression in copies and the
+    step's excess over ``noop``'s in copies; the verdict says the same for the best run."""
+    timed = [replace(run, info={**run.info, "copy_s": 0.002}) for run in accuracy_runs]
+    markdown = R.write_report(timed, tmp_path, tolerance=0.04).read_text()
+    times = markdown.split("## Where the time goes")[1]
+    header = [line for line in times.splitlines() if line.startswith("| compressor")][0]
+    assert header.split("|")[-4:-1] == [" copy ", " compress (copies) ", " step over `noop` (copies) "]
+    # qsgd: step 125 ms, compress 12.5 ms; noop's step 50 ms
+    qsgd = [row for row in times.splitlines() if "`qsgd`" in row][0]
+    assert [c.strip() for c in qsgd.strip("|").split("|")][-3:] == ["2.00", "6.2", "37.5"]
+    _, rows = R.summarize(timed, tolerance=0.04)
+    assert R.payoff(rows)[-1].endswith("(2.00 ms each, timed in the run): 25.0 over `noop`'s step, compression 5.0.")
+    plain = R.write_report(accuracy_runs, tmp_path, tolerance=0.04).read_text()
+    assert "compress (copies)" not in plain  # runs from before copies were timed keep the old table
+
+
 def test_payoff_verdict_names_the_best_run_and_where_its_time_goes(accuracy_runs):
     goal, rows = R.summarize(accuracy_runs, tolerance=0.04)
     lines = R.payoff(rows)

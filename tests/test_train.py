@@ -36,6 +36,18 @@ def test_gradpress_hook_trains_and_records_every_step(tmp_path):
     # qsgd: 6 bits per value + 4 bytes per bucket of 512, for each parameter tensor
     assert run.steps[-1].bytes_sent < PARAMETERS * 4 / 4
     assert run.evals[-1].bytes_total == sum(s.bytes_sent for s in run.steps)
+    assert run.info["copy_s"] > 0  # the copy of the gradient that costs are stated in (report)
+
+
+def test_gradient_copy_is_timed_on_a_tensor_of_the_gradients_size(monkeypatch):
+    """gradient_copy_s clones a float32 tensor of the trainable parameters' count: the median of its runs."""
+    sizes = []
+    real_randn = train_module.torch.randn
+    monkeypatch.setattr(train_module.torch, "randn", lambda n: sizes.append(n) or real_randn(n))
+    model = train_module.torch.nn.Sequential(train_module.torch.nn.Linear(10, 5), train_module.torch.nn.Linear(5, 2))
+    model[1].weight.requires_grad_(False)
+    assert train_module.gradient_copy_s(model, repeats=5) > 0
+    assert sizes == [55 + 2]
 
 
 @needs_data

@@ -193,14 +193,33 @@ def render_markdown(runs: Sequence[Run], goal: Target | None, rows: Sequence[Row
     lines += ["", "## Where the time goes", "",
               "Mean per steady-state step, rank 0, milliseconds. compute: forward, backward, optimizer; "
               "compress: compression, decompression, feedback; communication: time in collectives. "
-              "DDP communicates while backward runs, so the parts may add up to more than the step.", ""]
-    lines += _table(
-        ["compressor", "step", "compute", "compress", "communication", "communication share"],
-        [[f"`{r.label}`", _ms(r.run.mean_step_s), _ms(r.run.mean_compute_s), _ms(r.run.mean_compress_s),
-          _ms(r.run.mean_comm_s), _share(r.run)] for r in rows],
-        align="lrrrrr")
+              "DDP communicates while backward runs, so the parts may add up to more than the step. "
+              "copy: the median time of one copy of the model's float32 gradient, timed by the run "
+              "after training on the same machine, the unit that makes figures from machines of "
+              "different speeds comparable.", ""]
+    lines += _time_table(rows)
     lines += ["", "## Does compression pay off?", "", *payoff(rows)]
     return "\n".join(lines) + "\n"
+
+
+def _time_table(rows: Sequence[Row]) -> list[str]:
+    """"Where the time goes": each run's step and its parts in ms; where the runs timed a copy of the
+    model's gradient (``info["copy_s"]``, :func:`gradpress.testbed.train.gradient_copy_s`), that copy
+    and, in copies of it, the compression and the step's excess over ``noop``'s (issue 12's units)."""
+    header = ["compressor", "step", "compute", "compress", "communication", "communication share"]
+    body = [[f"`{r.label}`", _ms(r.run.mean_step_s), _ms(r.run.mean_compute_s), _ms(r.run.mean_compress_s),
+             _ms(r.run.mean_comm_s), _share(r.run)] for r in rows]
+    if any(r.run.info.get("copy_s") for r in rows):
+        noop = next((r.run for r in rows if r.run.name == UPPER_BOUND), None)
+        header += ["copy", "compress (copies)", "step over `noop` (copies)"]
+        for line, r in zip(body, rows):
+            copy_s = r.run.info.get("copy_s")
+            if not copy_s:
+                line += ["n/a"] * 3
+                continue
+            over = "n/a" if noop is None else f"{(r.run.mean_step_s - noop.mean_step_s) / copy_s:.1f}"
+            line += [f"{copy_s * 1e3:.2f}", f"{r.run.mean_compress_s / copy_s:.1f}", over]
+    return _table(header, body, align="l" + "r" * (len(header) - 1))
 
 
 #: the goal a gradpress compressor is held to (issue 6): step rate against the references, and first to target
@@ -248,6 +267,10 @@ def payoff(rows: Sequence[Row]) -> list[str]:
               f"{_ms(floor.mean_step_s)} ms ({_ms(extra)} ms more): compression {_ms(run.mean_compress_s)} ms, "
               f"communication {_ms(run.mean_comm_s)} ms, compute {_ms(run.mean_compute_s)} ms (`{UPPER_BOUND}`: "
               f"{_ms(floor.mean_compute_s)} ms)."]
+    copy_s = run.info.get("copy_s")
+    if copy_s:
+        lines[-1] += (f" In copies of the model's gradient ({copy_s * 1e3:.2f} ms each, timed in the run): "
+                      f"{extra / copy_s:.1f} over `{UPPER_BOUND}`'s step, compression {run.mean_compress_s / copy_s:.1f}.")
     return lines
 
 

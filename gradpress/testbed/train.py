@@ -287,10 +287,12 @@ class _Training:
             epoch += 1
         if bar is not None:
             bar.close()
+        copy_s = gradient_copy_s(s.model)
         return Run(compressor=config.compressor, model=config.model, data=config.data, workers=config.workers,
                    bandwidth=config.bandwidth, seed=config.seed, steps=tuple(self.steps), evals=tuple(self.evals),
                    info={"batch_size": s.batch_size, "lr": s.lr, "optimizer": s.settings.optimizer,
-                         "torch": torch.__version__, "options": config.options, "threads": config.threads})
+                         "torch": torch.__version__, "options": config.options, "threads": config.threads,
+                         "copy_s": copy_s})
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int, epoch: int) -> torch.Tensor:
         """One training step, recorded: its compute (the training thread's time outside the hooks and the
@@ -381,6 +383,20 @@ class _Clock:
                 self._since = None
 
         return pause()
+
+
+def gradient_copy_s(model: torch.nn.Module, repeats: int = 21) -> float:
+    """Median seconds of one copy (``clone()``) of a float32 tensor the size of ``model``'s gradient, timed
+    on this rank after training, in the same process and load as the steps: the unit in which issue 12
+    states per-step costs (compression, a step's excess over ``noop``'s), comparable across machines."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    flat = torch.randn(numel)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        flat.clone()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[repeats // 2]
 
 
 def _optimizer(name: str, parameters: Any, lr: float) -> torch.optim.Optimizer:
