@@ -478,10 +478,10 @@ def saturate(flat: torch.Tensor, dtype: torch.dtype, inplace: bool = True) -> to
 
 # -- input checks ---------------------------------------------------------------------------------
 def check_finite(flat: torch.Tensor, where: str) -> None:
-    """Raise :class:`NonFiniteError` if ``flat`` holds NaN or Inf (one read-only pass)."""
-    bad = count_nonfinite(flat)
-    if bad:
-        raise nonfinite_error(where, bad, flat.numel())
+    """Raise :class:`NonFiniteError` if ``flat`` holds NaN or Inf (one read-only pass; a second one
+    counts them, only when there is something to count)."""
+    if any_nonfinite(flat):
+        raise nonfinite_error(where, count_nonfinite(flat), flat.numel())
 
 
 def nonfinite_error(where: str, bad: int, numel: int) -> NonFiniteError:
@@ -499,6 +499,16 @@ def count_nonfinite(flat: torch.Tensor) -> int:
         bits = as_numpy(flat).view("uint32" if flat.dtype == torch.float32 else "uint16")
         return int(_count_exponent_all_ones(bits, _EXPONENT_MASKS[flat.dtype]))
     return int((~torch.isfinite(flat)).sum())
+
+
+def any_nonfinite(flat: torch.Tensor) -> bool:
+    """Whether a 1-D contiguous float tensor holds a NaN or Inf: the largest exponent field of its values
+    is all ones (an integer max vectorizes; a count costs about a third more, measured on 16 MB)."""
+    if use_numba(flat) and flat.dtype in _EXPONENT_MASKS:
+        bits = as_numpy(flat).view("uint32" if flat.dtype == torch.float32 else "uint16")
+        mask = _EXPONENT_MASKS[flat.dtype]
+        return int(_top_exponent(bits, mask)) == mask
+    return not bool(torch.isfinite(flat).all())
 
 
 def divide_counting_nonfinite(flat: torch.Tensor, count: int) -> int:
@@ -523,6 +533,15 @@ def _divide_top_exponent(values, count, reciprocal, exact):  # pragma: no cover 
         v = values[i] * reciprocal if exact else values[i] / count
         values[i] = v
         top = max(top, np.int32(bits_of_f32(v) & np.uint32(0x7F800000)))
+    return top
+
+
+@jit
+def _top_exponent(bits, mask):  # pragma: no cover - compiled
+    """The largest ``bits[i] & mask`` (as in :func:`_divide_top_exponent`, an int32 max vectorizes)."""
+    top = np.int32(0)
+    for i in range(bits.size):
+        top = max(top, np.int32(bits[i] & mask))
     return top
 
 

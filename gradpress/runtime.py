@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from gradpress.agreement import agree
-from gradpress.compressor import Compressor, NonFiniteError, count_nonfinite, make
+from gradpress.compressor import Compressor, NonFiniteError, any_nonfinite, make
 from gradpress.feedback import make_feedback
 from gradpress.packet import adjacent
 from gradpress.protocol import Protocol
@@ -425,10 +425,10 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
     flat = x.reshape(-1).contiguous()
     if flat.numel() == 0:
         return None
-    if not compressor.checks_finite and count_nonfinite(flat):
+    if not compressor.checks_finite and any_nonfinite(flat):
         return _FAULTY
     pre = compressor.prepare(flat.view(x.shape), ctx, world_size)
-    if pre is None and compressor.checks_finite and count_nonfinite(flat):
+    if pre is None and compressor.checks_finite and any_nonfinite(flat):
         return _FAULTY  # (a tensor the method sends as it is: PowerSGD's vectors)
     if (pre is not None and pre.op != "broadcast" and pre.values.is_floating_point()
             and not bool(torch.isfinite(pre.values).all())):

@@ -238,3 +238,20 @@ def test_randomk_receivers_regenerate_the_senders_indices():
     received = Packet(dict(packet.tensors), packet.shape, packet.dtype, {"seed": packet.meta["seed"]})
     assert torch.equal(c.decompress(received), c.decompress(packet))
     assert torch.equal(c.sparse(received)[0], packet.meta["indices"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_any_nonfinite_agrees_with_torch_on_both_paths(dtype, bad):
+    """any_nonfinite (the pre-exchange check of methods that do not find NaN/Inf in their own passes):
+    the numba max-exponent kernel and the torch fallback, at every position class of a 16-lane loop."""
+    from gradpress.compressor import any_nonfinite
+
+    for numel, at in [(1, 0), (17, 16), (1000, 0), (1000, 999), (4099, 2050)]:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+        x[-1] = torch.finfo(dtype).max  # the largest finite value is not flagged
+        if bad is not None:
+            x[at] = bad
+        with numba_disabled():
+            reference = any_nonfinite(x)
+        assert reference == (bad is not None) and any_nonfinite(x) == reference, (numel, at)

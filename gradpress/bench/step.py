@@ -8,7 +8,8 @@ the testbed ``--model`` (random weights, random batches of the model's input sha
 gradpress hook, trains ``--warmup`` steps, then times ``--steps`` steps and reads the hook's own
 statistics: ``compress_s`` (feedback compensation, compression, feedback update) and ``decompress_s``
 (decoding and summing into the bucket), per step. A copy of a tensor the size of the model's gradient
-(``x.clone()``) is timed in the same process between variants, so the figures also read in copies:
+into fresh memory (``x.clone()``, :func:`gradpress.testbed.train.copy_s`) is timed in the same process
+between variants, so the figures also read in copies:
 machines of this kind differ, ratios to a copy much less.
 """
 from __future__ import annotations
@@ -23,16 +24,7 @@ from torch import nn
 
 from gradpress import cli
 from gradpress.bench import add_bench, run_as_script, spawn, write_json
-
-
-def _copy_ms(numel: int, repeats: int = 9) -> float:
-    x = torch.randn(numel)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.clone()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+from gradpress.testbed.train import copy_s
 
 
 def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -80,7 +72,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 "compress_ms": 1e3 * statistics.median(r[1] for r in rows),
                 "decompress_ms": 1e3 * statistics.median(r[2] for r in rows),
                 "sent_bytes": statistics.median(r[3] for r in rows),
-                "copy_ms": _copy_ms(numel),
+                "copy_ms": 1e3 * copy_s(numel),
             })
     results["numel"] = numel
     return results

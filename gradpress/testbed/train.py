@@ -385,12 +385,19 @@ class _Clock:
         return pause()
 
 
-def gradient_copy_s(model: torch.nn.Module, repeats: int = 21) -> float:
-    """Median seconds of one copy (``clone()``) of a float32 tensor the size of ``model``'s gradient, timed
-    on this rank after training, in the same process and load as the steps: the unit in which issue 12
-    states per-step costs (compression, a step's excess over ``noop``'s), comparable across machines."""
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+def gradient_copy_s(model: torch.nn.Module) -> float:
+    """:func:`copy_s` of a tensor the size of ``model``'s trainable parameters, timed on this rank after
+    training, in the same process and load as the steps: the unit in which issue 12 states per-step
+    costs (compression, a step's excess over ``noop``'s), comparable across machines."""
+    return copy_s(sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def copy_s(numel: int, repeats: int = 21) -> float:
+    """Median seconds of one copy (``clone()``) of a float32 tensor of ``numel`` values, after one
+    untimed copy (the allocator then hands each timed copy memory it has just freed: a copy into fresh
+    pages would time this machine's page faults, about 10x the copy for 13 MB)."""
     flat = torch.randn(numel)
+    flat.clone()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
