@@ -24,7 +24,7 @@ import gradpress.bench.powersgd
 import gradpress.bench.sketch_embedding
 import gradpress.bench.thc_nmse
 import gradpress.testbed.compare
-import gradpress.testbed.sim
+import gradpress.testbed.sim.command
 import gradpress.testbed.train
 from gradpress.cli import main
 from gradpress.testbed import data
@@ -49,8 +49,8 @@ def _started(*args, **kwargs):
 RUNNERS = [
     (subprocess, "Popen"), (multiprocessing.process.BaseProcess, "start"),
     (gradpress.testbed.train, "train"), (gradpress.testbed.compare, "compare"),
-    (gradpress.testbed.compare, "train"), (gradpress.testbed.sim, "nmse_vs_workers"),
-    (gradpress.testbed.sim, "train_simulated"), (gradpress.bench.ops, "run"),
+    (gradpress.testbed.compare, "train"), (gradpress.testbed.sim.command, "nmse_vs_workers"),
+    (gradpress.testbed.sim.command, "train_simulated"), (gradpress.bench.ops, "run"),
     (gradpress.bench.ddp_overhead, "run"), (gradpress.bench.powersgd, "run"),
     (gradpress.bench.sketch_embedding, "run"), (gradpress.bench.thc_nmse, "nmse_vs_granularity"),
 ]

@@ -1411,9 +1411,9 @@ def _main(args: argparse.Namespace) -> int:
                             progress=progress)
     finally:
         torch.set_num_threads(threads)
-    from gradpress.testbed.sim import _console
+    from gradpress.testbed.sim.common import wide_console
 
-    console = _console()
+    console = wide_console()
     console.print(describe_profile(advice))
     if advice.quality_note:
         stderr.print(advice.quality_note)

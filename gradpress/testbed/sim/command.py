@@ -1,0 +1,253 @@
+"""The ``gradpress sim`` command line (see :mod:`gradpress.testbed.sim`): its three modes' arguments,
+their checks before anything runs, and what each prints and writes."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import gradpress
+from gradpress import cli
+from gradpress.registry import split_specs
+from gradpress.testbed import costmodel
+from gradpress.testbed.data import Dataset
+from gradpress.testbed.sim.aggregate import (DEFAULT_WORKERS, DISTRIBUTIONS, nmse_vs_workers, plot_nmse,
+                                             render_nmse)
+from gradpress.testbed.sim.common import wide_console
+from gradpress.testbed.sim.cost import (Check, Prediction, check_runs, cross_checks, crossovers,
+                                        fit_run_latency, load_results, render_checks, render_crossovers,
+                                        render_what_if, what_if)
+from gradpress.testbed.sim.quality import plot_quality, render_quality, train_simulated
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 4,16") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    return values
+
+
+def _rates(text: str) -> list[str]:
+    from gradpress.testbed.netem import rate_bits_per_second
+
+    rates = [v.strip() for v in text.split(",") if v.strip()]
+    for rate in rates:
+        try:
+            rate_bits_per_second(rate)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return rates
+
+
+def _latency(text: str) -> float | str:
+    if text == "fit":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds (e.g. 1e-4) or 'fit'") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"latency must be seconds ≥ 0, got {text}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from gradpress.testbed import sim as package
+
+    sim = subparsers.add_parser("sim", help="many simulated workers in one process; the α–β cost model",
+                                description=package.__doc__.split("\n\n")[0])
+    modes = sim.add_subparsers(dest="sim", required=True)
+
+    p = modes.add_parser("nmse", help="NMSE of the aggregate against the number of workers (THC §8.4)")
+    p.add_argument("--compressors", type=cli.compressor_list(), default="none,topk:ratio=0.01,qsgd,natural",
+                   help="comma-separated compressor specs")
+    p.add_argument("--workers", type=_ints, default=list(DEFAULT_WORKERS), help="numbers of workers: 4,16,64")
+    p.add_argument("--numel", type=cli.size, default=1 << 14, help="elements per worker vector (2^14 allowed)")
+    p.add_argument("--dist", choices=DISTRIBUTIONS, default="normal", help="the shared signal's distribution")
+    p.add_argument("--spread", type=cli.non_negative_float, default=1.0,
+                   help="scale σ of each worker's private N(0,1) noise")
+    p.add_argument("--trials", type=cli.positive_int, default=3)
+    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--json", type=cli.output_file, help="write the points here")
+    p.add_argument("--plot", type=cli.output_file, help="write a log-log plot of NMSE against n here (PNG)")
+    p.set_defaults(func=_reporting_errors(_main_nmse))
+
+    from gradpress.testbed.data import dataset_names
+
+    p = modes.add_parser("quality", help="train with n simulated workers; quality against n")
+    p.add_argument("--model", type=cli.model, default="mlp", help="model spec (gradpress.testbed.models)")
+    p.add_argument("--data", choices=dataset_names(), help="dataset (default: the model's)")
+    p.add_argument("--workers", type=_ints, default=[1, 4, 16], help="numbers of workers, e.g. 1,4,16")
+    p.add_argument("--compressor", "--compressors", dest="compressors", type=cli.compressor_list(),
+                   default="none", help="compressor spec(s), comma-separated")
+    p.add_argument("--steps", type=cli.positive_int, default=100)
+    p.add_argument("--batch-size", type=cli.positive_int, help="per-worker batch size (default: the model's)")
+    p.add_argument("--lr", type=cli.positive_float, help="learning rate (default: the model's)")
+    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--option", type=cli.option, action="append", default=[], metavar="KEY=VALUE",
+                   help="gradpress runtime option (feedback, min_numel, warmup_steps, ...)")
+    p.add_argument("--json", type=cli.output_file, help="write the runs here")
+    p.add_argument("--plot", type=cli.output_file, help="write a plot of final quality against n here (PNG)")
+    p.set_defaults(func=_reporting_errors(_main_quality))
+
+    p = modes.add_parser("cost", help="α–β step-time model checked against measured runs; what-if")
+    p.add_argument("--results", required=True, nargs="+", metavar="PATH",
+                   help="compare output directories, results.json or run files")
+    p.add_argument("--workers", type=_ints, help="predict at these numbers of workers (e.g. 16,64)")
+    p.add_argument("--bandwidth", type=_rates, help="predict at these link rates (e.g. 1gbit,10gbit)")
+    p.add_argument("--latency", type=_latency, default=costmodel.DEFAULT_LATENCY,
+                   help=f"per-message latency α in seconds, or 'fit' to fit it to the runs "
+                        f"(default {costmodel.DEFAULT_LATENCY:g})")
+    p.add_argument("--strategy", default="auto", choices=["auto", *costmodel.STRATEGIES],
+                   help="price what-if predictions with this strategy (default: each run's own)")
+    p.add_argument("--json", type=cli.output_file, help="write the checks and predictions here")
+    p.set_defaults(func=_reporting_errors(_main_cost))
+
+
+def _reporting_errors(main: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``main`` with bad input found while it runs (ValueError: unusable results, a too small shard)
+    reported as a :class:`~gradpress.cli.UsageError` (``gradpress: error: sim MODE: …``, exit status 2)
+    instead of a traceback."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return main(args)
+        except ValueError as error:
+            raise cli.UsageError(f"sim {args.sim}: {error}") from None
+
+    return run
+
+
+def _main_nmse(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    specs = split_specs(args.compressors)
+    with Console(stderr=True).status("simulating") as status:
+        points = nmse_vs_workers(specs, args.workers, args.numel, args.dist, args.trials, args.seed,
+                                 args.spread, progress=lambda what: status.update(f"simulating {what}"))
+    title = (f"NMSE of the aggregate vs workers: x_i = {args.dist} signal + {args.spread:g}·N(0,1), "
+             f"d = {args.numel}, mean of {args.trials} trials")
+    wide_console().print(render_nmse(points, title))
+    if args.json:
+        setting = {"numel": args.numel, "dist": args.dist, "spread": args.spread, "trials": args.trials,
+                   "seed": args.seed}
+        record = {**setting, "points": [asdict(p) for p in points]}
+        cli.writable_parent(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot_nmse(points, args.plot, f'{args.dist} signal, d = {args.numel}')}")
+    return 0
+
+
+def _main_quality(args: argparse.Namespace) -> int:
+    from gradpress.registry import parse_spec
+    from gradpress.testbed import data as datasets
+    from gradpress.testbed.models import models
+    from gradpress.testbed.train import parse_options
+
+    name = args.data or models.get(parse_spec(args.model)[0]).dataset
+    try:
+        dataset = datasets.load(name)
+    except datasets.DataUnavailable as error:
+        raise cli.UsageError(f"--data {name} is not available: {error}") from None
+    options = parse_options(args.option)
+    _check_quality(args, dataset, options)
+    points = []
+    from rich.console import Console
+
+    with Console(stderr=True).status("training") as status:
+        for spec in split_specs(args.compressors):
+            for n in args.workers:
+                status.update(f"training {spec} with {n} simulated workers")
+                points.append(train_simulated(args.model, dataset, n, spec, args.steps, args.batch_size,
+                                              args.lr, args.seed, options))
+    wide_console().print(render_quality(points))
+    if args.json:
+        cli.writable_parent(args.json).write_text(json.dumps([asdict(p) for p in points], indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot_quality(points, args.plot)}")
+    return 0
+
+
+def _check_quality(args: argparse.Namespace, dataset: Dataset, options: dict[str, Any]) -> None:
+    """Before training anything: the model for the data, a batch in the smallest shard, every
+    compressor with the options at every number of workers (UsageError)."""
+    from gradpress.runtime import Options
+    from gradpress.testbed.train import check_model
+
+    try:  # the options alone (with each compressor: below)
+        Options.of(**{"seed": args.seed, **options})
+    except ValueError as error:
+        raise cli.UsageError(f"--option: {error}") from None
+    try:
+        settings = check_model(args.model, dataset)
+    except ValueError as error:
+        raise cli.UsageError(f"--model {args.model}: {error}") from None
+    batch_size, most = args.batch_size or settings.batch_size, max(args.workers)
+    if len(dataset.train) // most < batch_size:
+        raise cli.UsageError(f"--batch-size {batch_size}: a shard of {dataset.name} for {most} workers holds "
+                             f"{len(dataset.train) // most} samples, not one batch")
+    for spec in split_specs(args.compressors):
+        for n in sorted(set(args.workers)):
+            try:
+                gradpress.Simulator(spec, n, **{"seed": args.seed, **options})
+            except ValueError as error:
+                raise cli.UsageError(f"--compressors {spec} with {n} worker{'s' if n > 1 else ''}: {error}") from None
+
+
+def _main_cost(args: argparse.Namespace) -> int:
+    runs = load_results(*args.results)
+    latency = fit_run_latency(runs) if args.latency == "fit" else args.latency
+    console = wide_console()
+    if args.latency == "fit":
+        console.print(f"fitted latency α = {latency * 1e3:.3g} ms per message (least squares over the runs' "
+                      "exposed communication)")
+    checks, crossed = check_runs(runs, latency), cross_checks(runs, latency)
+    for found, title in ((checks, "α–β model vs measured"),
+                         (crossed, "α–β model carried to another n or link rate vs measured there")):
+        if found:
+            console.print(render_checks(found, title))
+            if any(c.prediction.compute_source != "noop" for c in found):
+                console.print("* no noop run of this setting: compute = step − compression − communication")
+            errors = [abs(c.relative_error) for c in found if c.prediction.strategy is not None]
+            if errors:
+                console.print(f"communicating runs: mean |relative error| {statistics.fmean(errors):.1%}, "
+                              f"largest {max(errors):.1%}")
+    if not checks:
+        console.print("no run over an emulated link (--bandwidth) to check the model against")
+    paying = crossovers(runs, latency)
+    if paying:
+        console.print(render_crossovers(paying))
+    predictions = []
+    if args.workers or args.bandwidth:
+        predictions = what_if(runs, args.workers, args.bandwidth, latency, args.strategy)
+        if predictions:
+            console.print(render_what_if(predictions))
+        else:
+            console.print("no prediction: the runs are over loopback; give --bandwidth")
+    if args.json:
+        out = {"latency": latency, "checks": [_check_dict(c) for c in checks],
+               "cross_checks": [_check_dict(c) for c in crossed],
+               "what_if": [_prediction_dict(p) for p in predictions],
+               "crossovers": [asdict(c) for c in paying]}
+        cli.writable_parent(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _check_dict(c: Check) -> dict[str, Any]:
+    return {**_prediction_dict(c.prediction), "basis": c.basis, "measured_s": c.measured_s,
+            "relative_error": c.relative_error, "within_bounds": c.within_bounds}
+
+
+def _prediction_dict(p: Prediction) -> dict[str, Any]:
+    out = asdict(p)
+    out["samples_per_s"] = p.samples_per_s
+    return out
