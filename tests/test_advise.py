@@ -370,7 +370,8 @@ class Started(Exception):
     (["--latency", "-1"], "non-negative"),
 ])
 def test_bad_arguments_are_one_line_and_measure_nothing(argv, expected, monkeypatch, capsys):
-    monkeypatch.setattr(A, "profile_compute", lambda *a, **k: (_ for _ in ()).throw(Started()))
+    # advise() looks profile_compute up in its own module, gradpress.testbed.advise.advice
+    monkeypatch.setattr(A.advice, "profile_compute", lambda *a, **k: (_ for _ in ()).throw(Started()))
     try:
         code = main(["advise", *argv])
     except SystemExit as exit_:

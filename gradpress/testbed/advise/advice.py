@@ -1,0 +1,129 @@
+"""The whole advice (see :mod:`gradpress.testbed.advise`): the candidates, then profile, costs, quality
+runs and rankings at every link speed in one :class:`Advice`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from gradpress import cli
+from gradpress.testbed import costmodel
+from gradpress.testbed.advise.costs import BASELINE, MethodCost, baseline_cost, measure_method
+from gradpress.testbed.advise.profile import ComputeProfile, profile_compute
+from gradpress.testbed.advise.quality import (QUALITY_REFERENCE, QualityCurve, quality_curve, quality_target,
+                                              steps_to_reach)
+from gradpress.testbed.advise.ranking import Ranked, crossover, rank
+from gradpress.testbed.advise.workload import Workload
+
+#: besides every registered method at its defaults, these fractions of the sparsifiers
+RATIO_VARIANTS: dict[str, tuple[str, ...]] = {"topk": ("0.1", "0.001"), "randomk": ("0.1", "0.001")}
+#: the README's demo set (``gradpress compare --compressors demo``), without PyTorch's own hooks
+DEMO = ("none", "fp16", "topk:ratio=0.01", "qsgd", "natural", "thc", "powersgd")
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def default_candidates() -> list[str]:
+    """Every registered method at its default spec, and :data:`RATIO_VARIANTS`."""
+    import gradpress
+
+    specs = []
+    for name in gradpress.compressor_names():
+        specs.append(name)
+        specs += [f"{name}:ratio={ratio}" for ratio in RATIO_VARIANTS.get(name, ())]
+    return specs
+
+
+def candidates(text: str) -> list[str]:
+    """``default`` (:func:`default_candidates`), ``demo`` (:data:`DEMO`) or comma-separated specs."""
+    from gradpress.registry import split_specs
+
+    if text == "default":
+        return default_candidates()
+    if text == "demo":
+        return list(DEMO)
+    return [spec for spec in split_specs(text) if spec != BASELINE]
+
+
+@dataclass
+class Advice:
+    """Everything ``advise`` found: the profile, each method's costs, the rankings per link speed,
+    where each method stops paying, and the quality runs (if any)."""
+
+    workload: str
+    source: str
+    workers: int
+    latency: float
+    bandwidths: list[str]
+    profile: ComputeProfile
+    costs: list[MethodCost]
+    rankings: dict[str, list[Ranked]]
+    crossovers: dict[str, float]
+    skipped: dict[str, str] = field(default_factory=dict)
+    quality: list[QualityCurve] = field(default_factory=list)
+    target: float | None = None
+    steps_to_target: dict[str, float | None] | None = None
+    quality_note: str | None = None
+    measure_seconds: float = 0.0
+
+    def best(self, bandwidth: str) -> Ranked:
+        return self.rankings[bandwidth][0]
+
+
+def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
+           bandwidths: Sequence[str] = ("100mbit",), latency: float = costmodel.DEFAULT_LATENCY,
+           repeats: int = 5, quality_steps: int | None = None, quality_workers: int | None = None,
+           tolerance: float | None = None, bucket_cap_mb: float = 25.0, seed: int = 0, threads: int = 1,
+           progress: Progress = _quiet, use_ddp: bool = True) -> Advice:
+    """Profile ``workload``, measure every spec, rank them at every bandwidth (package doc). A spec that
+    fails to measure is left out with its reason (``Advice.skipped``)."""
+    started = time.perf_counter()
+    simulated = min(2, workers)
+    progress("profiling compute and DDP's buckets")
+    profile, grads = profile_compute(workload, repeats=repeats, workers=simulated,
+                                     bucket_cap_mb=bucket_cap_mb, seed=seed, threads=threads, use_ddp=use_ddp)
+    costs, skipped = [], {}
+    for spec in specs:
+        progress(f"measuring {spec}")
+        try:
+            costs.append(measure_method(spec, profile, grads, repeats=max(1, repeats - 2), seed=seed))
+        except Exception as error:  # noqa: BLE001 - one method that fails is reported, the others ranked
+            skipped[spec] = f"{type(error).__name__}: {cli.one_line(error)}"[:300]
+    curves, target, to_target, note = [], None, None, None
+    if quality_steps:
+        if workload.quality_unavailable is not None or workload.evaluate is None:
+            note = (f"--quality-steps skipped: {workload.quality_unavailable}; "
+                    "ranked by predicted step time alone")
+        else:
+            curves = _quality_runs(workload, [c.spec for c in costs], quality_steps,
+                                   quality_workers or min(workers, 4), seed, skipped, progress)
+            target = quality_target(curves[0], tolerance)
+            to_target = {c.spec: steps_to_reach(c, target) for c in curves}
+            to_target[BASELINE] = to_target[QUALITY_REFERENCE]
+            costs = [c for c in costs if c.spec in to_target]
+    rankings = {bw: rank(profile, costs, n=workers, bandwidth=bw, latency=latency, steps_to_target=to_target)
+                for bw in bandwidths}
+    base = baseline_cost(profile)
+    crossings = {c.spec: crossover(profile, c, n=workers, latency=latency, baseline=base) for c in costs}
+    return Advice(workload.label, workload.source, workers, latency, list(bandwidths), profile, costs,
+                  rankings, crossings, skipped, curves, target, to_target, note,
+                  time.perf_counter() - started)
+
+
+def _quality_runs(workload: Workload, measured: Sequence[str], steps: int, workers: int, seed: int,
+                  skipped: dict[str, str], progress: Progress) -> list[QualityCurve]:
+    """:func:`quality_curve` of ``none`` (first: the reference) and of every measured method; a method
+    whose run fails is left out with its reason in ``skipped`` (the reference's failure is raised)."""
+    curves = []
+    for spec in [QUALITY_REFERENCE] + [s for s in measured if s != QUALITY_REFERENCE]:
+        progress(f"training {spec} for {steps} steps with {workers} simulated workers")
+        try:
+            curves.append(quality_curve(workload, spec, workers=workers, steps=steps, seed=seed))
+        except Exception as error:  # noqa: BLE001 - e.g. NonFiniteError: the run diverged
+            if spec == QUALITY_REFERENCE:
+                raise
+            skipped[spec] = f"quality run failed: {type(error).__name__}: {cli.one_line(error)}"[:300]
+    return curves

@@ -1,0 +1,253 @@
+"""The ``gradpress advise`` command line (see :mod:`gradpress.testbed.advise`): its arguments, the
+workload they name, and the run that prints the advice."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from gradpress import cli
+from gradpress.testbed import costmodel
+from gradpress.testbed.advise.advice import DEMO, Advice, advise, candidates
+from gradpress.testbed.advise.check import Checked, check_against, render_checks
+from gradpress.testbed.advise.output import describe_profile, plot, render, summary_lines, to_json
+from gradpress.testbed.advise.quality import QUALITY_REFERENCE
+from gradpress.testbed.advise.workload import (Workload, factory_workload, is_factory, load_object,
+                                               testbed_workload)
+from gradpress.testbed.sim.common import wide_console
+from gradpress.testbed.sim.cost import load_results
+
+DEFAULT_BANDWIDTHS = "100mbit,1gbit,10gbit"
+
+
+def _model(text: str) -> str:
+    """A testbed model spec, or ``package.module:factory`` (importable, callable)."""
+    if is_factory(text):
+        try:
+            load_object(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(cli.one_line(error)) from None
+        return text
+    return cli.model(text)
+
+
+def _reference(text: str) -> str:
+    """``package.module:function``, importable and callable."""
+    try:
+        load_object(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(cli.one_line(error)) from None
+    return text
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    """A per-sample input shape: comma-separated positive integers (``3,32,32``)."""
+    return tuple(cli.int_list(1)(text))
+
+
+def _rates(text: str) -> list[str]:
+    """Comma-separated link rates in tc's units (``100mbit,1gbit``)."""
+    rates = [piece.strip() for piece in text.split(",")]
+    if not all(rates):
+        raise argparse.ArgumentTypeError(f"expected comma-separated link rates (e.g. 100mbit,1gbit), "
+                                         f"got {text!r}")
+    return [cli.rate(rate) for rate in rates]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from gradpress.testbed import advise as package
+    from gradpress.testbed.data import dataset_names
+
+    p = subparsers.add_parser("advise", help="which compressor pays off for a model on a network: profile, "
+                                             "then the α–β model",
+                              description=package.__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=_model, default="mlp-wide",
+                   help="a testbed model spec (mlp-wide, resnet:width=32, …) or package.module:factory "
+                        "returning an nn.Module (default mlp-wide)")
+    p.add_argument("--input-shape", type=_shape,
+                   help="a factory model's input shape per sample, e.g. 3,32,32 (random inputs, timing only)")
+    p.add_argument("--batch", type=_reference, metavar="PACKAGE.MODULE:FUNCTION",
+                   help="a factory model's batches: FUNCTION(batch_size) returns (inputs, targets)")
+    p.add_argument("--batch-size", type=cli.positive_int, help="per-worker batch (default: the model's; 32)")
+    p.add_argument("--workers", type=cli.integer(1, 1024), default=2, help="workers n to price (1..1024)")
+    p.add_argument("--bandwidth", type=_rates, default=DEFAULT_BANDWIDTHS,
+                   help=f"link rates per worker, comma-separated (default {DEFAULT_BANDWIDTHS})")
+    p.add_argument("--latency", type=cli.non_negative_float, default=costmodel.DEFAULT_LATENCY,
+                   help=f"per-message latency α in seconds (default {costmodel.DEFAULT_LATENCY:g})")
+    p.add_argument("--compressors", type=cli.compressor_list(keywords=("default", "demo")), default="default",
+                   help="comma-separated specs; 'default': every registered method at its defaults and "
+                        "top-k/random-k at ratios 0.1 and 0.001; 'demo': " + ",".join(DEMO))
+    p.add_argument("--quality-steps", type=cli.positive_int, metavar="K",
+                   help="also train K steps per method (simulated workers) and rank by time to the "
+                        "uncompressed quality")
+    p.add_argument("--quality-workers", type=cli.integer(1, 1024),
+                   help="simulated workers of the quality runs (default min(n, 4))")
+    p.add_argument("--data", choices=dataset_names(), help="a testbed model's dataset (default: the model's)")
+    p.add_argument("--tolerance", type=cli.non_negative_float,
+                   help="target = uncompressed best − tolerance (default: compare's, per metric)")
+    p.add_argument("--lr", type=cli.positive_float, help="learning rate (default: the model's; 0.01)")
+    p.add_argument("--repeats", type=cli.positive_int, default=5,
+                   help="timed steps of the profile (medians); each method: repeats − 2, at least 1")
+    p.add_argument("--threads", type=cli.positive_int, default=1,
+                   help="torch threads (default 1, as each testbed worker)")
+    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0, help="DDP's bucket_cap_mb")
+    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--check", nargs="+", metavar="PATH",
+                   help="compare output directories or results.json: their runs' measured steps beside the "
+                        "prediction at their n and link rate")
+    p.add_argument("--json", type=cli.output_file, help="write the profile, costs and rankings here")
+    p.add_argument("--plot", type=cli.output_file, help="write the speed-up against link speed here (PNG)")
+    p.set_defaults(func=_main)
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    """The workload the arguments name; :class:`~gradpress.cli.UsageError` for what does not hold together."""
+    factory = is_factory(args.model)
+    if not factory:
+        if args.input_shape is not None or args.batch is not None:
+            raise cli.UsageError(f"--input-shape and --batch are for a package.module:factory model; "
+                                 f"{args.model} is a testbed model and knows its inputs")
+        try:
+            workload = testbed_workload(args.model, args.batch_size, args.data, args.lr)
+        except ValueError as error:
+            raise cli.UsageError(f"--model {args.model}: {cli.one_line(error)}") from None
+    else:
+        if args.data is not None:
+            raise cli.UsageError("--data is for a testbed model; a factory model's batches come from --batch")
+        if args.input_shape is None and args.batch is None:
+            raise cli.UsageError(f"--model {args.model}: a factory model needs --input-shape (random inputs) "
+                                 "or --batch (a function returning (inputs, targets))")
+        try:
+            workload = factory_workload(args.model, args.input_shape, args.batch, args.batch_size, args.lr)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(args.seed)
+                model = workload.build()
+            x, y = workload.sample(torch.Generator().manual_seed(0))
+            workload.loss(model(x), y).backward()
+        except (ValueError, TypeError, RuntimeError) as error:
+            raise cli.UsageError(f"--model {args.model}: {type(error).__name__}: "
+                                 f"{cli.one_line(error)}") from None
+    if args.quality_steps and workload.shard_size is not None:
+        q_workers = args.quality_workers or min(args.workers, 4)
+        if workload.shard_size(q_workers) < workload.batch_size:
+            raise cli.UsageError(f"--batch-size {workload.batch_size}: a shard for {q_workers} quality "
+                                 f"workers holds {workload.shard_size(q_workers)} samples, not one batch")
+    if args.quality_steps and workload.quality_unavailable is not None and factory:
+        raise cli.UsageError(f"--quality-steps: {workload.quality_unavailable}")
+    return workload
+
+
+def _main(args: argparse.Namespace) -> int:
+    workload = workload_of(args)
+    specs = candidates(args.compressors)
+    runs = _runs_to_check(args.check)
+    _check_specs(specs, args.workers)
+    advice = _measure(args, workload, specs)
+    console = wide_console()
+    _print_advice(console, advice, args.quality_steps)
+    checks = check_against(advice, runs) if runs else []
+    if checks:
+        _print_checks(console, checks)
+    elif runs:
+        console.print("--check: no run over an emulated link of a method priced here")
+    if args.json:
+        setting = {k: v for k, v in vars(args).items() if k != "func"}
+        record = to_json(advice, setting)
+        record["checks"] = [{**asdict(c), "relative_error": c.relative_error,
+                             "with_noop_error": c.with_noop_error} for c in checks]
+        cli.writable_parent(args.json).write_text(json.dumps(record, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot(advice, args.plot)}")
+    return 0
+
+
+def _runs_to_check(paths: list[str] | None) -> list[Any]:
+    """``--check``'s runs (:func:`gradpress.testbed.sim.load_results`); none without it."""
+    if not paths:
+        return []
+    try:
+        return load_results(*paths)
+    except ValueError as error:
+        raise cli.UsageError(f"--check: {cli.one_line(error)}") from None
+
+
+def _check_specs(specs: list[str], workers: int) -> None:
+    """Every candidate builds a :class:`gradpress.Simulator` (before anything is measured)."""
+    import gradpress
+
+    for spec in specs:
+        try:
+            gradpress.Simulator(spec, min(2, workers))
+        except ValueError as error:
+            raise cli.UsageError(f"--compressors {spec}: {cli.one_line(error)}") from None
+
+
+def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> Advice:
+    """:func:`~gradpress.testbed.advise.advise` with ``--threads`` torch threads and a progress bar on
+    stderr (one step per profile, measured method and quality run)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+    quality = bool(args.quality_steps) and workload.quality_unavailable is None
+    total = 1 + len(specs) + (len(specs) + 1 if quality else 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        with Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("advise", total=total)
+            seen = [0]
+
+            def progress(what: str) -> None:
+                if seen[0]:
+                    bar.advance(task)
+                seen[0] += 1
+                bar.update(task, description=what[:70])
+
+            return advise(workload, specs, workers=args.workers, bandwidths=args.bandwidth,
+                          latency=args.latency, repeats=args.repeats, quality_steps=args.quality_steps,
+                          quality_workers=args.quality_workers, tolerance=args.tolerance,
+                          bucket_cap_mb=args.bucket_cap_mb, seed=args.seed, threads=args.threads,
+                          progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _print_advice(console: Any, advice: Advice, quality_steps: int | None) -> None:
+    """The profile, the quality target, the ranked table, what was left out and the pick at each speed."""
+    from rich.console import Console
+
+    console.print(describe_profile(advice))
+    if advice.quality_note:
+        Console(stderr=True).print(advice.quality_note)
+    if advice.target is not None:
+        first = advice.quality[0]
+        console.print(f"quality: {quality_steps} steps with {first.workers} simulated workers; target "
+                      f"{first.metric} {'≥' if first.higher_is_better else '≤'} {advice.target:.4g} "
+                      f"(`{QUALITY_REFERENCE}`'s best {first.best:.4g})")
+    console.print(render(advice))
+    for spec, why in advice.skipped.items():
+        console.print(f"left out {spec}: {why}")
+    for line in summary_lines(advice):
+        console.print(line, highlight=False, markup=False)
+    console.print(f"measured in {advice.measure_seconds:.0f} s")
+
+
+def _print_checks(console: Any, checks: list[Checked]) -> None:
+    """``--check``'s table and its largest and mean errors, and where the top pick ranked when measured."""
+    console.print(render_checks(checks))
+    errors = [abs(c.relative_error) for c in checks if c.spec != "noop"]
+    if errors:
+        console.print(f"largest |error| {max(errors):.1%}, mean {statistics.fmean(errors):.1%}")
+    errors = [abs(c.with_noop_error) for c in checks if c.with_noop_error is not None]
+    if errors:
+        console.print(f"with noop's compute: largest |error| {max(errors):.1%}, "
+                      f"mean {statistics.fmean(errors):.1%}")
+    top = [c for c in checks if c.predicted_rank == 1]
+    if top:
+        console.print(f"top pick {top[0].spec}: measured rank {top[0].measured_rank} by samples/s")

@@ -1,0 +1,184 @@
+"""Each candidate's measured cost on the profiled buckets (see :mod:`gradpress.testbed.advise`): compress
+and decompress times through :class:`gradpress.Simulator`, ``Packet.nbytes``, and the collectives that
+carry each bucket."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from gradpress.testbed import costmodel
+from gradpress.testbed.advise.profile import ComputeProfile
+from gradpress.testbed.costmodel import BucketStep, Phase
+
+#: the row every speed-up is relative to: DDP's built-in all-reduce of the fp32 buckets
+BASELINE = "torch-allreduce"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective of a bucket's exchange: ``strategy`` (:data:`~gradpress.testbed.costmodel.STRATEGIES`)
+    on ``nbytes`` per worker. Integer summands of ``dtype`` whose largest value is ``bound`` widen as n
+    workers' sums grow (:func:`gradpress.strategy.sum_dtype`); ``per_worker`` bytes are added per worker
+    (the fault-flag slots of a preliminary reduction)."""
+
+    strategy: str
+    nbytes: float
+    dtype: str | None = None
+    bound: int | None = None
+    per_worker: float = 0.0
+
+    def phase(self, n: int) -> Phase:
+        nbytes = self.nbytes
+        if self.dtype is not None and self.bound is not None:
+            from gradpress.strategy import sum_dtype
+
+            narrow = getattr(torch, self.dtype)
+            wide = sum_dtype(narrow, self.bound * n, "widen", "advise")
+            nbytes *= _itemsize(wide) / _itemsize(narrow)
+        return Phase(self.strategy, nbytes + self.per_worker * n)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class BucketCost:
+    """A method's measured cost on one bucket: seconds on the hook's thread (``compress_s``) and decoding
+    (``decompress_s``, among the method's ``measured_workers``), ``Packet.nbytes``, and its collectives."""
+
+    compress_s: float
+    decompress_s: float
+    packet_bytes: float
+    transfers: tuple[Transfer, ...]
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """A method's measured per-bucket costs (in the profile's bucket order). ``decode_grows``: decoding
+    handles one packet per worker (all-gather), so it scales with n / ``measured_workers``.
+    ``sent_bytes``: what the Simulator counted as sent by worker 0 per step (its traffic pattern at
+    ``measured_workers``), kept beside the priced bytes."""
+
+    spec: str
+    exchange: str
+    feedback: str
+    buckets: tuple[BucketCost, ...]
+    measured_workers: int = 2
+    decode_grows: bool = False
+    sent_bytes: float | None = None
+
+    @property
+    def packet_bytes(self) -> float:
+        """``Packet.nbytes`` per step and worker: GRACE's data volume."""
+        return sum(b.packet_bytes for b in self.buckets)
+
+    def decompress_at(self, bucket: BucketCost, n: int) -> float:
+        return bucket.decompress_s * n / self.measured_workers if self.decode_grows else bucket.decompress_s
+
+    def steps(self, profile: ComputeProfile, n: int) -> list[BucketStep]:
+        """The buckets as the cost model takes them, among ``n`` workers."""
+        if len(self.buckets) != len(profile.buckets):
+            raise ValueError(f"{self.spec}: costs of {len(self.buckets)} buckets for a profile of "
+                             f"{len(profile.buckets)}")
+        return [BucketStep(b.ready_s, c.compress_s, tuple(t.phase(n) for t in c.transfers),
+                           self.decompress_at(c, n)) for b, c in zip(profile.buckets, self.buckets)]
+
+    def wire_bytes(self, n: int) -> float:
+        """Bytes through each worker's link per step among ``n`` workers (the collectives' critical path)."""
+        return sum(costmodel.communication_cost([t.phase(n) for t in c.transfers], n).nbytes
+                   for c in self.buckets)
+
+
+def baseline_cost(profile: ComputeProfile) -> MethodCost:
+    """``torch-allreduce``: DDP's own hook all-reduces each bucket's bytes and compresses nothing."""
+    buckets = tuple(BucketCost(0.0, 0.0, b.nbytes, (Transfer("allreduce", b.nbytes),))
+                    for b in profile.buckets)
+    return MethodCost(BASELINE, "allreduce", "none", buckets, measured_workers=1)
+
+
+def transfers_of(compressor: Any, items: Sequence[tuple[str, torch.Tensor]], workers: int, seed: int = 0,
+                 packet_bytes: float | None = None) -> tuple[Transfer, ...]:
+    """The collectives that carry one bucket of ``items`` (package doc): preliminary values grouped by op,
+    source and dtype; then the summands of an all-reduce grouped by dtype, or an all-gather of the packed
+    packets (``packet_bytes`` when measured, since their size may depend on the data and the memory),
+    after a sizes header when their sizes are not fixed. One worker's packets are formed here to read
+    their layout (rank 0, step 0)."""
+    from gradpress.rng import Context
+
+    items = [(key, t) for key, t in items if t.numel() > 0]
+    contexts = [Context(seed, 0, key, 0) for key, _ in items]
+    transfers: list[Transfer] = []
+    if compressor.prepares:
+        groups: dict[tuple, float] = {}
+        for (key, tensor), ctx in zip(items, contexts):
+            pre = compressor.prepare(tensor.detach().contiguous(), ctx, workers)
+            if pre is not None:
+                group = (pre.op, pre.src if pre.op == "broadcast" else -1, pre.values.dtype)
+                groups[group] = groups.get(group, 0.0) + pre.values.numel() * pre.values.element_size()
+        flags_given = False
+        for (op, _, dtype), nbytes in groups.items():
+            if op == "broadcast":
+                transfers.append(Transfer("broadcast", nbytes))
+            else:
+                flags = 0.0 if flags_given else _itemsize(dtype)
+                transfers.append(Transfer("allreduce", nbytes, per_worker=flags))
+                flags_given = True
+    packets = [compressor.compress(tensor.detach(), ctx) for (_, tensor), ctx in zip(items, contexts)]
+    if compressor.exchange == "allreduce":
+        summed: dict[torch.dtype, float] = {}
+        for packet in packets:
+            for t in compressor.summands(packet):
+                summed[t.dtype] = summed.get(t.dtype, 0.0) + t.numel() * t.element_size()
+        for dtype, nbytes in summed.items():
+            widens = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+            bound = compressor.max_summand if widens else None
+            name = str(dtype).removeprefix("torch.") if widens else None
+            transfers.append(Transfer("allreduce", nbytes, name, bound))
+    else:
+        wires = [t for p in packets for t in p.wire()]
+        fixed = all(compressor.expected_nbytes(p.numel, p.dtype) is not None for p in packets)
+        if not fixed:
+            transfers.append(Transfer("allgather", 8.0 * (len(wires) + 1)))  # int64 sizes and the fault flag
+        own = sum(p.nbytes for p in packets) if packet_bytes is None else packet_bytes
+        transfers.append(Transfer("allgather", own + (1 if fixed else 0)))  # + the fault-flag byte
+    return tuple(transfers)
+
+
+def measure_method(spec: str, profile: ComputeProfile, grads: Sequence[Mapping[str, torch.Tensor]], *,
+                   repeats: int = 3, seed: int = 0) -> MethodCost:
+    """``spec``'s costs on the profile's buckets through :class:`gradpress.Simulator` with ``len(grads)``
+    workers (package doc): medians over ``repeats`` steps after one warm-up step."""
+    import gradpress
+
+    workers = len(grads)
+    compressor = gradpress.make(spec)
+    simulator = gradpress.Simulator(spec, workers, seed=seed)
+    samples: list[list[tuple[float, float, float]]] = [[] for _ in profile.buckets]
+    sent = 0.0
+    present = [[key for key in bucket.keys if key in grads[0]] for bucket in profile.buckets]
+    for step in range(1 + repeats):
+        for b, keys in enumerate(present):
+            if not keys:
+                continue
+            before = simulator.stats()[0]["total"]
+            simulator.step([{key: g[key] for key in keys} for g in grads])
+            after = simulator.stats()[0]["total"]
+            if step:
+                samples[b].append(tuple(after[k] - before[k]
+                                        for k in ("compress_s", "decompress_s", "packet_bytes")))
+                sent += after["sent_bytes"] - before["sent_bytes"]
+    buckets = []
+    for keys, rows in zip(present, samples):
+        if not rows:
+            buckets.append(BucketCost(0.0, 0.0, 0.0, ()))
+            continue
+        compress, decompress, nbytes = (statistics.median(r[i] for r in rows) for i in range(3))
+        items = [(key, grads[0][key]) for key in keys]
+        buckets.append(BucketCost(compress, decompress, nbytes,
+                                  transfers_of(compressor, items, workers, seed, packet_bytes=nbytes)))
+    return MethodCost(spec, compressor.exchange, compressor.default_feedback, tuple(buckets), workers,
+                      decode_grows=compressor.exchange == "allgather", sent_bytes=sent / repeats)

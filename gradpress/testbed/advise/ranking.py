@@ -1,0 +1,104 @@
+"""Prediction and ranking, pure functions of the profile and the candidates' costs (see
+:mod:`gradpress.testbed.advise`): the bucketed α–β step, the ranking at one link speed, where a method
+stops paying."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+from gradpress.testbed import costmodel
+from gradpress.testbed.advise.costs import BASELINE, MethodCost, baseline_cost
+from gradpress.testbed.advise.profile import ComputeProfile
+from gradpress.testbed.advise.quality import QUALITY_REFERENCE
+from gradpress.testbed.costmodel import Breakdown
+
+#: where crossings are searched (bits/s)
+CROSSING_RANGE = (1e6, 1e12)
+
+
+def predict(profile: ComputeProfile, cost: MethodCost, *, n: int, bandwidth: float | str,
+            latency: float = costmodel.DEFAULT_LATENCY) -> Breakdown:
+    """``cost``'s step among ``n`` workers at ``bandwidth`` (bits/s or a tc rate):
+    :func:`~gradpress.testbed.costmodel.predict_bucketed_step` on the profile's buckets."""
+    return costmodel.predict_bucketed_step(profile.forward_s, profile.backward_s, cost.steps(profile, n),
+                                           n=n, bandwidth=bandwidth, latency=latency,
+                                           optimizer_s=profile.optimizer_s)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One method's place at one link speed. ``speedup``: ``torch-allreduce``'s predicted step over this
+    one's (the ratio of samples/s); with quality, ``steps_to_target`` × the step is ``time_to_target_s``."""
+
+    spec: str
+    workers: int
+    bandwidth: str
+    predicted: Breakdown
+    speedup: float
+    wire_bytes: float
+    packet_bytes: float
+    steps_to_target: float | None = None
+    time_to_target_s: float | None = None
+    speedup_time_to_target: float | None = None
+    rank: int = 0
+
+
+def rank(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, bandwidth: float | str,
+         latency: float = costmodel.DEFAULT_LATENCY,
+         steps_to_target: Mapping[str, float | None] | None = None) -> list[Ranked]:
+    """Every method of ``costs`` and ``torch-allreduce``, best first, at ``n`` workers and ``bandwidth``.
+
+    Without ``steps_to_target`` the order is by predicted step time (samples/s). With it (spec → steps
+    to the target quality, None where not reached; ``torch-allreduce`` takes ``none``'s when it has no
+    entry), by predicted time to target = steps × step; methods that do not reach it (or have no entry)
+    come after those that do, by step time."""
+    base = baseline_cost(profile)
+    methods = [base, *[c for c in costs if c.spec != BASELINE]]
+    base_s = predict(profile, base, n=n, bandwidth=bandwidth, latency=latency).total
+    steps = dict(steps_to_target or {})
+    if steps_to_target is not None and BASELINE not in steps:
+        steps[BASELINE] = steps.get(QUALITY_REFERENCE)
+    label = bandwidth if isinstance(bandwidth, str) else f"{bandwidth:g}"
+    rows = []
+    for cost in methods:
+        breakdown = predict(profile, cost, n=n, bandwidth=bandwidth, latency=latency)
+        to_target = steps.get(cost.spec) if steps_to_target is not None else None
+        to_target_s = None if to_target is None else to_target * breakdown.total
+        rows.append(Ranked(cost.spec, n, label, breakdown, base_s / breakdown.total, cost.wire_bytes(n),
+                           cost.packet_bytes, to_target, to_target_s))
+    base_ttt = next((r.time_to_target_s for r in rows if r.spec == BASELINE), None)
+    if steps_to_target is not None:
+        rows = [replace(r, speedup_time_to_target=base_ttt / r.time_to_target_s
+                        if base_ttt and r.time_to_target_s else None) for r in rows]
+        ordered = sorted(rows, key=lambda r: (r.time_to_target_s is None, r.time_to_target_s or 0.0,
+                                              r.predicted.total))
+    else:
+        ordered = sorted(rows, key=lambda r: r.predicted.total)
+    return [replace(r, rank=i) for i, r in enumerate(ordered, start=1)]
+
+
+def speedup_at(profile: ComputeProfile, cost: MethodCost, bandwidth: float | str, *, n: int,
+               latency: float = costmodel.DEFAULT_LATENCY, baseline: MethodCost | None = None) -> float:
+    """Predicted samples/s of ``cost`` over ``torch-allreduce``'s at ``bandwidth``."""
+    base = baseline or baseline_cost(profile)
+    common = {"n": n, "bandwidth": bandwidth, "latency": latency}
+    return predict(profile, base, **common).total / predict(profile, cost, **common).total
+
+
+def crossover(profile: ComputeProfile, cost: MethodCost, *, n: int,
+              latency: float = costmodel.DEFAULT_LATENCY, baseline: MethodCost | None = None) -> float:
+    """The link speed (bits/s) above which ``cost``'s predicted step is no shorter than
+    ``torch-allreduce``'s (:func:`~gradpress.testbed.costmodel.bandwidth_crossing` in
+    :data:`CROSSING_RANGE`; inf: it pays at every speed there, 0: at none)."""
+    base = baseline or baseline_cost(profile)
+    return costmodel.bandwidth_crossing(
+        lambda bw: predict(profile, cost, n=n, bandwidth=bw, latency=latency).total,
+        lambda bw: predict(profile, base, n=n, bandwidth=bw, latency=latency).total,
+        low=CROSSING_RANGE[0], high=CROSSING_RANGE[1])
+
+
+def register_line(spec: str) -> str:
+    """What to paste into a DDP training script for ``spec`` (``torch-allreduce``: nothing to change)."""
+    if spec == BASELINE:
+        return "# no compression pays here: keep DDP's built-in all-reduce (no gradpress.register call)"
+    return f'gradpress.register(model, "{spec}")'

@@ -1,0 +1,223 @@
+"""What ``gradpress advise`` profiles: a model, its batches and its loss (and, for quality, data and a
+metric), from a testbed model spec or the user's ``package.module:factory`` (see
+:mod:`gradpress.testbed.advise`)."""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from gradpress import cli
+
+
+@dataclass
+class Workload:
+    """What is profiled: ``build()`` makes the model (the caller seeds it), ``sample(generator)`` one
+    worker's batch ``(inputs, targets)``, ``loss(outputs, targets)`` the training loss. For
+    ``--quality-steps``: ``train_batches(rank, workers, seed)`` an endless iterator of rank ``rank``'s
+    batches, ``evaluate(model)`` the quality ``metric``; ``quality_unavailable`` says why there is none."""
+
+    label: str
+    build: Callable[[], nn.Module]
+    sample: Callable[[torch.Generator], tuple[Any, Any]]
+    loss: Callable[[torch.Tensor, Any], torch.Tensor]
+    batch_size: int
+    source: str
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    grad_clip: float | None = None
+    train_batches: Callable[[int, int, int], Iterator[tuple[Any, Any]]] | None = None
+    evaluate: Callable[[nn.Module], float] | None = None
+    metric: str | None = None
+    higher_is_better: bool = True
+    quality_unavailable: str | None = None
+    shard_size: Callable[[int], int] | None = None
+
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def is_factory(model: str) -> bool:
+    """``package.module:factory`` (not a testbed model spec such as ``mlp-wide:width=8192``)."""
+    from gradpress.registry import parse_spec
+    from gradpress.testbed.models import model_names
+
+    if not _FACTORY.match(model.strip()):
+        return False
+    try:
+        return parse_spec(model)[0] not in model_names()
+    except ValueError:
+        return True
+
+
+def load_object(reference: str) -> Any:
+    """The object ``package.module:name`` names (the current directory is searched too, as
+    ``python -m`` searches it). ValueError says what is missing."""
+    module_name, _, attribute = reference.strip().partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{reference!r}: expected package.module:name")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not module_name.startswith(error.name) or os.getcwd() in sys.path:
+            raise ValueError(f"{reference!r}: importing {module_name} failed: {error}") from None
+        sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as again:
+            raise ValueError(f"{reference!r}: no module {again.name!r} "
+                             f"(searched sys.path and {os.getcwd()})") from None
+    except Exception as error:  # noqa: BLE001 - the user's module failed to import: say so in one line
+        raise ValueError(f"{reference!r}: importing {module_name} failed: "
+                         f"{type(error).__name__}: {error}") from None
+    value: Any = module
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise ValueError(f"{reference!r}: {module_name} has no {attribute!r}")
+        value = getattr(value, part)
+    if not callable(value):
+        raise ValueError(f"{reference!r}: {attribute} is not callable")
+    return value
+
+
+def testbed_workload(spec: str, batch_size: int | None = None, data_name: str | None = None,
+                     lr: float | None = None) -> Workload:
+    """A testbed model (:mod:`gradpress.testbed.models`) on its dataset's batches, or on random batches of
+    the same shapes when the dataset is not on this machine (then quality cannot be estimated)."""
+    from gradpress.registry import parse_spec
+    from gradpress.testbed import data as datasets
+    from gradpress.testbed.models import LOSSES, QUALITY, evaluate, model_config, models
+
+    cls = models.get(parse_spec(spec)[0])
+    name = data_name or cls.dataset
+    try:
+        dataset = datasets.load(name)
+        why = None
+    except datasets.DataUnavailable as error:
+        dataset, why = None, f"{name} is not available: {cli.one_line(error)}"
+    settings = model_config(spec, dataset)
+    settings.build()  # bad sizes fail here
+    batch = batch_size or settings.batch_size
+    task = cls.task
+    if dataset is not None:
+        train = dataset.training_set(torch.Generator().manual_seed(0))
+
+        def sample(generator: torch.Generator) -> tuple[Any, Any]:
+            index = torch.randint(len(train), (batch,), generator=generator)
+            return train.x[index], train.y[index]
+
+        source = f"{name} batches"
+    else:
+        sample = _random_batches(task, settings, batch)
+        source = f"random batches of {name}'s shapes ({name} is not on this machine)"
+    metric, higher = QUALITY[task]
+    workload = Workload(spec, settings.build, sample, LOSSES[task], batch, source, settings.optimizer,
+                        settings.lr if lr is None else lr, settings.grad_clip, metric=metric,
+                        higher_is_better=higher, quality_unavailable=why)
+    if dataset is not None:
+        from gradpress.testbed.sim.quality import _endless_batches
+
+        workload.train_batches = lambda rank, workers, seed: _endless_batches(
+            dataset.shard(rank, workers, seed=seed), batch, seed, rank)
+        workload.evaluate = lambda model: evaluate(model, dataset)[metric]
+        workload.shard_size = lambda workers: len(dataset.train) // workers
+    return workload
+
+
+def _random_batches(task: str, settings: Any, batch: int) -> Callable[[torch.Generator], tuple[Any, Any]]:
+    """Random inputs and targets of the shapes and ranges ``task``'s data has (timing only)."""
+    if task == "classification":
+        size = getattr(settings, "image_size", 28)
+        shape = (batch, getattr(settings, "in_channels", 1), size, size)
+        classes = getattr(settings, "num_classes", 10)
+        return lambda g: (torch.randn(shape, generator=g), torch.randint(classes, (batch,), generator=g))
+    if task == "language-model":
+        vocab = settings.vocab_size
+        return lambda g: (torch.randint(vocab, (batch, 35), generator=g),
+                          torch.randint(vocab, (batch, 35), generator=g))
+    if task == "recommendation":
+        def pairs(g: torch.Generator) -> tuple[Any, Any]:
+            x = torch.stack([torch.randint(settings.num_users, (batch,), generator=g),
+                             torch.randint(settings.num_items, (batch,), generator=g)], 1)
+            return x, torch.randint(2, (batch,), generator=g).float()
+        return pairs
+    raise ValueError(f"no random batches for task {task!r}")
+
+
+def factory_workload(reference: str, input_shape: Sequence[int] | None = None,
+                     batch_reference: str | None = None, batch_size: int | None = None,
+                     lr: float | None = None) -> Workload:
+    """The user's model: ``factory()`` returns an ``nn.Module``. Batches come from
+    ``batch_factory(batch_size)`` returning ``(inputs, targets)`` (loss: cross-entropy for integer
+    targets, else mean squared error; quality: that loss on four held-out batches), or are random inputs
+    of ``input_shape`` per sample with the mean square of the output as a stand-in loss (only its time
+    counts)."""
+    factory = load_object(reference)
+    batch = batch_size or 32
+
+    def build() -> nn.Module:
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{reference} returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    if batch_reference is None:
+        if input_shape is None:
+            raise ValueError("a factory model needs --input-shape (random inputs) or --batch (its batches)")
+        shape = (batch, *input_shape)
+        return Workload(reference, build, lambda g: (torch.randn(shape, generator=g), None),
+                        lambda out, _: out.float().square().mean(), batch,
+                        f"random inputs of shape {tuple(input_shape)}", lr=0.01 if lr is None else lr,
+                        quality_unavailable="--quality-steps needs --batch: random inputs have no quality")
+    batch_factory = load_object(batch_reference)
+
+    def draw(seed: int) -> tuple[Any, Any]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            drawn = batch_factory(batch)
+        if not (isinstance(drawn, (tuple, list)) and len(drawn) == 2):
+            raise ValueError(f"{batch_reference}({batch}) must return (inputs, targets), "
+                             f"got {type(drawn).__name__}")
+        return drawn[0], drawn[1]
+
+    def loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not targets.is_floating_point():
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
+        return nn.functional.mse_loss(out.float(), targets.float().view_as(out))
+
+    def train_batches(rank: int, workers: int, seed: int) -> Iterator[tuple[Any, Any]]:
+        step = 0
+        while True:
+            yield draw(hash((seed, rank, workers, step)) & 0x7FFF_FFFF)
+            step += 1
+
+    held_out = [draw(1_000_003 + k) for k in range(4)]
+
+    @torch.no_grad()
+    def evaluate(model: nn.Module) -> float:
+        was = model.training
+        model.eval()
+        try:
+            return statistics.fmean(float(loss(model(x), y)) for x, y in held_out)
+        finally:
+            model.train(was)
+
+    def sample(generator: torch.Generator) -> tuple[Any, Any]:
+        return draw(int(torch.randint(2**31 - 1, (1,), generator=generator)))
+
+    return Workload(reference, build, sample, loss, batch, f"{batch_reference} batches",
+                    lr=0.01 if lr is None else lr, train_batches=train_batches, evaluate=evaluate,
+                    metric="loss", higher_is_better=False)
+
+
+def _optimizer(name: str, parameters: Any, lr: float) -> torch.optim.Optimizer:
+    from gradpress.testbed.train import _optimizer as testbed_optimizer
+
+    return testbed_optimizer(name, parameters, lr)
