@@ -121,7 +121,7 @@ def test_ensure_debian_package_without_root_says_how(tmp_path, monkeypatch):
     missing = tmp_path / "nothing-here"
     with pytest.raises(D.DataUnavailable, match="sudo apt-get install -y some-package"):
         D.ensure_debian_package("some-package", missing, install=False)
-    monkeypatch.setattr(D.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(D.fetching.os, "geteuid", lambda: 1000)
     with pytest.raises(D.DataUnavailable, match="only root can install"):
         D.ensure_debian_package("some-package", missing, install=True)
     D.ensure_debian_package("some-package", tmp_path, install=False)  # present: nothing to do
