@@ -1,6 +1,6 @@
 """Numba CPU kernels' shared pieces: the JIT decorator, the ``mix32`` hash, bit casts, LLVM intrinsics
-(wide vectors, a 16-lane gather, the fp16 cast, 64-bit comparison masks, selects and compressed stores),
-a fast finiteness check and the on/off switch.
+(wide vectors, a 16-lane gather, the fp16 cast, 64-bit comparison masks, selects and compressed stores,
+unaligned 64-bit loads and stores), a fast finiteness check and the on/off switch.
 
 Element-wise compressors run a numba kernel on CPU tensors (one pass, fused randomness and bit
 packing) and a torch implementation elsewhere; tests check that both give the same bits. Set
@@ -336,3 +336,33 @@ def compress_above16(typingctx, x, start, threshold, values, indices, at):  # pr
 
     return types.int64(x, start, threshold, values, indices, at), codegen
 
+
+
+# -- unaligned 64-bit words of a byte array (the packing of gradpress.bits' whole groups) -------------------
+def _byte_pointer(context, builder, array_type, array, offset):  # pragma: no cover - compiled
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [offset]), ir.IntType(64).as_pointer())
+
+
+@intrinsic
+def load64(typingctx, array, offset):  # pragma: no cover - compiled
+    """The 8 bytes of a uint8 array at byte ``offset`` as a uint64 (any alignment; numba's hosts are all
+    little-endian, the layout of :mod:`gradpress.bits`)."""
+    sig = types.uint64(array, types.intp)
+
+    def codegen(context, builder, signature, args):
+        return builder.load(_byte_pointer(context, builder, signature.args[0], args[0], args[1]), align=1)
+
+    return sig, codegen
+
+
+@intrinsic
+def store64(typingctx, array, offset, value):  # pragma: no cover - compiled
+    """Write ``value`` as 8 (little-endian) bytes at byte ``offset`` of a uint8 array (any alignment)."""
+    sig = types.void(array, types.intp, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        builder.store(args[2], _byte_pointer(context, builder, signature.args[0], args[0], args[1]), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
