@@ -5,7 +5,6 @@ ranks agreeing, NaN/Inf raising, indices out of range refused). Timings live in 
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 
 import numpy as np
@@ -22,24 +21,7 @@ from gradpress.compressors.dither import standard_deviation
 from gradpress.compressors.sparsify import random_subset, scatter, topk_indices
 from gradpress.compressors.threshold import _strata_positions, packet_above, stratified_threshold
 from gradpress.rng import Context
-
-PATHS = [pytest.param(False, id="numba"), pytest.param(True, id="torch")]
-
-
-def _path(torch_only: bool):
-    return numba_disabled() if torch_only else contextlib.nullcontext()
-
-
-def _same_packets(spec: str, x: torch.Tensor, ctx: Context) -> None:
-    c = gradpress.make(spec)
-    fast = c.compress(x, ctx)
-    with numba_disabled():
-        slow = c.compress(x, ctx)
-    assert [t.dtype for t in fast.wire()] == [t.dtype for t in slow.wire()]
-    assert all(torch.equal(a, b) for a, b in zip(fast.wire(), slow.wire())), spec
-    out = c.decompress(fast)
-    with numba_disabled():
-        assert torch.equal(out, c.decompress(slow)), spec
+from kernels import PATHS, both_paths, path
 
 
 # -- random-k: the hashed subset -------------------------------------------------------------------------
@@ -71,7 +53,7 @@ def test_randomk_indices_are_shared_and_values_gathered():
         indices = [p.meta["indices"] for p in packets]
         assert all(torch.equal(i, indices[0]) for i in indices)
         assert torch.equal(packets[0]["values"], x[indices[0]])
-        _same_packets("randomk:ratio=0.05,scale=true", x, Context(seed=4, step=2, key="w"))
+        both_paths("randomk:ratio=0.05,scale=true", x, Context(seed=4, step=2, key="w"))
 
 
 def test_randomk_raises_on_non_finite_anywhere():
@@ -116,7 +98,7 @@ def test_cast_kernels_round_as_torch(spec, dtype):
 @pytest.mark.parametrize("torch_only", PATHS)
 @pytest.mark.parametrize("spec, big", [("fp16", 65520.0), ("bf16", 3.4e38)])
 def test_casts_raise_on_overflow_and_non_finite(torch_only, spec, big):
-    with _path(torch_only):
+    with path(torch_only):
         c = gradpress.make(spec)
         x = torch.randn(5000)
         x[4321] = big
@@ -180,8 +162,8 @@ def test_cltk_refuses_leader_indices_out_of_range():
         indices[17] = bad
         with pytest.raises(IndexError):
             c.compress(x, Context(), prepared=indices)
-    _same_packets("cltk", torch.randn(100_001), Context(step=3))
-    _same_packets("cltk:chunk=100", torch.randn(100_001), Context(step=3))
+    both_paths("cltk", torch.randn(100_001), Context(step=3))
+    both_paths("cltk:chunk=100", torch.randn(100_001), Context(step=3))
 
 
 # -- signSGD, EF-signSGD, SIGNUM --------------------------------------------------------------------------
@@ -192,8 +174,8 @@ def test_sign_kernels_equal_torch_across_blocks(spec, n):
         x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * scale
         x[::5] = 0.0
         x[1::7] = -0.0
-        _same_packets(spec, x, Context())
-    _same_packets(spec, torch.zeros(n), Context())
+        both_paths(spec, x, Context())
+    both_paths(spec, torch.zeros(n), Context())
 
 
 @pytest.mark.parametrize("spec", ["signsgd", "efsignsgd"])
@@ -231,7 +213,7 @@ def test_threshold_and_dgc_numba_equal_torch(spec, n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
     x[::11] = 0.0
     for step in (0, 3):
-        _same_packets(spec, x, Context(seed=1, step=step, key="k", rank=1))
+        both_paths(spec, x, Context(seed=1, step=step, key="k", rank=1))
 
 
 def test_stratified_sample_positions():

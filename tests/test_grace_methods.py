@@ -2,23 +2,20 @@
 test_properties.py."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 
 import gradpress
-from gradpress._numba import numba_disabled
 from gradpress.compressors import inceptionn
 from gradpress.compressors.dgc import DGCMemory
 from gradpress.compressor import check_finite
 from gradpress.compressors.eightbit import BLOCK, CROWDED, EDGES, NO_EDGE, TABLE, cell_table
 from gradpress.compressors.onebit import fixed_point_scale, to_fixed
 from gradpress.rng import Context
+from kernels import PATHS, both_paths, path
 from numerics import eps, unit_roundoff
-
-PATHS = [pytest.param(False, id="numba"), pytest.param(True, id="torch")]
 
 
 def exact_mean_error(group: torch.Tensor, x: torch.Tensor) -> float:
@@ -30,11 +27,6 @@ def exact_mean_error(group: torch.Tensor, x: torch.Tensor) -> float:
     return unit_roundoff() * abs(mean) + truncation
 
 
-def _path(torch_only: bool):
-    """The torch implementation on the CPU, or the default numba kernels."""
-    return numba_disabled() if torch_only else contextlib.nullcontext()
-
-
 def _vote_packet(c, signs):
     return c.compress(torch.tensor(signs, dtype=torch.float32))
 
@@ -42,7 +34,7 @@ def _vote_packet(c, signs):
 # -- signSGD / SIGNUM: majority vote ------------------------------------------------------------
 @pytest.mark.parametrize("torch_only", PATHS)
 def test_majority_vote_on_crafted_signs(torch_only):
-    with _path(torch_only):
+    with path(torch_only):
         c = gradpress.make("signsgd")
         workers = [[0.3, 2.0, -1.0, 5.0, -0.1], [0.1, -2.0, -1.0, -5.0, 0.0], [-0.2, 1.0, -3.0, -1.0, 0.0]]
         vote = c.aggregate([_vote_packet(c, w) for w in workers])
@@ -140,7 +132,7 @@ def test_efsignsgd_error_feedback_from_the_first_step():
 @pytest.mark.parametrize("torch_only", PATHS)
 def test_onebit_decodes_each_side_to_its_mean(torch_only):
     x = torch.tensor([3.0, 1.0, -2.0, -4.0, 0.0, 0.5, -0.25, 2.0, 7.0])
-    with _path(torch_only):
+    with path(torch_only):
         c = gradpress.make("onebit")
         p = c.compress(x)
         low, high = torch.tensor([-6.25 / 3, 13.5 / 6]).tolist()  # the means, rounded to float32
@@ -193,7 +185,7 @@ def test_eightbit_error_bound_per_decade(torch_only):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(20_000, generator=g) * torch.logspace(-8, 0, 20_000)
     x[123] = -4.0
-    with _path(torch_only):
+    with path(torch_only):
         c = gradpress.make("eightbit")
         p = c.compress(x)
         y = c.decompress(p)
@@ -222,7 +214,7 @@ def test_eightbit_tiny_values_keep_their_relative_precision():
 def test_inceptionn_tags_by_range(torch_only):
     eps = 2.0**-10
     x = torch.tensor([0.0, 5e-4, -2e-3, 0.05, -0.2, 0.5, -0.9999, 1.0, -3.5, 1e-30])
-    with _path(torch_only):
+    with path(torch_only):
         c = gradpress.make("inceptionn")
         assert c.tags(x).tolist() == [0, 0, 1, 1, 2, 2, 2, 3, 3, 0]
         p = c.compress(x)
@@ -273,13 +265,8 @@ def test_inceptionn_kernels_write_the_torch_bytes(monkeypatch, kernels, n, bound
     monkeypatch.setattr(inceptionn, "KERNELS", kernels)
     c = gradpress.make("inceptionn", error_bound=bound)
     x = _inceptionn_edges(n, bound)
-    with numba_disabled():
-        expected = c.compress(x)
-        decoded = c.decompress(expected)
-    packet = c.compress(x)
-    assert torch.equal(packet["tags"], expected["tags"]) and torch.equal(packet["payload"], expected["payload"])
-    assert torch.equal(c.decompress(packet).view(torch.int32), decoded.view(torch.int32))
-    assert ((decoded - x).abs() < bound).all()
+    _, values = both_paths(c, x)
+    assert ((values - x).abs() < bound).all()
 
 
 @pytest.mark.parametrize("kernels", [*_inceptionn_kernels(), pytest.param(None, id="torch")])
@@ -291,9 +278,9 @@ def test_inceptionn_rejects_a_payload_the_tags_do_not_call_for(monkeypatch, kern
         monkeypatch.setattr(inceptionn, "KERNELS", kernels)
     payload = packet["payload"]
     for wrong in (payload[:-1], torch.cat([payload, payload[:1]]), payload[:-100]):
-        with _path(kernels is None), pytest.raises(ValueError, match="payload bytes"):
+        with path(kernels is None), pytest.raises(ValueError, match="payload bytes"):
             c.decompress(packet.with_wire([packet["tags"], wrong]))
-    with _path(kernels is None), pytest.raises(ValueError, match="tag bytes"):
+    with path(kernels is None), pytest.raises(ValueError, match="tag bytes"):
         c.decompress(packet.with_wire([packet["tags"][:-1], payload]))
 
 
@@ -374,7 +361,7 @@ def test_adaptive_sends_alpha_of_each_side_with_its_mean(torch_only):
     g = torch.Generator().manual_seed(2)
     x = torch.cat([torch.rand(70_000, generator=g), -3 * torch.rand(30_000, generator=g)])
     x = x[torch.randperm(x.numel(), generator=g)]
-    with _path(torch_only):
+    with path(torch_only):
         c = gradpress.make("adaptive:alpha=0.05,sample_ratio=0.1")
         p = c.compress(x, Context(step=1))
         y = c.decompress(p)
@@ -410,7 +397,7 @@ def test_sketchml_sends_the_positions_of_sparse_input(torch_only):
     x = torch.zeros(10_000)
     x[::97] = torch.linspace(-1, 1, len(range(0, 10_000, 97)))
     x[5] = 0.0  # an exact zero among the kept positions' neighbours
-    with _path(torch_only):
+    with path(torch_only):
         c = gradpress.make("sketchml")
         p = c.compress(x)
         y = c.decompress(p)
@@ -460,12 +447,7 @@ def test_quantizer_kernels_write_the_torch_bits_at_block_edges(spec, n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
     x[::7] = 0.0
     c = gradpress.make(spec)
-    packet = c.compress(x, Context(seed=1))
-    with numba_disabled():
-        reference = c.compress(x, Context(seed=1))
-        decoded = c.decompress(reference)
-    assert all(torch.equal(a, b) for a, b in zip(packet.wire(), reference.wire()))
-    assert torch.equal(c.decompress(packet), decoded)
+    both_paths(c, x, Context(seed=1))
 
 
 @pytest.mark.parametrize("torch_only", PATHS)
@@ -478,7 +460,7 @@ def test_sketchml_crowded_quantiles_are_probed(torch_only):
     c = gradpress.make("sketchml:sample_ratio=1")
     edges = c.edges(x, Context())
     assert cell_table(edges.numpy())[1] > 1  # crowded cells: the probe runs
-    with _path(torch_only):
+    with path(torch_only):
         packet = c.compress(x, Context())
     codes = packet["codes"].long()
     expected = torch.searchsorted(edges, x) + 1
@@ -500,12 +482,12 @@ def test_quantizers_find_non_finite_values_in_their_max_pass(spec, torch_only, m
         x[where] = torch.tensor([float("nan"), float("inf"), -float("inf")][: len(where)], dtype=x.dtype)
         with pytest.raises(gradpress.NonFiniteError) as raised:
             check_finite(x, c.spec)
-        with _path(torch_only), pytest.raises(gradpress.NonFiniteError) as error:
+        with path(torch_only), pytest.raises(gradpress.NonFiniteError) as error:
             c.compress(x)
         assert str(error.value) == str(raised.value) and f"holds {len(where)} NaN/Inf" in str(error.value)
     calls = []
     monkeypatch.setattr(gradpress.compressor, "check_finite", lambda flat, where: calls.append(where))
-    with _path(torch_only):
+    with path(torch_only):
         c.compress(torch.randn(1002))
     assert calls == []
 

@@ -8,7 +8,6 @@ draws, so that each estimate is tight (its standard error is given where a bound
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -24,6 +23,7 @@ from gradpress.compressors.dither import CHUNK, Dithering, _uniforms_torch, buck
 from gradpress.compressors.natural import decode_table, exponent_code, natural_round
 from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch
+from kernels import both_paths, path
 from numerics import gamma, log2ceil, unit_roundoff
 
 
@@ -143,14 +143,7 @@ def test_natural_numba_and_torch_agree_on_every_special_case():
     for x in (special, below.repeat(1000), torch.cat([big, special, big]), torch.cat([big, below, big]),
               binades(5000, -149, -20, seed=6)):
         for spec in ("natural", "natural:deterministic=true"):
-            c = gradpress.make(spec)
-            ctx = Context(seed=9, step=1, key="w")
-            fast = c.compress(x, ctx)
-            with numba_disabled():
-                slow = c.compress(x, ctx)
-                slow_values = c.decompress(slow)
-            assert torch.equal(fast["top"], slow["top"]) and torch.equal(fast["codes"], slow["codes"])
-            assert torch.equal(c.decompress(fast), slow_values)
+            both_paths(spec, x, Context(seed=9, step=1, key="w"))
 
 
 def test_natural_round_is_c_nat():
@@ -386,15 +379,8 @@ def test_dithering_numba_and_torch_agree_on_special_buckets(spec):
     parts = [torch.randn(2500, generator=g), torch.full((300,), 3 * 2.0**-149), torch.zeros(400),
              torch.randn(150, generator=g) * 1e30, binades(3000, -149, -60, seed=20)]
     x = torch.cat(parts)
-    c = gradpress.make(spec)
-    ctx = Context(seed=1, step=2, key="layer")
-    fast = c.compress(x, ctx)
-    with numba_disabled():
-        slow = c.compress(x, ctx)
-        slow_values = c.decompress(slow)
-    assert all(torch.equal(a, b) for a, b in zip(fast.wire(), slow.wire(), strict=True))
-    assert torch.equal(c.decompress(fast), slow_values)
-    assert torch.isfinite(slow_values).all()
+    _, values = both_paths(spec, x, Context(seed=1, step=2, key="layer"))
+    assert torch.isfinite(values).all()
 
 
 def test_parameters_are_checked():
@@ -410,20 +396,7 @@ def test_parameters_are_checked():
     assert gradpress.make("dither:bucket=none").mechanism.bucket == 0
 
 
-# -- the numba kernels' own paths -----------------------------------------------------------------------
-def both_paths(spec: str, x: torch.Tensor, ctx: Context) -> tuple[Packet, torch.Tensor]:
-    """The numba path's packet and decoding, after checking that the torch path gives the same bits."""
-    c = gradpress.make(spec)
-    fast = c.compress(x, ctx)
-    with numba_disabled():
-        slow = c.compress(x, ctx)
-        slow_values = c.decompress(slow)
-    assert all(torch.equal(a, b) for a, b in zip(fast.wire(), slow.wire(), strict=True))
-    values = c.decompress(fast)
-    assert torch.equal(values.view(torch.int32), slow_values.view(torch.int32))  # -0.0 too
-    return fast, values
-
-
+# -- the numba kernels' own paths (kernels.both_paths: the torch path's bits) ---------------------------
 def test_ties_of_the_16_bit_uniforms_use_8_more_random_bits():
     """TernGrad with max |x| = 1 sees t = |x|·2^24 = F: x_i = (u_i·2^8 + r_i)·2^-24, u_i the element's
     16-bit uniform, makes every value but x_0 a tie, rounded up iff the top 8 bits of mix32(i) under the
@@ -472,8 +445,7 @@ def test_non_finite_values_anywhere_raise_with_their_count(spec, numba):
         x[where] = torch.tensor([float("nan"), float("inf"), -float("inf")][: len(where)], dtype=x.dtype)
         with pytest.raises(gradpress.NonFiniteError) as raised:
             check_finite(x, c.spec)
-        path = contextlib.nullcontext() if numba else numba_disabled()
-        with path, pytest.raises(gradpress.NonFiniteError) as error:
+        with path(not numba), pytest.raises(gradpress.NonFiniteError) as error:
             c.compress(x)
         assert str(error.value) == str(raised.value) and f"holds {len(where)} NaN/Inf" in str(error.value)
 

@@ -11,6 +11,7 @@ import gradpress
 from gradpress._numba import numba_disabled
 from gradpress.compressors.sketch import _buckets, _signs, element_indices
 from gradpress.rng import Context
+from kernels import bits, both_paths
 from numerics import gamma
 
 
@@ -172,13 +173,7 @@ def test_ratio_below_one_keeps_the_largest_blocks():
 def test_numba_and_torch_paths_give_the_same_bits(spec, dtype):
     c = gradpress.make(spec)
     x = sparse_rows(vocab=300, dim=10, touched=range(0, 300, 7)).to(dtype)
-    ctx = Context(seed=4, step=1, key="e", rank=2)
-    fast = c.compress(x, ctx)
-    with numba_disabled():
-        slow = c.compress(x, ctx)
-        reference = c.decompress(fast)
-    assert all(torch.equal(a, b) for a, b in zip(fast.wire(), slow.wire(), strict=True))
-    assert torch.equal(c.decompress(fast), reference)
+    both_paths(c, x, Context(seed=4, step=1, key="e", rank=2))
 
 
 # -- Thm 2: block-wise top-K, alone and sketched ------------------------------------------------------
@@ -380,11 +375,7 @@ def test_sketch_kernels_give_the_torch_paths_bits(spec, shape, dtype):
     with numba_disabled():
         expected = [c.decompress(packets[0]), c.decode_sum(packets[0], [t.clone() for t in summed], 3)]
     for y, z in zip(decoded, expected, strict=True):
-        assert y.dtype == z.dtype == dtype and torch.equal(_bits(y), _bits(z))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+        assert y.dtype == z.dtype == dtype and torch.equal(bits(y), bits(z))
 
 
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 6])
@@ -402,8 +393,8 @@ def test_medians_of_signed_zeros_match_the_stable_sort(rows):
     fast = query(marked, 1, numel, table, seeds)
     with numba_disabled():
         slow = query(marked, 1, numel, table, seeds)
-    assert torch.equal(_bits(fast), _bits(slow))
-    assert (_bits(fast) == -(2**31)).any()  # −0 medians occur: the check above looked at signs
+    assert torch.equal(bits(fast), bits(slow))
+    assert (bits(fast) == -(2**31)).any()  # −0 medians occur: the check above looked at signs
 
 
 def test_sketch_counts_nan_and_inf_in_its_own_pass():
@@ -470,12 +461,8 @@ def test_block_norms_sum_pairwise():
 def test_blocktopk_kernels_give_the_torch_paths_bits(spec, dtype):
     c = gradpress.make(spec)
     x = _mixed((600011,), dtype, seed=2, zero_values=0.3)
-    fast = c.compress(x)
-    with numba_disabled():
-        slow = c.compress(x)
-        reference = c.decompress(fast)
-    assert all(torch.equal(a, b) for a, b in zip(fast.wire(), slow.wire(), strict=True))
-    assert fast["values"].dtype == dtype and torch.equal(_bits(c.decompress(fast)), _bits(reference))
+    fast, _ = both_paths(c, x)
+    assert fast["values"].dtype == dtype
 
 
 def test_blocktopk_overflowing_norms_on_the_sampled_path():

@@ -2,8 +2,6 @@
 both methods, on every shape of input and table the kernels treat apart."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -14,6 +12,7 @@ from gradpress._numba import numba_disabled
 from gradpress.bits import unpack_bits
 from gradpress.compressors.thc import _affine
 from gradpress.rng import Context, mix32_torch, seed32
+from kernels import path
 
 # the vector kernel (blocks ≥ 16 values: one row, rows of fewer than 16 vectors, 2-256 rows), the scalar
 # kernel (blocks < 16), tails of 1-15 values, blocks off a multiple of 16 or 32, tables of at most 32 grid
@@ -76,8 +75,7 @@ def test_nonfinite_input_with_finite_prepared_values_raises(spec, bad, numba):
     x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
     prepared = c.prepare(x, Context(), 1).values
     x[777] = bad
-    path = contextlib.nullcontext() if numba else numba_disabled()
-    with path, pytest.raises(gradpress.NonFiniteError, match="holds 1 NaN/Inf"):
+    with path(not numba), pytest.raises(gradpress.NonFiniteError, match="holds 1 NaN/Inf"):
         c.compress(x, Context(), prepared=prepared)
 
 
@@ -87,8 +85,7 @@ def test_a_norm_too_small_for_the_values_overflows_clearly(numba):
     its own) raises an OverflowError on both paths, instead of quantizing Inf."""
     c = gradpress.make("thc")
     x = torch.full((4096,), 3e38)
-    path = contextlib.nullcontext() if numba else numba_disabled()
-    with path, pytest.raises(OverflowError, match="overflow"):
+    with path(not numba), pytest.raises(OverflowError, match="overflow"):
         c.compress(x, Context(), prepared=torch.tensor([1.0], dtype=torch.float64))
 
 

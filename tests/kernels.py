@@ -1,0 +1,50 @@
+"""numba == torch: what the kernel tests share.
+
+Every CPU kernel has a torch twin (the path of every other device, and of the CPU under
+:func:`gradpress._numba.numba_disabled`); both must give the same bits, the wire tensors and the decoded
+values alike (the sign of zero too). Tolerances, where a result is only as exact as its summation order,
+are in :mod:`numerics`.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import gradpress
+from gradpress._numba import numba_disabled
+from gradpress.packet import Packet
+from gradpress.rng import Context
+
+#: both implementations on the CPU: ``@pytest.mark.parametrize("torch_only", PATHS)``
+PATHS = [pytest.param(False, id="numba"), pytest.param(True, id="torch")]
+
+_SAME_SIZE_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def path(torch_only: bool) -> contextlib.AbstractContextManager:
+    """The torch implementation on the CPU, or the default numba kernels."""
+    return numba_disabled() if torch_only else contextlib.nullcontext()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns (an integer view of the same size: −0.0 and 0.0 differ, NaNs compare)."""
+    return t if not t.is_floating_point() else t.view(_SAME_SIZE_INT[t.element_size()])
+
+
+def both_paths(compressor: str | gradpress.Compressor, x: torch.Tensor,
+               ctx: Context | None = None) -> tuple[Packet, torch.Tensor]:
+    """The numba path's packet and decoding, after checking that the torch path gives the same bits:
+    every wire tensor (dtype and bytes) and the decoded values."""
+    c = gradpress.make(compressor) if isinstance(compressor, str) else compressor
+    fast = c.compress(x, ctx)
+    with numba_disabled():
+        slow = c.compress(x, ctx)
+        slow_values = c.decompress(slow)
+    fast_wire, slow_wire = list(fast.wire()), list(slow.wire())
+    assert [t.dtype for t in fast_wire] == [t.dtype for t in slow_wire], c.spec
+    assert all(torch.equal(a, b) for a, b in zip(fast_wire, slow_wire, strict=True)), c.spec
+    values = c.decompress(fast)
+    assert values.dtype == slow_values.dtype and torch.equal(bits(values), bits(slow_values)), c.spec
+    return fast, values
