@@ -88,6 +88,12 @@ def fixed_point_scale(bound: float, count: int) -> float:
     return math.ldexp(1.0, 62 - max(count, 1).bit_length() - exponent)
 
 
+def checked_fixed_point_scale(x: torch.Tensor, where: str) -> float:
+    """:func:`fixed_point_scale` for the elements of ``x`` (float32), from its largest magnitude
+    (:func:`checked_max_magnitude`: the pass serves as the NaN/Inf check of a ``checks_finite`` method)."""
+    return fixed_point_scale(checked_max_magnitude(x, where), x.numel())
+
+
 def to_fixed(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``trunc(x · scale)`` as int64 (torch path; the kernels compute the same per element)."""
     return (x.double() * scale).to(torch.int64)
@@ -143,7 +149,7 @@ class OneBit(Compressor):
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         x = as_float32(flat)
         n = x.numel()
-        scale = fixed_point_scale(checked_max_magnitude(x, self.spec), n)
+        scale = checked_fixed_point_scale(x, self.spec)
         tau = np.float32(self.tau)
         if use_numba(x):
             bits = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)

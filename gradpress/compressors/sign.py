@@ -21,8 +21,8 @@ from gradpress._numba import as_numpy, f64_from_bits, jit, select_bits64, sign_b
 from gradpress.bits import packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.compressors.sparsify import float32_decompress
-from gradpress.compressors.onebit import (as_float32, checked_max_magnitude, decode_two_levels,
-                                          fixed_point_scale, mean_of, pack_mask, to_fixed)
+from gradpress.compressors.onebit import (as_float32, checked_fixed_point_scale, decode_two_levels, mean_of,
+                                          pack_mask, to_fixed)
 from gradpress.feedback import KeyedMemory, feedback_registry
 from gradpress.packet import Packet
 from gradpress.registry import check_params_of, param
@@ -126,7 +126,7 @@ class EFSignSGD(Compressor):
             if not _scaled_signs(x.numpy().view(np.uint32), signs.numpy(), magnitude.numpy()):
                 check_finite(x, self.spec)
         else:
-            scale = fixed_point_scale(checked_max_magnitude(x, self.spec), n)
+            scale = checked_fixed_point_scale(x, self.spec)
             signs = pack_mask(x >= 0)
             total = int(to_fixed(x, scale).abs().sum())
             magnitude = torch.tensor([mean_of(total, n, scale)], dtype=torch.float32, device=x.device)
