@@ -19,6 +19,7 @@ from gradpress.testbed import advise as A
 from gradpress.testbed import costmodel as C
 from gradpress.testbed import data as D
 from gradpress.testbed.costmodel import BucketStep, Phase
+from synthetic import synthetic_images
 
 MS = 1e-3
 
@@ -33,20 +34,9 @@ def tiny_batches(batch_size: int):
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
 
 
-def synthetic_images(n_train: int = 256, n_test: int = 64, classes: int = 4, size: int = 8) -> D.ImageData:
-    generator = torch.Generator().manual_seed(7)
-    patterns = torch.randn(classes, 1, size, size, generator=generator)
-
-    def split(n: int) -> D.Split:
-        y = torch.randint(classes, (n,), generator=generator)
-        return D.Split(patterns[y] + 0.8 * torch.randn(n, 1, size, size, generator=generator), y)
-
-    return D.ImageData("synthetic", split(n_train), split(n_test), classes=tuple("abcd"[:classes]))
-
-
 @pytest.fixture
 def synthetic_data(monkeypatch):
-    fake = D.Source(fetch=lambda **_: "synthetic", load=lambda **_: synthetic_images())
+    fake = D.Source(fetch=lambda **_: "synthetic", load=lambda **_: synthetic_images(n_train=256, n_test=64))
     monkeypatch.setitem(D.DATASETS, "fashion-mnist", fake)
 
 

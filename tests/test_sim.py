@@ -12,6 +12,7 @@ from gradpress.testbed import data as D
 from gradpress.testbed import sim as S
 from gradpress.testbed.results import Eval, Run, Step, save_runs
 from numerics import eps
+from synthetic import synthetic_images
 
 SMALL = {"numel": 1 << 12, "trials": 2, "seed": 0}
 
@@ -63,18 +64,6 @@ def test_nmse_rejects_bad_input():
 
 
 # -- quality -----------------------------------------------------------------------------------------
-def synthetic_images(n_train: int = 512, n_test: int = 128, classes: int = 4, size: int = 8) -> D.ImageData:
-    """Four classes, each a fixed random pattern plus noise: learnable in a few dozen steps."""
-    generator = torch.Generator().manual_seed(7)
-    patterns = torch.randn(classes, 1, size, size, generator=generator)
-
-    def split(n: int) -> D.Split:
-        y = torch.randint(classes, (n,), generator=generator)
-        return D.Split(patterns[y] + 0.8 * torch.randn(n, 1, size, size, generator=generator), y)
-
-    return D.ImageData("synthetic", split(n_train), split(n_test), classes=tuple("abcd"[:classes]))
-
-
 @pytest.mark.parametrize("workers, spec", [(1, "none"), (4, "none"), (4, "topk:ratio=0.1")])
 def test_training_with_simulated_workers_lowers_the_test_loss(workers, spec):
     data = synthetic_images()
