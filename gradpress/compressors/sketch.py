@@ -44,7 +44,7 @@ from gradpress._numba import (
     as_numpy, bits_of_f32, f32_from_bits, gather16, jit, mix32, use_numba, wide_vectors,
 )
 from gradpress.compressor import Compressor, check_finite, count_nonfinite, nonfinite_error, register
-from gradpress.compressors.sparsify import keep_count, topk_indices
+from gradpress.compressors.sparsify import keep_count, select_largest, topk_indices
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context, mix32_torch, seed32
@@ -550,20 +550,8 @@ def _collect_norms(x, size, threshold, squares, positions, norms):  # pragma: no
 @jit
 def _keep_top(norms, positions, kept):  # pragma: no cover - compiled
     """The ``kept`` positions of largest norm (ties: the earlier ones), in the given (ascending) order."""
-    kth = np.partition(norms, norms.size - kept)[norms.size - kept]
-    above = 0
-    for j in range(norms.size):
-        above += norms[j] > kth
-    ties = kept - above
     out = np.empty(kept, dtype=np.int64)
-    filled = 0
-    for j in range(norms.size):
-        v = norms[j]
-        if v > kth or (v == kth and ties > 0):
-            if v == kth:
-                ties -= 1
-            out[filled] = positions[j]
-            filled += 1
+    select_largest(norms, positions, kept, out)
     return out
 
 

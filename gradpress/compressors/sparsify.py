@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from gradpress._numba import as_numpy, bits_of_f32, finite, jit, mix32, use_numba, wide_vectors
@@ -274,20 +275,27 @@ def _keep_largest(x, candidates, k, out):  # pragma: no cover - compiled
         top = max(top, bits_of_f32(m))
     if top >= np.uint32(0x7F800000):
         return False
-    kth = np.partition(magnitudes, candidates.size - k)[candidates.size - k]
+    select_largest(magnitudes, candidates, k, out)
+    return True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def select_largest(values, positions, k, out):  # pragma: no cover - compiled
+    """out[:k] = the ``k`` of ``positions`` whose ``values`` are largest, in their given order, ties to
+    the earlier ones: the k-th largest value by a partition (O(n)), then one pass."""
+    kth = np.partition(values, values.size - k)[values.size - k]
     above = 0
-    for j in range(candidates.size):
-        above += magnitudes[j] > kth
+    for j in range(values.size):
+        above += values[j] > kth
     ties_left = k - above
     filled = 0
-    for j in range(candidates.size):
-        m = magnitudes[j]
-        if m > kth or (m == kth and ties_left > 0):
-            if m == kth:
+    for j in range(values.size):
+        v = values[j]
+        if v > kth or (v == kth and ties_left > 0):
+            if v == kth:
                 ties_left -= 1
-            out[filled] = candidates[j]
+            out[filled] = positions[j]
             filled += 1
-    return True
 
 
 @register("randomk")
