@@ -267,17 +267,24 @@ def _inverse_numba(y, out, numel, partition, size, tail, scale, tail_scale, key)
     for first in range(u(0), numel, partition):
         count = min(partition, numel - first)
         n, s = (size, scale) if count == partition else (tail, tail_scale)
-        if n < u(4):
-            for i in range(n):
-                work[i] = y[start + i]
-        else:
-            for q in range(u(0), n, u(4)):
-                _quad(work, q, y[start + q], y[start + q + u(1)], y[start + q + u(2)], y[start + q + u(3)])
-        _stages(work, u(0), n, s)
-        one = s / s
-        for i in range(count):
-            out[first + i] = work[i] * (-one if _negative(first + i, key) else one)
+        _inverse_block(y, start, n, s, first, count, key, work, out)
         start += n
+
+
+@njit(cache=True, inline="always")
+def _inverse_block(y, start, n, s, first, count, key, work, out):  # pragma: no cover - compiled
+    """The scalar kernel's block: out[first : first + count] = D·H·y[start : start + n]·s, in ``work``."""
+    u = np.uint64
+    if n < u(4):
+        for i in range(n):
+            work[i] = y[start + i]
+    else:
+        for q in range(u(0), n, u(4)):
+            _quad(work, q, y[start + q], y[start + q + u(1)], y[start + q + u(2)], y[start + q + u(3)])
+    _stages(work, u(0), n, s)
+    one = s / s
+    for i in range(count):
+        out[first + i] = work[i] * (-one if _negative(first + i, key) else one)
 
 
 @jit
@@ -696,16 +703,7 @@ def _inverse_fast(y, out, numel, partition, size, tail, scale, tail_scale, key, 
         count = min(partition, numel - first)
         n, s = (size, scale) if count == partition else (tail, tail_scale)
         if n < u(16):
-            if n < u(4):
-                for i in range(n):
-                    small[i] = y[start + i]
-            else:
-                for q in range(u(0), n, u(4)):
-                    _quad(small, q, y[start + q], y[start + q + u(1)], y[start + q + u(2)], y[start + q + u(3)])
-            _stages(small, u(0), n, s)
-            one_ = s / s
-            for i in range(count):
-                out[first + i] = small[i] * (-one_ if _negative(first + i, key) else one_)
+            _inverse_block(y, start, n, s, first, count, key, small, out)
             start += n
             continue
         _load_plain_rows(yp, start, n, wp, one)
