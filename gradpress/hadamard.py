@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -131,13 +132,7 @@ def apply_rht(flat: torch.Tensor, layout: RHTLayout) -> torch.Tensor:
         raise ValueError(f"rht: the layout is for {layout.numel} values, got {flat.numel()}")
     x = flat.to(_work_dtype(flat))
     if use_numba(x) and layout.numel:
-        out = torch.empty(layout.padded_numel, dtype=x.dtype)
-        if x.dtype == torch.float32:
-            _forward_fast(as_numpy(x.contiguous()), as_numpy(out), *_kernel_args(layout, x.dtype), ONE,
-                          work_buffer(layout))
-        else:
-            _forward_numba(as_numpy(x.contiguous()), as_numpy(out), *_kernel_args(layout, x.dtype))
-        return out
+        return _numba_transform(_forward_fast, _forward_numba, x, layout.padded_numel, layout)
     x = x * layout.signs.to(x.dtype)
     return torch.cat([fwht(block).reshape(-1) for block in _split(x, layout)])
 
@@ -151,13 +146,7 @@ def inverse_rht(transformed: torch.Tensor, layout: RHTLayout) -> torch.Tensor:
         )
     y = transformed.to(_work_dtype(transformed))
     if use_numba(y) and layout.numel:
-        out = torch.empty(layout.numel, dtype=y.dtype)
-        if y.dtype == torch.float32:
-            _inverse_fast(as_numpy(y.contiguous()), as_numpy(out), *_kernel_args(layout, y.dtype), ONE,
-                          work_buffer(layout))
-        else:
-            _inverse_numba(as_numpy(y.contiguous()), as_numpy(out), *_kernel_args(layout, y.dtype))
-        return out
+        return _numba_transform(_inverse_fast, _inverse_numba, y, layout.numel, layout)
     full = layout.full_blocks * _next_power_of_two(layout.partition)
     pieces = []
     if layout.full_blocks:
@@ -168,6 +157,19 @@ def inverse_rht(transformed: torch.Tensor, layout: RHTLayout) -> torch.Tensor:
     if not pieces:
         return y[:0]
     return torch.cat(pieces) * layout.signs.to(y.dtype)
+
+
+def _numba_transform(fast: Callable[..., None], scalar: Callable[..., None], x: torch.Tensor, numel: int,
+                     layout: RHTLayout) -> torch.Tensor:
+    """``numel`` values out of a numba kernel: ``fast`` (the vector kernel) for float32 ``x``, ``scalar``
+    for float64."""
+    out = torch.empty(numel, dtype=x.dtype)
+    if x.dtype == torch.float32:
+        fast(as_numpy(x.contiguous()), as_numpy(out), *_kernel_args(layout, x.dtype), ONE,
+             work_buffer(layout))
+    else:
+        scalar(as_numpy(x.contiguous()), as_numpy(out), *_kernel_args(layout, x.dtype))
+    return out
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
