@@ -76,6 +76,20 @@ class Feedback:
                 else:
                     keyed[key] = value
 
+    def take(self, key: str) -> torch.Tensor | None:
+        """Remove ``key``'s state; return its residual e (float32: what compression dropped and no step has
+        sent yet) when this memory keeps one, else None. ``auto`'s switch of methods carries e to the
+        next method's memory or sends it once (:mod:`gradpress.auto`). Memories whose state is not such a
+        residual (a momentum, a filter) drop it."""
+        for keyed, _ in self.snapshot([key]):
+            keyed.pop(key, None)
+        return None
+
+    def give(self, key: str, residual: torch.Tensor) -> bool:
+        """Add ``residual`` (from :meth:`take` of another memory) to what ``key`'s next steps send;
+        False when this memory keeps no residual (the caller then sends it at once)."""
+        return False
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -175,3 +189,16 @@ class Residual(KeyedMemory):
         self._memory[key] = residual
         if previous is not None and previous.data_ptr() != residual.data_ptr():
             self._spare[key] = previous
+
+    def take(self, key: str) -> torch.Tensor | None:
+        """Remove and return m, the residual not sent yet (float32; None before the key's first update)."""
+        self._spare.pop(key, None)
+        memory = self._memory.pop(key, None)
+        return None if memory is None else memory.float()
+
+    def give(self, key: str, residual: torch.Tensor) -> bool:
+        """m ← m + ``residual``: the next step compensates with it (a new entry, as every update)."""
+        memory = self._memory.get(key)
+        residual = residual.float()
+        self._memory[key] = residual if memory is None else memory + residual.to(memory.device)
+        return True

@@ -223,6 +223,7 @@ class Pipeline:
         self._expected_shapes: dict[str, tuple[int, ...]] = {}  # from a loaded state, checked on first use
         self.stats = Stats()
         self._agreed: set[tuple] = set()
+        self.agreement_parts: dict[str, str] = {}  # more components the ranks agree on (auto's settings)
 
     def agreement(self, items: Sequence[tuple[str, torch.Tensor]]) -> Group | None:
         """The ranks' agreement on these items (see :mod:`gradpress.agreement`) the first time this set
@@ -242,6 +243,7 @@ class Pipeline:
             "the shapes": repr([tuple(t.shape) for _, t in items]),
             "the dtypes and devices": repr([f"{t.dtype} on {t.device.type}" for _, t in items]),
         }
+        parts.update(self.agreement_parts)
         device = items[0][1].device if items else torch.device("cpu")
         step = max((self.steps.get(key, 0) for key, _ in items), default=0)
         return Group(list(range(len(items))), agree(parts, self.world_size, device), step)
