@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from gradpress.auto import AutoOptions, AutoPipeline, is_auto
 from gradpress.compressor import Compressor
 from gradpress.driver import Driver
 from gradpress.runtime import Options, Pipeline, build
@@ -27,20 +28,28 @@ class Communicator:
 
     Options: see :class:`gradpress.runtime.Options` (``feedback``, ``min_numel``, ``exclude``,
     ``warmup_steps``, ``seed``, ``timeout``, ``mode``, ``master``, ``root``, ``overflow``,
-    ``deterministic``). Keys name the tensors: feedback memory, step counters and random streams
-    follow them, and ``exclude`` matches them.
+    ``deterministic``); with ``spec`` ``"auto"`` also those of :class:`gradpress.auto.AutoOptions`
+    (a method per key, chosen by measuring the job: :mod:`gradpress.auto`). Keys name the tensors:
+    feedback memory, step counters and random streams follow them, and ``exclude`` matches them.
     """
 
     def __init__(self, spec: str | Compressor, process_group: Any = None, **options: Any) -> None:
+        auto = AutoOptions.pop_from(options) if is_auto(spec) else None
         self.options = Options.of(**options)
+        compressor = build(spec) if auto is None else None  # a bad spec raises before any collective
         executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout))
         self.rank, self.world_size = executor.rank, executor.world_size
         self._group = executor.group
-        self._pipeline = Pipeline(build(spec), self.options, self.rank, self.world_size)
+        self._pipeline: Pipeline | AutoPipeline
+        if auto is not None:  # a pipeline per chosen method (gradpress.auto)
+            self._pipeline = AutoPipeline(auto, self.options, self.rank, self.world_size)
+        else:
+            self._pipeline = Pipeline(compressor, self.options, self.rank, self.world_size)
         self._driver = Driver(executor, self._pipeline.stats)
 
     @property
-    def compressor(self) -> Compressor:
+    def compressor(self) -> Compressor | None:
+        """The compressor (None for ``"auto"``, which runs one per chosen method)."""
         return self._pipeline.compressor
 
     def reduce(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
@@ -91,6 +100,7 @@ class Communicator:
         self._pipeline.load_state_dict(state)
 
     def stats(self) -> dict[str, Any]:
-        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.runtime.Stats`)."""
+        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.runtime.Stats`); with
+        ``"auto"``, also ``"auto"``: what it chose and why (:mod:`gradpress.auto`)."""
         return self._pipeline.report()
 

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from gradpress.auto import AUTO, AutoOptions, AutoPipeline, is_auto
 from gradpress.compressor import Compressor
 from gradpress.driver import Driver
 from gradpress.runtime import Options, Pipeline, Stats, build
@@ -43,6 +44,8 @@ from gradpress.distributed import process_group as resolve_group
 
 class GradpressState:
     """What the hook carries: the spec and options, and (from the first bucket on) the pipeline.
+    With ``spec`` ``"auto"`` (and :class:`gradpress.auto.AutoOptions` among the options) the pipeline is an
+    :class:`~gradpress.auto.AutoPipeline`: it measures the first steps and picks a method per bucket.
 
     Keys: parameter names when the module is known (``model=``, or :func:`register`); otherwise
     ``"param<i>"`` in the order parameters first reach the hook, which for DDP's first iteration is the
@@ -51,10 +54,14 @@ class GradpressState:
 
     def __init__(self, spec: str | Compressor, *, process_group: Any = None, model: torch.nn.Module | None = None,
                  **options: Any) -> None:
+        self.auto = AutoOptions.pop_from(options) if is_auto(spec) else None
         self.options = Options.of(**options)
-        self.compressor = build(spec)  # once; unknown specs raise here, not at the first backward
-        self.spec = self.compressor.spec
-        self.master = build(self.options.master) if self.options.master is not None else None
+        if self.auto is not None:  # a pipeline per chosen method (gradpress.auto)
+            self.compressor, self.spec, self.master = None, AUTO, None
+        else:
+            self.compressor = build(spec)  # once; unknown specs raise here, not at the first backward
+            self.spec = self.compressor.spec
+            self.master = build(self.options.master) if self.options.master is not None else None
         self._group = process_group
         module = getattr(model, "module", model)
         self._names = None if module is None else {id(p): name for name, p in module.named_parameters()}
@@ -62,7 +69,7 @@ class GradpressState:
             raise ValueError("exclude matches parameter names: pass model=<the module> to ddp_comm_hook, "
                              "or use gradpress.register(ddp_model, …)")
         self._keys: dict[int, str] = {}
-        self._pipeline: Pipeline | None = None
+        self._pipeline: Pipeline | AutoPipeline | None = None
         self._driver: Driver | None = None
         self._loaded: dict[str, Any] | None = None
         self._hooked = False  # a bucket reached the hook
@@ -74,7 +81,7 @@ class GradpressState:
     # -- the hook's work ----------------------------------------------------------------------------
     def _setup(self) -> None:
         executor = ProcessGroupExecutor(resolve_group(self._group, self.options.timeout))
-        self._pipeline = Pipeline(self.compressor, self.options, executor.rank, executor.world_size, self.master)
+        self._pipeline = self._new_pipeline(executor.rank, executor.world_size)
         self._driver = Driver(executor, self._pipeline.stats)
         if self._loaded is not None:
             self._pipeline.load_state_dict(self._loaded)
@@ -154,9 +161,14 @@ class GradpressState:
             self._local_pipeline().load_state_dict(state)  # validate now
             self._loaded = own_state(state, rank, size)  # this rank's part: state_dict() returns it
 
-    def _local_pipeline(self) -> Pipeline:
+    def _local_pipeline(self) -> Pipeline | AutoPipeline:
         """A pipeline of this rank's, before the hook has run (for its state)."""
-        return Pipeline(self.compressor, self.options, *rank_and_size(self._group), self.master)
+        return self._new_pipeline(*rank_and_size(self._group))
+
+    def _new_pipeline(self, rank: int, world_size: int) -> Pipeline | AutoPipeline:
+        if self.auto is not None:
+            return AutoPipeline(self.auto, self.options, rank, world_size)
+        return Pipeline(self.compressor, self.options, rank, world_size, self.master)
 
     @property
     def error(self) -> BaseException | None:
@@ -166,9 +178,15 @@ class GradpressState:
         return None if self._driver is None else self._driver.failure
 
     def stats(self) -> dict[str, Any]:
-        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.runtime.Stats`)."""
+        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.runtime.Stats`); with
+        ``"auto"``, also ``"auto"``: what it chose and why (:mod:`gradpress.auto`)."""
         if self._pipeline is None:
-            return Stats().report()
+            if self.auto is None:
+                return Stats().report()
+            local = self._local_pipeline()  # auto: what it will do (measure, or a loaded choice)
+            if self._loaded is not None:
+                local.load_state_dict(self._loaded)
+            return local.report()
         return self._pipeline.report()
 
     # -- the no-op watch (see the module's docstring) --------------------------------------------------
@@ -285,7 +303,7 @@ def ddp_comm_hook(spec: str | Compressor, **options: Any) -> tuple[GradpressStat
 
     Options: those of :class:`gradpress.runtime.Options`, plus ``process_group`` (default: the default
     group; pass the DDP's own if it has another) and ``model`` (the module, for parameter names; needed
-    by ``exclude``).
+    by ``exclude``); with ``spec`` ``"auto"``, those of :class:`gradpress.auto.AutoOptions`.
     """
     return GradpressState(spec, **options), hook
 

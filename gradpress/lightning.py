@@ -27,12 +27,13 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
+from gradpress.auto import AutoOptions
 from gradpress.compressor import Compressor
 from gradpress.ddp import GradpressState, _own_part, register
 from gradpress.runtime import Options
 
 CHECKPOINT_KEY = "gradpress"
-_OPTIONS = frozenset(f.name for f in fields(Options))
+_OPTIONS = frozenset(f.name for f in (*fields(Options), *fields(AutoOptions)))  # ("auto"'s own too)
 _REFUSED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 

@@ -7,6 +7,10 @@ the world size and every exchanged tensor's shape. :func:`check` refuses a state
 memory, rank or world size, and a tensor of the wrong shape or dtype or holding NaN/Inf, with a
 ``ValueError`` naming the key, before anything is loaded. A framework that writes one checkpoint file
 from rank 0 saves every rank's state in one dict (:func:`gathered`), and each rank loads its own part.
+
+An ``"auto"`` state (:mod:`gradpress.auto`) has the same keys, with ``spec`` ``"auto"``, plus an ``"auto"``
+section: the choice per key, when it was made and is re-checked, and each method's own pipeline state
+in this format; FORMAT is unchanged (a runtime of a fixed method refuses it by its spec).
 """
 from __future__ import annotations
 
