@@ -1,0 +1,253 @@
+"""``auto`` (issue 14, point 4; :mod:`gradpress.auto`): the decision as a pure function, its options and
+state checks in one process, and two 2-process Gloo runs: a Communicator whose rank 0 forces a plan of
+switches (residual memory carried between methods that keep one and flushed into the next exchange of
+one that does not: the sum of what was averaged plus the memory left equals the sum of the gradients,
+to fp32 rounding; every rank follows rank 0; a NaN still raises on every rank), and DDP measuring and
+deciding for real, saved and resumed with its choice. No timing is asserted: which method wins on this
+machine is the measurement's business."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import gradpress
+from dist_utils import run_workers
+from gradpress.auto import AUTO, DECIDED, AutoOptions, AutoPipeline, Decision, choose
+from gradpress.runtime import Options, Pipeline
+from gradpress.testbed.advise import Bucket, BucketCost, ComputeProfile, MethodCost, Transfer
+
+EPS = torch.finfo(torch.float32).eps
+
+
+# -- the decision, a pure function --------------------------------------------------------------------
+def _profile() -> ComputeProfile:
+    buckets = (Bucket(0, ("small",), 1_000, 4_000, 0.001), Bucket(1, ("big",), 1_000_000, 4_000_000, 0.006))
+    return ComputeProfile(0.004, 0.006, 0.0, buckets, "measured", 0, 1, 1_001_000)
+
+
+def _costs(profile: ComputeProfile) -> list[MethodCost]:
+    none = MethodCost("none", "allreduce", "none", tuple(
+        BucketCost(1e-5, 0.0, float(b.nbytes), (Transfer("allreduce", float(b.nbytes)),)) for b in profile.buckets))
+    topk = MethodCost("topk:ratio=0.01", "allgather", "residual", tuple(
+        BucketCost(2e-3, 2e-4, b.nbytes / 50, (Transfer("allgather", 16.0), Transfer("allgather", b.nbytes / 50)))
+        for b in profile.buckets), decode_grows=True)
+    return [none, topk]
+
+
+def test_a_slow_link_picks_the_compressor_a_fast_one_none_and_between_each_bucket_its_own() -> None:
+    profile = _profile()
+    costs = _costs(profile)
+    slow = choose(profile, costs, n=8, bandwidth="100mbit", latency=1e-4)
+    assert slow.specs[1] == "topk:ratio=0.01"
+    assert slow.predicted_s < slow.uncompressed_s == slow.current_s
+    assert slow.bucket_uncompressed_s[1] > slow.predicted_s
+    fast = choose(profile, costs, n=8, bandwidth="400gbit", latency=1e-6)
+    assert fast.specs == ("none", "none") and fast.predicted_s == fast.uncompressed_s
+    # 1 Gbit/s: the 4 kB bucket's exchange hides under the backward pass, compressing it only costs
+    mixed = choose(profile, costs, n=8, bandwidth="1gbit", latency=1e-4)
+    assert mixed.specs == ("none", "topk:ratio=0.01")
+    assert mixed.predicted_s < min(mixed.uniform_s.values())
+
+
+def test_a_switch_must_pay_more_than_the_margin() -> None:
+    profile = _profile()
+    costs = _costs(profile)
+    best = choose(profile, costs, n=8, bandwidth="100mbit", latency=1e-4)
+    stay = choose(profile, costs, n=8, bandwidth="100mbit", latency=1e-4, current=best.specs, margin=0.5)
+    assert stay.specs == best.specs
+    # from none, a margin larger than the gain keeps none
+    gain = 1 - best.predicted_s / best.uncompressed_s
+    kept = choose(profile, costs, n=8, bandwidth="100mbit", latency=1e-4, margin=min(0.999, gain + 0.001))
+    assert kept.specs == ("none", "none") and kept.predicted_s == kept.uncompressed_s
+
+
+# -- options and state, one process ----------------------------------------------------------------------
+def test_options_are_checked_before_any_exchange() -> None:
+    assert AutoOptions(candidates=("qsgd",)).candidates == ("none", "qsgd")
+    assert AutoOptions().candidates[0] == "none"
+    for bad in ({"candidates": ("nosuch",)}, {"candidates": ("auto",)}, {"measure_steps": 0},
+                {"settle_steps": -1}, {"recheck_every": 1.5}, {"margin": 1.0}, {"candidates": (3,)}):
+        with pytest.raises(ValueError):
+            AutoOptions(**bad)
+    with pytest.raises(ValueError, match="nosuch"):
+        gradpress.ddp_comm_hook("auto", candidates=["topk:ratio=0.01", "nosuch"])
+    with pytest.raises(ValueError, match="measure_steps"):
+        gradpress.ddp_comm_hook("auto", measure_steps=0)
+    with pytest.raises(TypeError, match="unknown option"):
+        gradpress.ddp_comm_hook("auto", measure=3)
+    with pytest.raises(TypeError, match="unknown option"):  # auto's options belong to auto alone
+        gradpress.ddp_comm_hook("topk:ratio=0.01", measure_steps=3)
+    state, _ = gradpress.ddp_comm_hook("auto", recheck_every=0, seed=3)
+    assert state.spec == AUTO and state.auto.recheck_every == 0 and state.options.seed == 3
+
+
+def test_an_auto_state_loads_only_into_auto_and_is_checked() -> None:
+    auto = AutoPipeline(AutoOptions(candidates=("topk:ratio=0.1",)), Options(), 0, 1)
+    auto.pipeline("topk:ratio=0.1")
+    state = auto.state_dict()
+    again = AutoPipeline(AutoOptions(candidates=("topk:ratio=0.1",)), Options(), 0, 1)
+    again.load_state_dict(copy.deepcopy(state))
+    assert set(again.state_dict()["auto"]["pipelines"]) == {"none", "topk:ratio=0.1"}
+    with pytest.raises(ValueError, match="spec is 'auto'"):
+        Pipeline(gradpress.make("topk:ratio=0.1"), Options(), 0, 1).load_state_dict(state)
+    with pytest.raises(ValueError, match="spec is 'qsgd'"):
+        auto.load_state_dict(Pipeline(gradpress.make("qsgd"), Options(), 0, 1).state_dict())
+    outside = copy.deepcopy(state)
+    outside["auto"]["choice"] = {"w": "qsgd"}
+    with pytest.raises(ValueError, match="candidates"):
+        auto.load_state_dict(outside)
+    nan = copy.deepcopy(state)
+    nan["shapes"]["w"] = [3]
+    nan["auto"]["flush"] = {"w": torch.tensor([0.0, math.nan, 1.0])}
+    with pytest.raises(ValueError, match="NaN"):
+        auto.load_state_dict(nan)
+    with pytest.raises(ValueError, match="world_size"):
+        AutoPipeline(AutoOptions(), Options(), 1, 2).load_state_dict(state)
+
+
+# -- 2 ranks: a plan of switches forced by rank 0 ----------------------------------------------------------
+PLAN = {1: "topk:ratio=0.1", 3: "topk:ratio=0.3", 5: "none", 7: "topk:ratio=0.1", 9: "none", 11: "topk:ratio=0.3"}
+SHAPES = {"w": (30, 20), "b": (20,)}
+
+
+def _left(auto: AutoPipeline, key: str) -> torch.Tensor:
+    """What ``key`` has not sent yet: every method's residual memory and a pending flush."""
+    total = torch.zeros(SHAPES[key], dtype=torch.float64)
+    for pipeline in auto._pipelines.values():
+        memory = getattr(pipeline.feedback, "_memory", {}).get(key)
+        if memory is not None:
+            total += memory.double()
+    if key in auto._flush:
+        total += auto._flush[key].double()
+    return total
+
+
+def _forced_worker(rank: int, world_size: int) -> dict:
+    comm = gradpress.Communicator("auto", candidates=["topk:ratio=0.1", "topk:ratio=0.3"], settle_steps=0,
+                                  measure_steps=1, recheck_every=2, seed=0)
+    auto = comm._pipeline
+    if rank == 0:  # rank 0 decides (here: by plan); the others follow what it broadcasts
+        def forced(layout):  # noqa: ANN001, ANN202
+            specs = tuple(PLAN[auto._current_step] for _ in layout)
+            return auto._payload(layout, DECIDED, Decision(specs, 1.0, 2.0, 2.0, tuple(2.0 for _ in layout)))
+
+        auto._rank0_payload = forced
+    generator = torch.Generator().manual_seed(100 + rank)
+    averaged = {k: torch.zeros(s, dtype=torch.float64) for k, s in SHAPES.items()}
+    given = {k: torch.zeros(s, dtype=torch.float64) for k, s in SHAPES.items()}
+    rows = []
+    for step in range(11):
+        grads = {k: torch.randn(s, generator=generator) * (1 + step % 3) for k, s in SHAPES.items()}
+        out = comm.reduce_many(grads)
+        for k in SHAPES:
+            averaged[k] += out[k].double()
+            given[k] += grads[k].double()
+        rows.append({"spec": auto.choice.get("w", "none"), "averaged": {k: v.clone() for k, v in averaged.items()},
+                     "given": {k: v.clone() for k, v in given.items()},
+                     "left": {k: _left(auto, k) for k in SHAPES}})
+    report = comm.stats()["auto"]
+    grads = {k: torch.randn(s, generator=generator) for k, s in SHAPES.items()}
+    if rank == 1:
+        grads["w"][3, 4] = math.nan
+    try:  # step 11: rank 0 switches to topk:ratio=0.3, and rank 1's gradient holds a NaN
+        comm.reduce_many(grads)
+        raised = None
+    except gradpress.NonFiniteError as error:
+        raised = error.ranks
+    return {"rows": rows, "report": report, "raised": raised, "spec11": auto.choice.get("w")}
+
+
+def test_forced_switches_carry_or_flush_the_residual_exactly_on_every_rank() -> None:
+    results = run_workers(_forced_worker, 2, timeout=120)
+    expected = ["none", *[PLAN[max(s for s in PLAN if s <= step)] for step in range(1, 11)]]
+    for result in results:
+        assert [row["spec"] for row in result["rows"]] == expected
+        assert result["raised"] == [1] and result["spec11"] == PLAN[11]
+        report = result["report"]
+        assert report["phase"] == "decided" and report["decided_at"] == 9 and report["next_check"] == 11
+        assert [b["spec"] for b in report["buckets"]] == ["none"]
+        assert report["predicted_s"] == {"chosen": 1.0, "none": 2.0}
+    assert results[0]["report"] == results[1]["report"]
+    rows = zip(*(r["rows"] for r in results))
+    for step, (mine, theirs) in enumerate(rows):
+        for key in SHAPES:
+            # Σ averaged + mean of what the ranks have left = Σ mean of the gradients, to fp32 rounding
+            lhs = mine["averaged"][key] + (mine["left"][key] + theirs["left"][key]) / 2
+            rhs = (mine["given"][key] + theirs["given"][key]) / 2
+            scale = max(1.0, float(rhs.abs().max()), float(mine["left"][key].abs().max()))
+            torch.testing.assert_close(lhs, rhs, rtol=0, atol=16 * (step + 1) * EPS * scale)
+            assert torch.equal(mine["averaged"][key], theirs["averaged"][key])
+        if mine["spec"] == "none":  # flushed: nothing left
+            assert all(float(mine["left"][k].abs().max()) == 0.0 for k in SHAPES)
+        if step in (3, 4):  # carried from topk:ratio=0.1 into topk:ratio=0.3, not flushed
+            assert float(mine["left"]["w"].abs().max()) > 0
+
+
+# -- 2 ranks: DDP measures, decides, saves and resumes ----------------------------------------------------
+OPTIONS = {"settle_steps": 1, "measure_steps": 2, "recheck_every": 4, "seed": 0}
+
+
+def _train(ddp: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator, steps: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(16, 20, generator=generator)
+        loss = nn.functional.mse_loss(ddp(x), x[:, :4])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _ddp_worker(rank: int, world_size: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = DDP(model)
+    state = gradpress.register(ddp, "auto", **OPTIONS)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(rank)
+    _train(ddp, optimizer, generator, 3)
+    measuring = state.stats()["auto"]
+    _train(ddp, optimizer, generator, 3)  # decides at step 3
+    decided = state.stats()
+    saved = state.state_dict()
+    resumed_model = copy.deepcopy(model)
+    resumed = DDP(resumed_model)
+    again = gradpress.register(resumed, "auto", **OPTIONS)
+    again.load_state_dict(saved)
+    loaded = again.stats()["auto"]
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.05)
+    _train(resumed, optimizer, generator, 1)  # step 6: the loaded choice, nothing measured
+    continued = again.stats()["auto"]
+    _train(resumed, optimizer, generator, 3)  # step 7: re-checks (on gradients rank 0 kept at step 6)
+    rechecked = again.stats()["auto"]
+    return {"measuring": measuring, "decided": decided, "loaded": loaded, "continued": continued,
+            "rechecked": rechecked, "params": [p.detach().clone() for p in resumed_model.parameters()]}
+
+
+def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice() -> None:
+    results = run_workers(_ddp_worker, 2, timeout=150)
+    for result in results:
+        assert result["measuring"]["phase"] == "measuring" and result["measuring"]["next_check"] == 3
+        decided = result["decided"]["auto"]
+        assert decided["phase"] == "decided" and decided["decided"] and decided["decided_at"] == 3
+        assert decided["next_check"] == 7
+        assert result["decided"]["pattern"].startswith("auto: ")
+        assert decided["buckets"] and all(b["spec"] in decided["candidates"] for b in decided["buckets"])
+        link = decided["link"]
+        assert link["seconds_per_byte"] > 0 and link["bits_per_second"] == pytest.approx(8 / link["seconds_per_byte"])
+        assert decided["compute_s"] > 0 and decided["predicted_s"]["chosen"] > 0
+        assert decided["predicted_s"]["chosen"] <= decided["predicted_s"]["none"]
+        assert "predicted step" in decided["reason"]
+        for view in ("loaded", "continued"):
+            assert result[view]["buckets"] == decided["buckets"] and result[view]["decided_at"] == 3
+            assert result[view]["next_check"] == 7
+        assert result["rechecked"]["decided_at"] == 7 and result["rechecked"]["decided"]
+    first, second = results
+    assert first["decided"]["auto"]["buckets"] == second["decided"]["auto"]["buckets"]
+    assert first["rechecked"]["buckets"] == second["rechecked"]["buckets"]
+    for mine, theirs in zip(first["params"], second["params"]):
+        assert torch.equal(mine, theirs)
