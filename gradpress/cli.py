@@ -209,6 +209,10 @@ def _check_spec(spec: str, references: bool, name_it: bool = True) -> None:
 
         if spec.strip() in REFERENCES:
             return
+    from gradpress.auto import is_auto
+
+    if is_auto(spec):  # "auto": chooses among methods as it trains (gradpress.auto)
+        return
     try:
         gradpress.make(spec)
     except ValueError as error:

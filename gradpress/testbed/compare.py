@@ -29,10 +29,11 @@ DEMO_SET = ("none", "fp16", "topk:ratio=0.01", "qsgd", "natural", "thc", "powers
 def available(specs: list[str]) -> tuple[list[str], list[str]]:
     """Split ``specs`` into those this installation can run and those it can't (unknown methods)."""
     import gradpress
+    from gradpress.auto import is_auto
 
     runnable, missing = [], []
     for spec in specs:
-        if spec in REFERENCES:
+        if spec in REFERENCES or is_auto(spec):
             runnable.append(spec)
             continue
         try:

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from gradpress import cli
+from gradpress.auto import is_auto
 from gradpress.testbed import netem
 from gradpress.testbed.results import REFERENCES, Eval, Run, Step
 
@@ -88,7 +89,7 @@ class TrainConfig:
             self.epochs = 1
         if self.bandwidth is not None:
             netem.rate_bits_per_second(self.bandwidth)
-        if self.compressor not in REFERENCES:
+        if self.compressor not in REFERENCES and not is_auto(self.compressor):
             import gradpress
 
             gradpress.make(self.compressor)  # unknown specs fail here, in the launcher
@@ -670,11 +671,15 @@ def check_exchange(config: TrainConfig) -> None:
     """Raise ValueError unless ``config``'s compressor, options and number of workers fit together: the
     runtime's own checks, run in this process by :class:`gradpress.Simulator` (no worker starts)."""
     import gradpress
+    from gradpress.auto import AutoOptions
     from gradpress.runtime import Options
 
     check_options(config.options)
     options = {"seed": config.seed, **config.options}
     if config.compressor in REFERENCES:
+        Options.of(**options)
+    elif is_auto(config.compressor):  # its pipelines are built, and checked, per chosen method
+        AutoOptions.pop_from(options)
         Options.of(**options)
     else:
         gradpress.Simulator(config.compressor, config.workers, **options)
