@@ -293,7 +293,8 @@ class _Training:
                    bandwidth=config.bandwidth, seed=config.seed, steps=tuple(self.steps), evals=tuple(self.evals),
                    info={"batch_size": s.batch_size, "lr": s.lr, "optimizer": s.settings.optimizer,
                          "torch": torch.__version__, "options": config.options, "threads": config.threads,
-                         "copy_s": copy_s})
+                         "copy_s": copy_s,
+                         **({"auto": s.meter.choice()} if s.meter.choice is not None else {})})
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int, epoch: int) -> torch.Tensor:
         """One training step, recorded: its compute (the training thread's time outside the hooks and the
@@ -444,6 +445,7 @@ class _Meter:
         self.snapshot = read
         self.handed_off = 0.0
         self.in_hooks = 0.0
+        self.choice: Callable[[], dict[str, Any]] | None = None  # auto: what it chose and why
 
     def stamped(self, hook: Callable) -> Callable:
         """``hook`` recording how long it runs and when it returns: the exposed communication of a step
@@ -472,6 +474,13 @@ def _install_hook(ddp: Any, config: TrainConfig) -> _Meter:
 
         meter = _Meter(read)
         ddp.register_comm_hook(state, meter.stamped(hook))
+        if is_auto(config.compressor):
+            def choice() -> dict[str, Any]:
+                said = state.stats()["auto"]
+                return {"reason": said["reason"], "decided_at": said["decided_at"],
+                        "specs": [b["spec"] for b in said.get("buckets") or []]}
+
+            meter.choice = choice
         return meter
     return _install_reference_hook(ddp, config.compressor)
 
