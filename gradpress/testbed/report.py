@@ -195,8 +195,8 @@ def render_markdown(runs: Sequence[Run], goal: Target | None, rows: Sequence[Row
               "compress: compression, decompression, feedback; communication: time in collectives. "
               "DDP communicates while backward runs, so the parts may add up to more than the step. "
               "copy: the median time of one copy of the model's float32 gradient, timed by the run "
-              "after training on the same machine, the unit that makes figures from machines of "
-              "different speeds comparable.", ""]
+              "after training on the same machine (issue 12's unit; it moves with the allocator's state, "
+              "so compare it between runs before reading the copies).", ""]
     lines += _time_table(rows)
     lines += ["", "## Does compression pay off?", "", *payoff(rows)]
     return "\n".join(lines) + "\n"
@@ -217,8 +217,8 @@ def _time_table(rows: Sequence[Row]) -> list[str]:
             if not copy_s:
                 line += ["n/a"] * 3
                 continue
-            over = "n/a" if noop is None else f"{(r.run.mean_step_s - noop.mean_step_s) / copy_s:.1f}"
-            line += [f"{copy_s * 1e3:.2f}", f"{r.run.mean_compress_s / copy_s:.1f}", over]
+            compress, over = _in_copies(r.run, noop, copy_s)
+            line += [f"{copy_s * 1e3:.2f}", f"{compress:.1f}", "n/a" if over is None else f"{over:.1f}"]
     return _table(header, body, align="l" + "r" * (len(header) - 1))
 
 
@@ -269,9 +269,16 @@ def payoff(rows: Sequence[Row]) -> list[str]:
               f"{_ms(floor.mean_compute_s)} ms)."]
     copy_s = run.info.get("copy_s")
     if copy_s:
+        compress, over = _in_copies(run, floor, copy_s)
         lines[-1] += (f" In copies of the model's gradient ({copy_s * 1e3:.2f} ms each, timed in the run): "
-                      f"{extra / copy_s:.1f} over `{UPPER_BOUND}`'s step, compression {run.mean_compress_s / copy_s:.1f}.")
+                      f"{over:.1f} over `{UPPER_BOUND}`'s step, compression {compress:.1f}.")
     return lines
+
+
+def _in_copies(run: Run, noop: Run | None, copy_s: float) -> tuple[float, float | None]:
+    """``run``'s compression and its step's excess over ``noop``'s (None without it), in copies."""
+    over = None if noop is None else (run.mean_step_s - noop.mean_step_s) / copy_s
+    return run.mean_compress_s / copy_s, over
 
 
 _NOTES = (

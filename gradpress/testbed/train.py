@@ -395,9 +395,10 @@ def gradient_copy_s(model: torch.nn.Module) -> float:
 
 
 def copy_s(numel: int, repeats: int = 21) -> float:
-    """Median seconds of one copy (``clone()``) of a float32 tensor of ``numel`` values, after one
-    untimed copy (the allocator then hands each timed copy memory it has just freed: a copy into fresh
-    pages would time this machine's page faults, about 10x the copy for 13 MB)."""
+    """Median seconds of one copy (``clone()``) of a float32 tensor of ``numel`` values, after one untimed
+    copy. What a clone costs depends on whether the allocator hands it memory just freed or fresh pages
+    (page faults: about 10x the copy for 13 MB on a fresh process here); after training it is usually the
+    former, but 0.48-1.24 ms was seen for the same 13 MB between the runs of one ``compare``."""
     flat = torch.randn(numel)
     flat.clone()
     times = []
