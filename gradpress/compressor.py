@@ -86,6 +86,13 @@ class Compressor:
       mean it forms, in the pass that divides by n. The runtime checks every rank's input before it is
       sent (a NaN/Inf gradient is flagged in-band: see :mod:`gradpress.protocol`), so a non-finite
       mean there means that the sum overflowed: an ``OverflowError`` on every rank.
+    * ``divides_first`` (summable, linear methods whose wire values are their input's, no compression):
+      each worker may send ``x / n`` instead of ``x``, so that the sum is the mean (as PyTorch's DDP
+      divides before its all-reduce). The runtime then divides a writable input in place, in the pass
+      that checks it for NaN/Inf (:meth:`compress_divided`), and :meth:`decode_sum` only checks the
+      sum for overflow: one pass over the gradient before the exchange instead of a check there and a
+      division after it. For n a power of two the bits are those of dividing the sum (scaling by 2⁻ᵏ
+      is exact), for other n each summand is rounded once more.
     * ``saturates``: decoded float32 values may lie beyond the range of an fp16/bf16 input dtype
       although the input did not (an unbiased estimate's support, as QSGD's norm·l/s; a rounding up, as
       65504 to bf16's 65536): where the base class casts a decoded mean back to such a dtype it first
@@ -129,6 +136,7 @@ class Compressor:
     elementwise: ClassVar[bool] = False
     stateful_decode: ClassVar[bool] = False
     saturates: ClassVar[bool] = False
+    divides_first: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_params_of(self)  # the declared ranges (gradpress.registry.param), also when built directly
@@ -169,6 +177,32 @@ class Compressor:
                 raise TypeError(f"{self.spec}: has no preliminary exchange, but got prepared values")
             packet = self._compress(flat, ctx)
         packet.shape, packet.dtype = x.shape, x.dtype
+        return packet
+
+    def compress_divided(self, x: torch.Tensor, count: int, ctx: Context | None = None, *,
+                         inplace: bool = False) -> Packet:
+        """The packet of ``x / count`` for a :attr:`divides_first` method, formed in the pass that checks
+        ``x`` for NaN/Inf (which raise :class:`NonFiniteError`); ``inplace``: ``x`` may be overwritten
+        (a DDP bucket), and is divided in place where it is contiguous (left divided in part on a
+        raise). :meth:`decode_sum` of such packets' sum checks it and divides no more
+        (``meta["divided"]``)."""
+        if not self.divides_first:
+            raise TypeError(f"{self.spec}: its summands cannot be divided before the exchange")
+        if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{self.spec}: expected a float32, float16 or bfloat16 tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+        flat = x.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        if flat.numel():
+            divided = flat if inplace and flat.data_ptr() == x.data_ptr() else torch.empty_like(flat)
+            bad = divide_counting_nonfinite(flat, count, out=divided)
+            if bad:
+                raise nonfinite_error(self.spec, bad, flat.numel())
+            flat = divided
+        packet = self._compress(flat, ctx or Context()) if flat.numel() else Packet({}, x.shape, x.dtype)
+        packet.shape, packet.dtype = x.shape, x.dtype
+        packet.meta["divided"] = count
         return packet
 
     def decompress(self, packet: Packet) -> torch.Tensor:
@@ -273,7 +307,15 @@ class Compressor:
         if packet.numel == 0:
             return self.decompress(packet)
         flat = self._decompress(packet.with_wire(summed)).float()
-        if self.propagates_nonfinite:
+        if "divided" in packet.meta:  # the mean already: each worker sent x / count
+            if packet.meta["divided"] != count:
+                raise ValueError(f"{self.spec}: the summands were divided by {packet.meta['divided']} before "
+                                 f"the exchange, but the sum is of {count} workers")
+            if any_nonfinite(flat.view(-1)):
+                raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed: the aggregate "
+                                    f"holds {count_nonfinite(flat.view(-1))} Inf/NaN value(s) out of "
+                                    f"{flat.numel()} (a worker's NaN/Inf gradient is flagged before it is sent)")
+        elif self.propagates_nonfinite:
             bad = divide_counting_nonfinite(flat, count)
             if bad:
                 raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed: the aggregate "
@@ -511,27 +553,30 @@ def any_nonfinite(flat: torch.Tensor) -> bool:
     return not bool(torch.isfinite(flat).all())
 
 
-def divide_counting_nonfinite(flat: torch.Tensor, count: int) -> int:
+def divide_counting_nonfinite(flat: torch.Tensor, count: int, out: torch.Tensor | None = None) -> int:
     """``flat /= count`` in place (the same bits as ``flat.div_(count)``) for a 1-D contiguous float
-    tensor, returning how many results are NaN/Inf: one pass for the mean and the check (a second one
-    counts, only when there is something to count). A power-of-two ``count`` multiplies by its
-    reciprocal instead: both are the correctly rounded x/count, and a product is cheaper."""
+    tensor, or into ``out`` (a tensor like it), returning how many results are NaN/Inf: one pass for the
+    mean and the check (a second one counts, only when there is something to count). A power-of-two
+    ``count`` multiplies by its reciprocal instead: both are the correctly rounded x/count, and a
+    product is cheaper."""
+    out = flat if out is None else out
     if use_numba(flat) and flat.dtype == torch.float32:
         exact = count & (count - 1) == 0
-        top = _divide_top_exponent(as_numpy(flat), np.float32(count), np.float32(1 / count), exact)
-        return count_nonfinite(flat) if top == _EXPONENT_MASKS[torch.float32] else 0
-    flat.div_(count)
-    return count_nonfinite(flat)
+        top = _divide_top_exponent(as_numpy(flat), as_numpy(out), np.float32(count), np.float32(1 / count),
+                                   exact)
+        return count_nonfinite(out) if top == _EXPONENT_MASKS[torch.float32] else 0
+    torch.div(flat, count, out=out)
+    return count_nonfinite(out)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")  # numpy's division: no zero check per element
-def _divide_top_exponent(values, count, reciprocal, exact):  # pragma: no cover - compiled
-    """Divide in place; the largest exponent field seen (all ones: a NaN or Inf). An integer max
-    vectorizes, where a count of NaN/Inf costs a third more time."""
+def _divide_top_exponent(values, out, count, reciprocal, exact):  # pragma: no cover - compiled
+    """out = values / count (``out`` may be ``values``); the largest exponent field seen (all ones: a
+    NaN or Inf). An integer max vectorizes, where a count of NaN/Inf costs a third more time."""
     top = np.int32(0)
     for i in range(values.size):
         v = values[i] * reciprocal if exact else values[i] / count
-        values[i] = v
+        out[i] = v
         top = max(top, np.int32(bits_of_f32(v) & np.uint32(0x7F800000)))
     return top
 

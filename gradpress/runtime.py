@@ -350,15 +350,17 @@ class Pipeline:
                 stats.add(step, compress_s=time.perf_counter() - start)
                 prepared, carried = yield from strategy.preliminary(prelims, faulty)
                 start = time.perf_counter()
+            # the mean's division by n in the pass that checks the input (a bucket this may overwrite)
+            divided = self.world_size if feedback.inert and strategy.divides_first else None
             packets = []
             for given, ctx, ready in zip(inputs, ctxs, prepared):
                 try:
-                    packet = _compress(compressor, given, ctx, ready)
+                    packet = _compress(compressor, given, ctx, ready, divided, writable)
                 except NonFiniteError:
                     if carried:  # not seen before the preliminary exchange: no flag can travel now
                         raise
                     faulty = True
-                    packet = _compress(compressor, torch.zeros_like(given), ctx, ready)
+                    packet = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
                 packets.append(packet)
             if feedback.updates and not faulty:
                 for (key, _), grad, x, packet in zip(items, grads, xs, packets):
@@ -438,5 +440,8 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
     return pre
 
 
-def _compress(compressor: Compressor, x: torch.Tensor, ctx: Context, prepared: torch.Tensor | None) -> Any:
+def _compress(compressor: Compressor, x: torch.Tensor, ctx: Context, prepared: torch.Tensor | None,
+              divided: int | None = None, writable: bool = False) -> Any:
+    if divided is not None:
+        return compressor.compress_divided(x, divided, ctx, inplace=writable)
     return compressor.compress(x, ctx, prepared=prepared) if compressor.prepares else compressor.compress(x, ctx)

@@ -38,11 +38,18 @@ def test_options_are_checked():
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_uncompressed_average_is_the_rank_order_sum(n, dtype):
+    """Each worker sends g / n in its own dtype (as PyTorch's DDP divides before its all-reduce), and
+    the rank-order sum of those is the mean, bit for bit; a cast sums first and divides in float32."""
     workers = grads(n, dtype=dtype)
     out = gradpress.simulate("none", workers)
     for key in workers[0]:
-        expected = (fold_sum([w[key] for w in workers]).float() / n).to(dtype)
+        expected = fold_sum([w[key] / n for w in workers])
         assert out[key].dtype == dtype and torch.equal(out[key], expected)
+    if dtype != torch.float32:
+        cast = gradpress.simulate("fp16" if dtype == torch.float16 else "bf16", workers)
+        for key in workers[0]:
+            expected = (fold_sum([w[key] for w in workers]).float() / n).to(dtype)
+            assert torch.equal(cast[key], expected)
 
 
 def test_allgather_decodes_every_packet_in_rank_order():
@@ -74,7 +81,7 @@ def test_exclude_min_numel_and_warmup_leave_tensors_uncompressed():
     n = 3
     workers = [{"conv1.weight": torch.randn(40), "fc.weight": torch.randn(40), "fc.bias": torch.randn(4)}
                for _ in range(n)]
-    exact = {k: fold_sum([w[k] for w in workers]) / n for k in workers[0]}
+    exact = {k: fold_sum([w[k] / n for w in workers]) for k in workers[0]}  # uncompressed: g / n summed
     sim = gradpress.Simulator("topk:ratio=0.1", n, exclude=["conv1.*"], min_numel=10, warmup_steps=1)
     first, second = sim.step(workers), sim.step(workers)
     for key in exact:
@@ -223,7 +230,8 @@ def test_diverging_workers_are_caught():
 @pytest.mark.parametrize("mode", ["collective", "ps"])
 def test_nonfinite_found_in_the_aggregate_of_uncompressed_sums(mode):
     """A bad value on one worker is flagged in-band and every worker raises naming that rank; a sum
-    that overflows is found in the aggregate; and the mean is the same bits as ``div_``'s."""
+    that overflows is found in the aggregate; and the mean is the same bits as ``div_``'s: of each
+    worker's gradient before it is sent (``divides_first``, as PyTorch's DDP), at a server too."""
     workers = grads(3)
     workers[1]["t0"][2, 3] = float("inf")
     with pytest.raises(NonFiniteError, match=r"'t0'.*NaN/Inf in the gradient of rank 1$") as raised:
@@ -232,9 +240,20 @@ def test_nonfinite_found_in_the_aggregate_of_uncompressed_sums(mode):
     big = [{"w": torch.full((5,), 40000.0, dtype=torch.float16)} for _ in range(2)]
     with pytest.raises(OverflowError, match="overflowed"):
         gradpress.simulate("fp16", big, feedback="none", mode=mode)
+    top = [{"w": torch.full((5,), 65504.0, dtype=torch.float16)} for _ in range(3)]  # fp16's largest
+    with pytest.raises(OverflowError, match="overflowed"):  # divided first or not, 3·65504/3 rounds to Inf
+        gradpress.simulate("none", top, mode=mode)
     clean = grads(3, shapes=((1000,),))
-    expected = fold_sum([w["t0"] for w in clean]).div_(3)
+    expected = fold_sum([w["t0"] / 3 for w in clean])
     assert torch.equal(gradpress.simulate("none", clean, mode=mode)["t0"], expected)
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_dividing_first_gives_the_bits_of_dividing_the_sum_for_a_power_of_two(workers):
+    """Scaling by 2⁻ᵏ is exact (no subnormals here), so g/n summed is Σg then /n, bit for bit."""
+    clean = grads(workers, shapes=((3000,),))
+    expected = fold_sum([w["t0"] for w in clean]).div_(workers)
+    assert torch.equal(gradpress.simulate("none", clean)["t0"], expected)
 
 
 def test_nonfinite_input_is_checked_before_a_memory_takes_it():

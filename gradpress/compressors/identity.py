@@ -23,6 +23,7 @@ class NoCompression(Compressor):
     kept = "values"
     propagates_nonfinite = True
     elementwise = True
+    divides_first = True  # as PyTorch's DDP: each worker sends g / n, one pass that also checks g
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel * torch.empty((), dtype=dtype).element_size()

@@ -124,6 +124,14 @@ class Strategy:
                 raise ValueError("switch mode cannot re-compress at the switch: drop master, or use mode='ps'")
 
     @property
+    def divides_first(self) -> bool:
+        """Whether each worker may send its input divided by n (:attr:`Compressor.divides_first`): a sum
+        over all n workers (an all-reduce, or a server without partial aggregation), which is then the
+        mean."""
+        return (self.compressor.divides_first and self.compressor.exchange == "allreduce"
+                and self.mode != "switch" and self.partial == 1)
+
+    @property
     def pattern(self) -> str:
         """The traffic pattern in words (for stats and reports)."""
         if self.mode == "collective":
