@@ -40,14 +40,26 @@ def test_gradpress_hook_trains_and_records_every_step(tmp_path):
 
 
 def test_gradient_copy_is_timed_on_a_tensor_of_the_gradients_size(monkeypatch):
-    """gradient_copy_s clones a float32 tensor of the trainable parameters' count: the median of its runs."""
+    """gradient_copy_s copies a float32 tensor of the trainable parameters' count: the median of its runs,
+    each from and into buffers the copies between have evicted from the cache (a rotation over more
+    than twice its size)."""
     sizes = []
-    real_randn = train_module.torch.randn
-    monkeypatch.setattr(train_module.torch, "randn", lambda n: sizes.append(n) or real_randn(n))
+    real_copy_s = train_module.copy_s
+    monkeypatch.setattr(train_module, "copy_s", lambda n: sizes.append(n) or real_copy_s(n))
     model = train_module.torch.nn.Sequential(train_module.torch.nn.Linear(10, 5), train_module.torch.nn.Linear(5, 2))
     model[1].weight.requires_grad_(False)
     assert train_module.gradient_copy_s(model) > 0
     assert sizes == [55 + 2]
+    copies = []
+    real_copy = train_module.torch.Tensor.copy_
+    monkeypatch.setattr(train_module, "last_level_cache_bytes", lambda: 1 << 20)  # a 1 MiB cache
+    monkeypatch.setattr(train_module.torch.Tensor, "copy_",
+                        lambda dst, src: copies.append((dst.data_ptr(), src.data_ptr(), dst.numel())) or
+                        real_copy(dst, src))
+    assert real_copy_s(100_000, repeats=5) > 0  # 400 kB: 1 + ⌈1 MiB / 400 kB⌉ = 4 pairs, 3.2 MB in turn
+    assert len(copies) == 4 + 5 and {n for *_, n in copies} == {100_000}
+    assert len({dst for dst, _, _ in copies[:4]} | {src for _, src, _ in copies[:4]}) == 8
+    assert copies[4:8] == copies[:4]  # the same pair again only after the other three
 
 
 @needs_data

@@ -8,8 +8,8 @@ the testbed ``--model`` (random weights, random batches of the model's input sha
 gradpress hook, trains ``--warmup`` steps, then times ``--steps`` steps and reads the hook's own
 statistics: ``compress_s`` (feedback compensation, compression, feedback update) and ``decompress_s``
 (decoding and summing into the bucket), per step. A copy of a tensor the size of the model's gradient
-into fresh memory (``x.clone()``, :func:`gradpress.testbed.train.copy_s`) is timed in the same process
-between variants, so the figures also read in copies:
+from memory into memory (:func:`gradpress.testbed.train.copy_s`: a kept buffer, neither end in cache) is
+timed in the same process between variants, so the figures also read in copies:
 machines of this kind differ, ratios to a copy much less.
 """
 from __future__ import annotations

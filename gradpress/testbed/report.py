@@ -195,8 +195,8 @@ def render_markdown(runs: Sequence[Run], goal: Target | None, rows: Sequence[Row
               "compress: compression, decompression, feedback; communication: time in collectives. "
               "DDP communicates while backward runs, so the parts may add up to more than the step. "
               "copy: the median time of one copy of the model's float32 gradient, timed by the run "
-              "after training on the same machine (issue 12's unit; it moves with the allocator's state, "
-              "so compare it between runs before reading the copies).", ""]
+              "after training on the same machine, from memory into memory (neither end in the CPU's cache, "
+              "no page faults): issue 12's unit.", ""]
     lines += _time_table(rows)
     lines += ["", "## Does compression pay off?", "", *payoff(rows)]
     return "\n".join(lines) + "\n"
