@@ -179,6 +179,16 @@ class Compressor:
         packet.shape, packet.dtype = x.shape, x.dtype
         return packet
 
+    def compress_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                     ctx: Context | None = None) -> Packet:
+        """``compress(memory + grad)`` with the sum φ = m + g (GRACE Eq. 5 with β = γ = 1) formed in
+        ``out`` (float32, contiguous, their shape), which holds φ afterwards whatever happens (the error
+        memory's update reads it). The default adds, then compresses; a method whose first pass reads
+        every element of its input forms the sum in that pass instead (one pass over the gradient
+        fewer: issue 12's fused error feedback), with the same bits."""
+        torch.add(memory, grad, out=out)
+        return self.compress(out, ctx)
+
     def compress_divided(self, x: torch.Tensor, count: int, ctx: Context | None = None, *,
                          inplace: bool = False) -> Packet:
         """The packet of ``x / count`` for a :attr:`divides_first` method, formed in the pass that checks

@@ -42,6 +42,14 @@ class Feedback:
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Record what compression dropped: ``compensated`` went in, ``transmitted`` came out."""
 
+    def sum_parts(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(m, out)`` when :meth:`compensate` would return m + g formed in ``out`` (a float32 buffer of
+        the key's that nobody else holds): the runtime then lets the compressor form that sum in the pass
+        that reads the input anyway (:meth:`~gradpress.compressor.Compressor.compress_sum`) and hands
+        ``out``, then holding φ, to :meth:`update_from` as an owned tensor. None (the default): call
+        :meth:`compensate`."""
+        return None
+
     def update_from(self, key: str, compensated: torch.Tensor, packet: Packet, compressor: Compressor,
                     owned: bool = False) -> None:
         """:meth:`update` from ``packet = compressor.compress(compensated)`` (what the runtime calls).
@@ -179,6 +187,18 @@ class Residual(KeyedMemory):
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         self._memory[key] = compensated.float() - transmitted.float()
+
+    def sum_parts(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(m, the key's spare buffer) where φ = m + g (β = γ = 1, a float32 gradient beside a stored
+        memory on its device): see :meth:`Feedback.sum_parts`."""
+        memory = self._stored_for(key, grad)
+        if (memory is None or self.beta != 1.0 or self.gamma != 1.0 or grad.dtype != torch.float32
+                or memory.device != grad.device):
+            return None
+        spare = self._spare.get(key)
+        if spare is None or spare.shape != memory.shape or spare.device != memory.device:
+            spare = self._spare[key] = torch.empty_like(memory)
+        return memory, spare
 
     def update_from(self, key: str, compensated: torch.Tensor, packet: Packet, compressor: Compressor,
                     owned: bool = False) -> None:

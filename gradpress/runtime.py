@@ -334,7 +334,11 @@ class Pipeline:
         keys = [key for key, _ in items]
         before = feedback.snapshot(keys) if feedback.updates else None
         start = time.perf_counter()
-        xs = [feedback.compensate(key, grad) for (key, _), grad in zip(items, grads)]
+        # φ = m + g formed by the compressor's first pass where the memory and the method allow it
+        sums = ([feedback.sum_parts(key, grad) for key, grad in zip(keys, grads)]
+                if feedback.updates and not compressor.prepares else [None] * len(items))
+        xs = [feedback.compensate(key, grad) if parts is None else parts[1]
+              for (key, _), grad, parts in zip(items, grads, sums)]
         inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads)]
         faulty, carried = False, False
         prepared: list[torch.Tensor | None] = [None] * len(items)
@@ -353,9 +357,12 @@ class Pipeline:
             # the mean's division by n in the pass that checks the input (a bucket this may overwrite)
             divided = self.world_size if feedback.inert and strategy.divides_first else None
             packets = []
-            for given, ctx, ready in zip(inputs, ctxs, prepared):
+            for given, ctx, ready, grad, parts in zip(inputs, ctxs, prepared, grads, sums):
                 try:
-                    packet = _compress(compressor, given, ctx, ready, divided, writable)
+                    if parts is not None:
+                        packet = compressor.compress_sum(parts[0], grad, parts[1], ctx)
+                    else:
+                        packet = _compress(compressor, given, ctx, ready, divided, writable)
                 except NonFiniteError:
                     if carried:  # not seen before the preliminary exchange: no flag can travel now
                         raise

@@ -140,6 +140,26 @@ class TopK(Sparse):
     def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
         return packet["indices"], packet["values"].float()
 
+    def compress_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                     ctx: Context | None = None) -> Packet:
+        """Top-k of φ = m + g with the sum formed in the selection's candidate pass (see
+        :meth:`Compressor.compress_sum`): the threshold's sample and that pass read m and g, write φ
+        to ``out`` and collect the positions at or above the threshold; the same bits as the sum, then
+        :meth:`compress`."""
+        n = out.numel()
+        k = keep_count(n, self.ratio)
+        if not (use_numba(out) and 65536 <= n and k < n and grad.dtype == torch.float32 == memory.dtype
+                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+            return super().compress_sum(memory, grad, out, ctx)
+        flat = out.view(-1)
+        indices = _topk_by_sampled_threshold(flat, k, self, (as_numpy(memory).reshape(-1),
+                                                            as_numpy(grad).reshape(-1)))
+        if indices is None:  # φ is formed in full: the exact top-k of it
+            indices = topk_indices(flat, k, self)
+        packet = Packet({"values": flat[indices], "indices": indices.to(torch.int32)}, flat.shape, flat.dtype)
+        packet.shape = out.shape
+        return packet
+
 
 def named(where: str | Compressor) -> str:
     """The name errors give: ``where`` itself, or a compressor's spec (formed only when needed: forming
@@ -168,7 +188,8 @@ def topk_indices(flat: torch.Tensor, k: int, where: str | Compressor = "top-k") 
 SAMPLE = 16384  # about this many values, at a stride, estimate top-k's threshold
 
 
-def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str | Compressor) -> torch.Tensor | None:
+def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str | Compressor,
+                               addends: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor | None:
     """CPU top-k without a full sort: estimate the k-th magnitude from a strided sample of ~16k values,
     collect the candidates at or above it in one numba pass, then take the exact top-k among them.
 
@@ -176,6 +197,10 @@ def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str | Compre
     candidates; if not, a threshold with twice the margin is tried, and None sends the caller to the
     full top-k. Either way the result is exact. Every NaN/Inf is a candidate (or lies in the sample):
     seen there, :func:`check_finite` raises, so there is no check pass of its own.
+
+    ``addends`` (m, g): ``values`` is to become m + g (float32, fused error feedback), formed by the
+    first candidate pass, which reads every element and writes the sum into ``values`` whatever it
+    returns; the sample reads the sums at its positions. Every later pass reads ``values``.
     """
     n = values.numel()
     x = as_numpy(values)
@@ -184,15 +209,25 @@ def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str | Compre
     expected = k / stride
     for margin in (3.0, 6.0):
         want = min(sample.size, math.ceil(1.05 * expected + margin * math.sqrt(expected) + 8))
-        threshold = float(_sampled_kth(x, stride, want, sample))
-        if not math.isfinite(threshold):  # NaN/Inf in the sample
-            check_finite(values, named(where))
-        if threshold <= 0.0:
+        if addends is not None:
+            threshold = float(_sampled_kth_of_sum(*addends, stride, want, sample))
+        else:
+            threshold = float(_sampled_kth(x, stride, want, sample))
+        if not math.isfinite(threshold) or threshold <= 0.0:
+            if addends is not None:
+                _add(*addends, x)
+                addends = None
+            if not math.isfinite(threshold):  # NaN/Inf in the sample
+                check_finite(values, named(where))
             return None
         # about want·stride candidates: a buffer of twice that (then all n, if more are found)
         for capacity in dict.fromkeys((min(n, 2 * want * stride + 1024), n)):
             candidates = torch.empty(capacity, dtype=torch.int64)
-            count = _collect_at_least(x, np.float32(threshold), as_numpy(candidates))
+            if addends is not None:  # the sum's one pass, written in full even when the buffer overflows
+                count = _sum_collecting_at_least(*addends, x, np.float32(threshold), as_numpy(candidates))
+                addends = None
+            else:
+                count = _collect_at_least(x, np.float32(threshold), as_numpy(candidates))
             if count >= 0:
                 break
         if count >= k:
@@ -216,6 +251,57 @@ def _sampled_kth(x, stride, want, sample):  # pragma: no cover - compiled
     if top >= np.uint32(0x7F800000):
         return np.float32(np.nan)
     return np.partition(sample, sample.size - want)[sample.size - want]
+
+
+@jit
+def _sampled_kth_of_sum(m, g, stride, want, sample):  # pragma: no cover - compiled
+    """:func:`_sampled_kth` of x = m + g (float32 sums), read at the sample's positions only."""
+    top = np.uint32(0)
+    for j in range(sample.size):
+        v = abs(m[j * stride] + g[j * stride])
+        sample[j] = v
+        top = max(top, bits_of_f32(v))
+    if top >= np.uint32(0x7F800000):
+        return np.float32(np.nan)
+    return np.partition(sample, sample.size - want)[sample.size - want]
+
+
+@jit
+def _add(m, g, x):  # pragma: no cover - compiled
+    """x = m + g (float32)."""
+    wide_vectors()
+    for i in range(x.size):
+        x[i] = m[i] + g[i]
+
+
+@jit
+def _sum_collecting_at_least(m, g, x, threshold, out):  # pragma: no cover - compiled
+    """x = m + g, and :func:`_collect_at_least`'s positions of x in the same pass (64 sums, then their
+    comparison mask); past ``out``'s capacity it goes on summing, and returns −1 at the end."""
+    wide_vectors()
+    n = x.size
+    capacity = out.size
+    count = 0
+    full = n - n % 64
+    for start in range(0, full, 64):
+        mask = np.uint64(0)
+        for j in range(64):
+            v = m[start + j] + g[start + j]
+            x[start + j] = v
+            mask |= np.uint64(not abs(v) < threshold) << np.uint64(j)
+        while mask:
+            if count < capacity:
+                out[count] = start + trailing_zeros(mask)
+            count += 1
+            mask &= mask - np.uint64(1)
+    for i in range(full, n):
+        v = m[i] + g[i]
+        x[i] = v
+        if not abs(v) < threshold:
+            if count < capacity:
+                out[count] = i
+            count += 1
+    return count if count <= capacity else -1
 
 
 @jit
