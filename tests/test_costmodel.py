@@ -176,3 +176,119 @@ def test_crossover_is_where_both_predicted_steps_are_equal():
     assert C.crossover_bandwidth(0.001, base, 0.0, method, n=2) == 0.0  # dearer and larger: never
     faster = C.crossover_bandwidth(0.004, method, 0.0, base, n=2, latency=1e-4)
     assert faster > b  # halving the overhead moves the crossover to faster links
+
+
+# -- a token-bucket link (tc tbf) and a rate per collective ---------------------------------------------
+def test_a_transfer_draws_on_the_bucket_and_pays_the_rest_at_the_rate():
+    # 1 MB/s; a ring all-reduce of 1 MB at n = 2 puts 1 MB on each link
+    phase = C.Phase("allreduce", MB)
+    assert C.transfer_seconds(phase, 2, MBYTE_PER_S, 0.0, tokens=0.25 * MB) == pytest.approx((0.75, 0.0))
+    assert C.transfer_seconds(phase, 2, MBYTE_PER_S, 0.0, tokens=2 * MB) == pytest.approx((0.0, MB))
+    # without tokens it is Hockney's α + m/β
+    assert C.transfer_seconds(phase, 2, MBYTE_PER_S, 1e-3)[0] == pytest.approx(seconds("allreduce", 2, MB,
+                                                                                        latency=1e-3))
+    # phases back to back share the bucket: 0.1 MB broadcast from 0.3 MB, then 0.8 MB of 1 MB at the rate
+    both = [C.Phase("broadcast", 0.1 * MB), phase]
+    assert C.transfer_seconds(both, 2, MBYTE_PER_S, 0.0, tokens=0.3 * MB) == pytest.approx((0.8, 0.0))
+    # a rate per strategy applies to the bytes beyond the bucket
+    gather = C.Phase("allgather", MB)
+    assert C.transfer_seconds(gather, 2, MBYTE_PER_S, 0.0, tokens=0.25 * MB,
+                              efficiency={"allgather": 0.5})[0] == pytest.approx(1.5)
+    other = {"allreduce": 0.5}  # another strategy's rate leaves the all-gather at the link's
+    assert C.communication_time(gather, 2, MBYTE_PER_S, 0.0, efficiency=other) == pytest.approx(1.0)
+    # tokens accrue at the rate while idle, up to the bucket
+    assert C.refill(0.0, 0.1, MBYTE_PER_S, 0.25 * MB) == pytest.approx(0.1 * MB)
+    assert C.refill(0.1 * MB, 0.2, MBYTE_PER_S, 0.25 * MB) == pytest.approx(0.25 * MB)
+    with pytest.raises(ValueError, match="efficiency"):
+        C.transfer_seconds(gather, 2, MBYTE_PER_S, efficiency={"allgather": 0.0})
+
+
+@pytest.mark.parametrize("nbytes, burst, expected", [
+    (1.0 * MB, 0.25 * MB, 0.85),   # a big transfer: the idle 0.15 s refill 0.15 MB, the rest at 1 MB/s
+    (1.0 * MB, 0.10 * MB, 0.90),   # the bucket caps the refill
+    (0.05 * MB, 0.25 * MB, 0.0),   # refilled within the step: always crosses from a full bucket
+    (0.20 * MB, 0.25 * MB, 0.05),  # fits the bucket, but the step refills only 0.15 MB: drains to that
+    (1.0 * MB, 0.0, 1.0),          # a plain link
+])
+def test_the_sequential_step_through_a_token_bucket_in_steady_state(nbytes, burst, expected):
+    # compute 0.1 s + compression 0.05 s idle the link: max(0, 8m/R − min(8·burst/R, 0.15 s))
+    step = C.predict_step_time(0.1, 0.05, C.Phase("allreduce", nbytes), n=2, bandwidth=MBYTE_PER_S,
+                               latency=0.0, burst=burst)
+    assert step.communication == pytest.approx(expected, abs=1e-6)
+    assert step.total == pytest.approx(0.15 + expected, abs=1e-6)
+
+
+def test_the_overlapped_step_refills_while_the_exchange_hides_behind_compute():
+    phase = C.Phase("allreduce", 0.5 * MB)
+    # long compute: the link idles 0.55 s of each 1.05 s step, the bucket is full: 0.25 s of sending
+    hidden = C.predict_step_time(1.0, 0.05, phase, n=2, bandwidth=MBYTE_PER_S, latency=0.0, overlap=True,
+                                 burst=0.25 * MB)
+    assert (hidden.communication, hidden.total) == pytest.approx((0.25, 1.05), abs=1e-6)
+    # short compute: the link idles 0.05 s per step, which refills 0.05 MB: 0.45 s of sending
+    exposed = C.predict_step_time(0.1, 0.05, phase, n=2, bandwidth=MBYTE_PER_S, latency=0.0, overlap=True,
+                                  burst=0.25 * MB)
+    assert (exposed.communication, exposed.total) == pytest.approx((0.45, 0.5), abs=1e-6)
+
+
+def test_one_bucket_at_the_end_of_backward_through_a_token_bucket_is_the_sequential_step():
+    phases = (C.Phase("allreduce", MB), C.Phase("allgather", 0.2 * MB))
+    kw = {"n": 2, "bandwidth": MBYTE_PER_S, "latency": 1e-3, "burst": 0.3 * MB,
+          "efficiency": {"allgather": 0.6}}
+    one = C.predict_bucketed_step(0.02, 0.1, [C.BucketStep(0.1, 0.01, phases, 0.02)], optimizer_s=0.03, **kw)
+    seq = C.predict_step_time(0.15, 0.03, phases, **kw)
+    assert one.total == pytest.approx(seq.total)
+    # idle 0.18 s: 0.18 MB of tokens, 0.82 MB at the rate; the all-gather's 0.2 MB at 0.6 of it; 3 α
+    assert one.communication == pytest.approx(0.82 + 0.2 / 0.6 + 3e-3)
+
+
+def test_the_steady_state_is_the_greatest_fixed_point():
+    assert C.steady_tokens(lambda t: 0.0, 100.0) == 0.0
+    assert C.steady_tokens(lambda t: min(100.0, t + 1.0), 100.0) == 100.0
+    # a slow drain (1 byte a step from a full bucket) settles where the step's refill no longer covers it
+    fixed = C.steady_tokens(lambda t: min(100.0, t - 30.0 + 29.0) if t >= 30.0 else 29.0, 100.0)
+    assert fixed == pytest.approx(29.0, abs=1e-2)
+    assert C.steady_tokens(lambda t: 5.0, 0.0) == 0.0
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_through_a_token_bucket_the_speedup_still_never_rises_with_link_speed(case):
+    """The sequential model (module doc): a method with no more bytes than the baseline's all-reduce, at
+    least its compression and messages, never gains on it from one link speed to a faster one, whatever
+    the bucket."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(case)
+    n = rng.choice([2, 4, 8])
+    compute, burst = rng.uniform(1e-3, 0.2), rng.choice([0.0, 64e3, 256e3, 4e6])
+    base_bytes = rng.uniform(1e4, 5e7)
+    base = C.Phase("allreduce", base_bytes)
+    method = C.Phase(rng.choice(["allreduce", "allgather"]), 0.0)
+    latency = rng.uniform(0, 1e-4) if method.strategy == "allreduce" else 0.0
+    on_link = base.cost(n).nbytes * rng.uniform(0, 1)  # the method's bytes on the link, at most the base's
+    method = C.Phase(method.strategy, on_link / C.Phase(method.strategy, 1.0).cost(n).nbytes)
+    compress = rng.uniform(0, 0.05)
+    grid = np.geomspace(1e6, 1e12, 80)
+    speedups = []
+    for bw in grid:
+        kw = {"n": n, "bandwidth": float(bw), "latency": latency, "burst": burst}
+        speedups.append(C.predict_step_time(compute, 0.0, base, **kw).total
+                        / C.predict_step_time(compute, compress, method, **kw).total)
+    rises = [(f"{grid[i]:.3g}", a, b) for i, (a, b) in enumerate(zip(speedups, speedups[1:]))
+             if b > a * (1 + 1e-9)]
+    assert not rises, rises[:3]
+
+
+def test_fit_efficiency_recovers_each_collectives_rate_beyond_the_bucket():
+    rate, alpha, truth = 1e8, 1e-4, {"allreduce": 0.95, "allgather": 0.65}
+    observations = []
+    for strategy in truth:
+        for nbytes, tokens in ((3e6, 256e3), (1e7, 100e3), (2e6, 0.0), (100e3, 256e3)):
+            phase = C.Phase(strategy, nbytes)
+            observations.append(C.Observation(phase, 2, C.transfer_seconds(phase, 2, rate, alpha, tokens,
+                                                                           truth)[0], tokens))
+    fitted = C.fit_efficiency(observations, rate, alpha)
+    assert fitted == pytest.approx(truth, rel=1e-9)
+    with pytest.raises(ValueError, match="beyond the token bucket"):
+        C.fit_efficiency([C.Observation(C.Phase("allreduce", 1e3), 2, 1e-3, 1e6)], rate)

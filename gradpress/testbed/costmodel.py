@@ -46,12 +46,39 @@ its predicted speed-up over it never rises with link speed in the sequential mod
 the end of the backward pass. Buckets ready earlier can break that: where the all-reduce of an early
 bucket already hides under the backward pass while the method's, started later behind its compression,
 does not, a faster link still shortens the method's step and no longer the all-reduce's.
+
+**Two properties of real links** beyond Hockney's α + m/β, both off by default (a plain link):
+
+- **A token bucket** (``burst`` bytes). The testbed's links are Linux ``tc … tbf rate R burst S`` queues
+  on the egress of each veth end (tc-tbf(8): tokens accrue at R up to the bucket size S; a packet leaves
+  at once while tokens cover it, then waits for tokens). After an idle moment up to S bytes cross at the
+  speed of the device behind the filter, far faster than R. The model: a link holds ``tokens`` ≤ burst,
+  filled at R/8 bytes per second whenever the link is idle; a transfer of m bytes with b tokens takes
+  messages·α + 8·max(0, m − b)/R and leaves max(0, b − m) tokens (:func:`transfer_seconds`). Each byte
+  passes two filters in series (its sender's veth end and the bridge's port to its receiver) that see the
+  same traffic, so one bucket per direction stands for both. A step is priced in its steady state: the
+  tokens at its start are those its own idle time leaves at its end (the largest such fixed point,
+  :func:`steady_tokens`; the first step after a pause sees a full bucket).
+  For one transfer per step in the sequential model this is a transfer time of
+  max(0, 8·m/R − min(8·S/R, g)) with g the link's idle time per step (compute and compression): the
+  bucket is full at every step while R·g/8 ≥ S, and otherwise the link is the bottleneck and long-run
+  throughput is R. The speed-up statement above still holds (tested): with m ≤ m₀, at least the
+  baseline's compression and messages, both steps' transfer times are convex, piecewise-linear and
+  non-decreasing in 1/R, and on every piece the ratio does not rise with R.
+- **A rate per collective** (``efficiency``: strategy → fraction of R its bytes beyond the bucket
+  achieve, default 1). A ring all-reduce reaches ~0.94–0.96·R of payload over TCP through tbf (1448
+  payload bytes per 1514-byte Ethernet frame, which tbf counts, is 0.956), while the testbed's
+  all-gathers of whole megabyte packets in one message measured ~0.63–0.70·R on the same star (Gloo
+  sends each all-gather packet as one message, which fills tbf's queue — ``latency 50ms`` bounds it at
+  S + R·50 ms — and TCP's loss recovery idles the link; the all-reduce's chunked pipeline does not).
+  Not guessed: :func:`fit_efficiency` fits it per strategy from measured exchanges (``advise --check``
+  fits it from ``compare``'s runs, each run predicted from the others').
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from scipy.optimize import nnls
@@ -139,9 +166,75 @@ def communication_cost(phases: Phase | Sequence[Phase], n: int) -> Cost:
 
 
 def communication_time(phases: Phase | Sequence[Phase], n: int, bandwidth: float | str,
-                       latency: float = DEFAULT_LATENCY) -> float:
-    """Seconds a step's exchange takes among ``n`` workers at ``bandwidth`` bits/s per link."""
-    return communication_cost(phases, n).seconds(bandwidth, latency)
+                       latency: float = DEFAULT_LATENCY,
+                       efficiency: Mapping[str, float] | None = None) -> float:
+    """Seconds a step's exchange takes among ``n`` workers at ``bandwidth`` bits/s per link (no token
+    bucket; ``efficiency``: each strategy's fraction of the rate, default 1)."""
+    if not efficiency:
+        return communication_cost(phases, n).seconds(bandwidth, latency)
+    return transfer_seconds(phases, n, bandwidth, latency, efficiency=efficiency)[0]
+
+
+def _phases(phases: Phase | Sequence[Phase]) -> list[Phase]:
+    return [phases] if isinstance(phases, Phase) else list(phases)
+
+
+def _efficiency(efficiency: Mapping[str, float] | None, strategy: str) -> float:
+    value = 1.0 if not efficiency else float(efficiency.get(strategy, 1.0))
+    if not (math.isfinite(value) and 0 < value):
+        raise ValueError(f"efficiency of {strategy!r} must be a positive fraction of the link rate, "
+                         f"got {value}")
+    return value
+
+
+def transfer_seconds(phases: Phase | Sequence[Phase], n: int, bandwidth: float | str,
+                     latency: float = DEFAULT_LATENCY, tokens: float = 0.0,
+                     efficiency: Mapping[str, float] | None = None) -> tuple[float, float]:
+    """Seconds the ``phases`` take back to back through a token-bucket link (module doc, tc-tbf(8)) that
+    holds ``tokens`` bytes when they start, and the tokens left: each phase of M messages and m bytes on
+    the critical path (:meth:`Phase.cost`) with b tokens takes M·α + 8·max(0, m − b)/(e·R) and leaves
+    max(0, b − m); e is its strategy's ``efficiency`` (default 1). With no tokens it is Hockney's
+    α–β time (divided by e)."""
+    rate = _bits_per_second(bandwidth)
+    alpha = _check_latency(latency)
+    if not (math.isfinite(tokens) and tokens >= 0):
+        raise ValueError(f"tokens must be a finite number of bytes ≥ 0, got {tokens}")
+    seconds = 0.0
+    for phase in _phases(phases):
+        cost = phase.cost(n)
+        seconds += cost.messages * alpha + 8.0 * max(0.0, cost.nbytes - tokens) / (
+            rate * _efficiency(efficiency, phase.strategy))
+        tokens = max(0.0, tokens - cost.nbytes)
+    return seconds, tokens
+
+
+def refill(tokens: float, idle_s: float, bandwidth: float | str, burst: float) -> float:
+    """The tokens of a bucket of ``burst`` bytes after ``idle_s`` seconds idle at ``bandwidth`` bits/s:
+    min(burst, tokens + R/8 · idle) (tc-tbf(8): tokens accrue at the rate, up to the bucket size)."""
+    return min(float(burst), tokens + _bits_per_second(bandwidth) / 8.0 * max(0.0, idle_s))
+
+
+def steady_tokens(tokens_after_step: Callable[[float], float], burst: float,
+                  tolerance: float = 1e-6) -> float:
+    """The tokens a step starts with in steady state: a t in [0, ``burst``] with
+    ``tokens_after_step(t)`` = t, the state a link settles in from a full bucket (an idle start). T is
+    non-decreasing (more tokens at the start never leave fewer at the end), so iterating it from ``burst``
+    descends to its greatest fixed point (Tarski); since a drain of a few bytes per step would take many
+    steps, bisection keeps T(lo) ≥ lo and T(hi) < hi instead, which brackets that fixed point wherever
+    T(t) − t changes sign once (a plain link: T ≡ 0; one transfer per step: T is constant, or t minus the
+    bytes plus a refill, until it reaches the cap)."""
+    burst = float(burst)
+    if not (math.isfinite(burst) and burst >= 0):
+        raise ValueError(f"burst must be a finite number of bytes ≥ 0, got {burst}")
+    if burst == 0.0:
+        return 0.0
+    if tokens_after_step(burst) >= burst - tolerance:
+        return burst
+    lo, hi = 0.0, burst
+    while hi - lo > tolerance:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if tokens_after_step(mid) >= mid else (lo, mid)
+    return lo
 
 
 @dataclass(frozen=True)
@@ -160,20 +253,33 @@ class Breakdown:
 
 def predict_step_time(compute_s: float, compress_s: float, phases: Phase | Sequence[Phase], *, n: int,
                       bandwidth: float | str, latency: float = DEFAULT_LATENCY,
-                      overlap: bool = False) -> Breakdown:
+                      overlap: bool = False, burst: float = 0.0,
+                      efficiency: Mapping[str, float] | None = None) -> Breakdown:
     """Predicted step time from measured compute and compression times and the α–β exchange cost.
 
     ``overlap=False``: compute, compression and communication run one after the other (sum).
     ``overlap=True``: DDP starts a bucket's exchange while backward is still running, so at best the
     exchange hides behind computation: total = max(compute, communication) + compression (compression
     stays on the critical path). The truth lies between the two; they bound it.
+
+    With a ``burst`` (module doc) the exchange draws on the bucket in its steady state: sequentially the
+    link idles through compute and compression before the exchange; overlapped, it idles for the rest of
+    the step after it.
     """
     for name, value in (("compute_s", compute_s), ("compress_s", compress_s)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number of seconds ≥ 0, got {value}")
-    comm = communication_time(phases, n, bandwidth, latency)
-    total = max(compute_s, comm) + compress_s if overlap else compute_s + compress_s + comm
-    return Breakdown(compute_s, compress_s, comm, total)
+
+    def step(tokens: float) -> tuple[Breakdown, float]:
+        if overlap:
+            comm, left = transfer_seconds(phases, n, bandwidth, latency, tokens, efficiency)
+            total = max(compute_s, comm) + compress_s
+            return Breakdown(compute_s, compress_s, comm, total), refill(left, total - comm, bandwidth, burst)
+        start = refill(tokens, compute_s + compress_s, bandwidth, burst)
+        comm, left = transfer_seconds(phases, n, bandwidth, latency, start, efficiency)
+        return Breakdown(compute_s, compress_s, comm, compute_s + compress_s + comm), left
+
+    return step(steady_tokens(lambda t: step(t)[1], burst))[0]
 
 
 def crossover_bandwidth(compress_s: float, phases: Phase | Sequence[Phase], baseline_compress_s: float,
@@ -220,7 +326,8 @@ class BucketStep:
 
 def predict_bucketed_step(forward_s: float, backward_s: float, buckets: Sequence[BucketStep], *, n: int,
                           bandwidth: float | str, latency: float = DEFAULT_LATENCY,
-                          optimizer_s: float = 0.0) -> Breakdown:
+                          optimizer_s: float = 0.0, burst: float = 0.0,
+                          efficiency: Mapping[str, float] | None = None) -> Breakdown:
     """A step whose exchange overlaps the backward pass bucket by bucket, as DDP's buckets overlap it.
 
     The backward pass computes gradients for ``backward_s`` seconds; bucket b is ready ``ready_s`` into
@@ -239,24 +346,40 @@ def predict_bucketed_step(forward_s: float, backward_s: float, buckets: Sequence
     the closer it comes to the overlapped bound. ``Breakdown.compression`` is Σ (compress + decompress),
     ``Breakdown.communication`` the exchanges' α–β time, ``Breakdown.compute`` forward + backward +
     optimizer.
+
+    With a ``burst`` (module doc) each exchange draws on the link's token bucket, refilled while the link
+    idles (from the step's start, between exchanges, and after the last one until the step ends); the
+    step is priced in its steady state (:func:`steady_tokens`). ``efficiency``: each strategy's fraction
+    of the link rate beyond the bucket (default 1).
     """
     for name, value in (("forward_s", forward_s), ("backward_s", backward_s), ("optimizer_s", optimizer_s)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number of seconds ≥ 0, got {value}")
-    compressing = hook_end = link_free = decoded = 0.0
-    compression = communication = 0.0
-    for bucket in buckets:
-        start = max(bucket.ready_s + compressing, hook_end)
-        hook_end = start + bucket.compress_s
-        compressing += bucket.compress_s
-        comm = communication_time(bucket.phases, n, bandwidth, latency) if bucket.phases else 0.0
-        link_free = max(hook_end, link_free) + comm
-        decoded = max(link_free, decoded) + bucket.decompress_s
-        compression += bucket.compress_s + bucket.decompress_s
-        communication += comm
-    backward = max(backward_s + compressing, decoded)
-    compute = forward_s + backward_s + optimizer_s
-    return Breakdown(compute, compression, communication, forward_s + backward + optimizer_s)
+    buckets = list(buckets)
+
+    def step(tokens: float) -> tuple[Breakdown, float]:
+        compressing = hook_end = link_free = decoded = 0.0
+        compression = communication = 0.0
+        for bucket in buckets:
+            start = max(bucket.ready_s + compressing, hook_end)
+            hook_end = start + bucket.compress_s
+            compressing += bucket.compress_s
+            comm = 0.0
+            if bucket.phases:
+                sending = max(hook_end, link_free)
+                tokens = refill(tokens, sending - link_free, bandwidth, burst)
+                comm, tokens = transfer_seconds(bucket.phases, n, bandwidth, latency, tokens, efficiency)
+                link_free = sending + comm
+            decoded = max(link_free, decoded) + bucket.decompress_s
+            compression += bucket.compress_s + bucket.decompress_s
+            communication += comm
+        backward = max(backward_s + compressing, decoded)
+        compute = forward_s + backward_s + optimizer_s
+        total = forward_s + backward + optimizer_s
+        return (Breakdown(compute, compression, communication, total),
+                refill(tokens, total - link_free, bandwidth, burst))
+
+    return step(steady_tokens(lambda t: step(t)[1], burst))[0]
 
 
 def bandwidth_crossing(step_time: Callable[[float], float], baseline_time: Callable[[float], float], *,
@@ -309,11 +432,13 @@ def measured_breakdown(run: Run) -> Breakdown:
 # -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Observation:
-    """A measured exchange: ``seconds`` spent on ``phases`` among ``n`` workers."""
+    """A measured exchange: ``seconds`` spent on ``phases`` among ``n`` workers (``tokens``: bytes in the
+    link's token bucket when it began, for :func:`fit_efficiency`)."""
 
     phases: Phase | Sequence[Phase]
     n: int
     seconds: float
+    tokens: float = 0.0
 
 
 def fit_latency(observations: Sequence[Observation], bandwidth: float | str) -> float:
@@ -346,6 +471,37 @@ def fit_alpha_beta(observations: Sequence[Observation]) -> tuple[float, float]:
     if seconds_per_bit <= 0:
         raise ValueError("the fitted bandwidth is unbounded: the measured times do not grow with bytes")
     return float(alpha), float(1.0 / seconds_per_bit)
+
+
+def fit_efficiency(observations: Sequence[Observation], bandwidth: float | str,
+                   latency: float = DEFAULT_LATENCY) -> dict[str, float]:
+    """Each strategy's rate beyond the token bucket as a fraction of ``bandwidth`` (the module doc's
+    ``efficiency``), fitted by non-negative least squares: an observation's seconds − messages·α =
+    Σ over its strategies of 8·(bytes beyond its tokens)/R · 1/e, linear in 1/e (the bytes beyond the
+    bucket as :func:`transfer_seconds` draws on it, phase by phase, from ``Observation.tokens``).
+    Strategies whose bytes all fit the bucket carry no information about their rate and are left out,
+    as are those the fit cannot bound."""
+    rate, alpha = _bits_per_second(bandwidth), _check_latency(latency)
+    strategies: list[str] = []
+    rows, times = [], []
+    for o in observations:
+        tokens, messages, row = float(o.tokens), 0.0, {}
+        for phase in _phases(o.phases):
+            cost = phase.cost(o.n)
+            messages += cost.messages
+            row[phase.strategy] = row.get(phase.strategy, 0.0) + 8.0 * max(0.0, cost.nbytes - tokens) / rate
+            tokens = max(0.0, tokens - cost.nbytes)
+        row = {k: v for k, v in row.items() if v > 0}
+        if not row:
+            continue
+        strategies += [k for k in row if k not in strategies]
+        rows.append(row)
+        times.append(o.seconds - messages * alpha)
+    if not rows:
+        raise ValueError("fit_efficiency needs an observation with bytes beyond the token bucket")
+    a = np.array([[row.get(k, 0.0) for k in strategies] for row in rows], dtype=float)
+    inverse, _ = nnls(a, np.array(times, dtype=float))
+    return {k: float(1.0 / x) for k, x in zip(strategies, inverse) if x > 0}
 
 
 def _bits_per_second(bandwidth: float | str) -> float:
