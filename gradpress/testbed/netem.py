@@ -25,6 +25,13 @@ SUBNET = "10.213.0"  # only ever configured inside the namespaces created here
 INTERFACE = "eth0"
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)$", re.I)
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(b|k|kb|m|mb|g|gb|kbit|mbit|gbit)?$", re.I)
+#: tc's size units (iproute2's ``get_size``: binary prefixes for bytes, ``…bit`` for bits)
+_SIZE_UNITS = {"b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2, "g": 1024**3, "gb": 1024**3,
+               "kbit": 1024 / 8, "mbit": 1024**2 / 8, "gbit": 1024**3 / 8}
+#: the token bucket and queue bound of every emulated link (``tbf … burst BURST latency LATENCY``)
+BURST = "256kb"
+QUEUE_LATENCY = "50ms"
 
 
 class NetworkUnavailable(RuntimeError):
@@ -39,6 +46,21 @@ def rate_bits_per_second(rate: str) -> float:
     return float(match[1]) * _UNITS[match[2].lower()]
 
 
+def size_bytes(size: str | float) -> float:
+    """A tc size in bytes: ``"256kb"`` -> 262144 (tc(8): b, k/kb, m/mb, g/gb are bytes with binary
+    prefixes, kbit/mbit/gbit bits); a number is bytes already."""
+    if not isinstance(size, str):
+        value = float(size)
+    else:
+        match = _SIZE.match(size.strip())
+        if not match:
+            raise ValueError(f"size {size!r}: expected bytes or a tc size, e.g. 256kb or 1mb")
+        value = float(match[1]) * _SIZE_UNITS[(match[2] or "b").lower()]
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(f"size {size!r}: expected a finite number of bytes ≥ 0")
+    return value
+
+
 @dataclass(frozen=True)
 class Star:
     """A built star: ``namespaces[i]`` holds worker i at ``addresses[i]`` on its ``eth0``."""
@@ -47,6 +69,14 @@ class Star:
     namespaces: tuple[str, ...]
     addresses: tuple[str, ...]
     rate: str
+    burst: str = BURST
+    latency: str = QUEUE_LATENCY
+
+    def settings(self) -> dict[str, object]:
+        """What a run records of its links (``Run.info["network"]``): the tbf on both ends of each link,
+        and its bucket in bytes (what the cost model's ``burst`` takes)."""
+        return {"qdisc": "tbf", "rate": self.rate, "burst": self.burst, "burst_bytes": size_bytes(self.burst),
+                "latency": self.latency}
 
     def command(self, rank: int, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside worker ``rank``'s namespace."""
@@ -110,7 +140,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def build(workers: int, rate: str, burst: str = "256kb", latency: str = "50ms") -> Star:
+def build(workers: int, rate: str, burst: str = BURST, latency: str = QUEUE_LATENCY) -> Star:
     """Create the star; on any failure, delete what was created and raise :class:`NetworkUnavailable`."""
     check_available()
     rate_bits_per_second(rate)  # validate before touching anything
@@ -141,11 +171,12 @@ def build(workers: int, rate: str, burst: str = "256kb", latency: str = "50ms") 
     except BaseException:
         delete(created)
         raise
-    return Star(bridge, names, addresses, rate)
+    return Star(bridge, names, addresses, rate, burst, latency)
 
 
 @contextlib.contextmanager
-def emulated_star(workers: int, rate: str, burst: str = "256kb", latency: str = "50ms") -> Iterator[Star]:
+def emulated_star(workers: int, rate: str, burst: str = BURST,
+                  latency: str = QUEUE_LATENCY) -> Iterator[Star]:
     """Build the star for the duration of a ``with`` block and delete it afterwards, whatever happens.
 
     SIGTERM is turned into an exception while the block runs, so ``kill`` cleans up like Ctrl-C does.

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -103,12 +103,16 @@ def train(config: TrainConfig, json_path: str | Path | None = None, progress: bo
     data.fetch(config.data)  # once, here: workers only load
     with tempfile.TemporaryDirectory(prefix="gradpress-train-") as scratch:
         result = Path(scratch) / "run.json"
+        network = None
         if config.bandwidth is None:
             _launch(config, result, progress, address="127.0.0.1", port=_free_port(), star=None)
         else:
             with netem.emulated_star(config.workers, config.bandwidth) as star:
                 _launch(config, result, progress, address=star.addresses[0], port=PORT, star=star)
+            network = star.settings()
         run = Run.from_json(result.read_text())
+        if network is not None:  # the links' tbf settings, for the cost model's token bucket
+            run = replace(run, info={**run.info, "network": network})
     if json_path is not None:
         run.save(json_path)
     return run
