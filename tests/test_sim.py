@@ -10,6 +10,7 @@ import torch
 from gradpress.cli import main
 from gradpress.testbed import data as D
 from gradpress.testbed import sim as S
+from gradpress.testbed.costmodel import Phase
 from gradpress.testbed.results import Eval, Run, Step, save_runs
 from numerics import eps
 from synthetic import synthetic_images
@@ -122,15 +123,17 @@ def test_training_leaves_the_global_rng_alone_and_rejects_tiny_shards():
 
 # -- the cost model against runs ---------------------------------------------------------------------
 def run(compressor: str, step_s: float, compress_s: float = 0.0, comm_s: float = 0.0, nbytes: int = 0,
-        workers: int = 2, bandwidth: str | None = "100mbit", count: int = 11, batch: int = 32) -> Run:
-    """A run of ``count`` equal steps of ``step_s`` seconds (mean_step_s == step_s exactly)."""
+        workers: int = 2, bandwidth: str | None = "100mbit", count: int = 11, batch: int = 32,
+        burst: float = 0.0) -> Run:
+    """A run of ``count`` equal steps of ``step_s`` seconds (mean_step_s == step_s exactly) over links
+    with a token bucket of ``burst`` bytes (0: a plain link)."""
     steps = [Step(step=i + 1, epoch=0, wall_s=(i + 1) * step_s, compute_s=step_s - compress_s,
                   compress_s=compress_s, comm_s=comm_s, bytes_sent=nbytes, samples=batch * workers)
              for i in range(count)]
     evals = [Eval(epoch=0, step=count, wall_s=count * step_s, bytes_total=nbytes * count, metric="accuracy",
                   value=0.5, higher_is_better=True, loss=1.0)]
     return Run(compressor, "mlp-wide", "fashion-mnist", workers, bandwidth, 0, tuple(steps), tuple(evals),
-               {"batch_size": batch})
+               {"batch_size": batch, "network": {"burst_bytes": burst}})
 
 
 NOOP = run("noop", 0.05)
@@ -165,6 +168,30 @@ def test_checks_give_the_closed_form_numbers():
     with_latency = {c.prediction.label: c.prediction for c in S.check_runs(RUNS, latency=1e-3)}
     assert with_latency["torch-allreduce"].sequential.total == pytest.approx(0.132)
     assert with_latency["topk:ratio=0.01"].sequential.total == pytest.approx(0.0626)
+
+
+def test_runs_are_priced_at_their_bytes_on_the_link_through_their_token_bucket():
+    # THC's packet holds 4-bit indices; its all-reduce carries them as 8-bit table sums: twice the bytes
+    thc = run("thc", 0.2, compress_s=0.01, nbytes=1_000_000)
+    phases = S.link_phases(thc, "allreduce", thc.bytes_per_step, 2)
+    assert sum(p.nbytes for p in phases) == pytest.approx(2_000_000, rel=0.01)
+    priced = S.check_runs([thc, NOOP], latency=0.0)[0].prediction
+    assert priced.sequential.communication == pytest.approx(0.16, rel=0.01)  # 2 MB each way at 100 Mbit/s
+    # an all-gather's packets travel as they are; PyTorch's hooks at their own bytes
+    assert S.link_phases(TOPK, "allgather", 20_000, 2) == [Phase("allgather", 20_000)]
+    assert S.link_phases(ALLREDUCE, "allreduce", 1e6, 2) == [Phase("allreduce", 1e6)]
+    # the bucket a run recorded; the testbed's tbf (256kb = 262144 B) for an emulated run that recorded
+    # none; none over loopback
+    assert S.burst_of(run("noop", 0.1, burst=1000.0)) == 1000.0
+    old = Run("noop", "mlp", "fashion-mnist", 2, "100mbit", 0, NOOP.steps, (), {})
+    assert S.burst_of(old) == 262144.0
+    assert S.burst_of(run("noop", 0.1, bandwidth=None, burst=5.0)) == 0.0
+    # through it: compute 50 ms idles the link long enough to fill the bucket, so 1 MB − 262144 B wait
+    # for the rate (100 Mbit/s)
+    bursty = run("torch-allreduce", 0.14, comm_s=0.09, nbytes=1_000_000, burst=262144.0)
+    p = S.check_runs([bursty, NOOP], latency=0.0)[0].prediction
+    assert p.sequential.communication == pytest.approx(8 * (1_000_000 - 262144) / 1e8)
+    assert p.sequential.total == pytest.approx(0.05 + 8 * (1_000_000 - 262144) / 1e8)
 
 
 def test_without_a_noop_run_compute_is_step_minus_compression_and_communication():

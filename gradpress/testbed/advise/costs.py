@@ -3,6 +3,7 @@ and decompress times through :class:`gradpress.Simulator`, ``Packet.nbytes``, an
 carry each bucket."""
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -146,6 +147,36 @@ def transfers_of(compressor: Any, items: Sequence[tuple[str, torch.Tensor]], wor
         own = sum(p.nbytes for p in packets) if packet_bytes is None else packet_bytes
         transfers.append(Transfer("allgather", own + (1 if fixed else 0)))  # + the fault-flag byte
     return tuple(transfers)
+
+
+@functools.lru_cache(maxsize=256)
+def _link_ratios(spec: str, n: int, seed: int = 0) -> tuple[tuple[str, float], ...]:
+    """Bytes each strategy carries among ``n`` workers per byte of ``Packet.nbytes``, read from
+    :func:`transfers_of` on one synthetic 256 × 256 gradient (the same rule the ranking prices)."""
+    import gradpress
+
+    compressor = gradpress.make(spec)
+    grad = torch.randn(256, 256, generator=torch.Generator().manual_seed(seed))
+    items = [("weight", grad)]
+    from gradpress.rng import Context
+
+    packet = compressor.compress(grad.clone(), Context(seed, 0, "weight", 0)).nbytes
+    if compressor.exchange == "allgather":  # the packets travel as packed (headers: a few bytes a bucket)
+        return (("allgather", 1.0),)
+    ratios: dict[str, float] = {}
+    for transfer in transfers_of(compressor, items, n, seed):
+        phase = transfer.phase(n)
+        ratios[phase.strategy] = ratios.get(phase.strategy, 0.0) + phase.nbytes / packet
+    return tuple(ratios.items())
+
+
+def link_phases(spec: str, packet_bytes: float, n: int) -> list[Phase]:
+    """The collectives that carry ``packet_bytes`` of ``spec``'s packets per worker among ``n`` workers,
+    by the rule the ranking prices measured buckets with (:func:`transfers_of`: summands widened for n
+    workers' sums — THC's 4-bit indices travel as 8-bit table values, twice the packet —, an all-gather's
+    packets and sizes, a preliminary exchange), in proportion to ``Packet.nbytes``: what ``sim cost``
+    prices a measured run's bytes per step with."""
+    return [Phase(strategy, ratio * packet_bytes) for strategy, ratio in _link_ratios(spec, n)]
 
 
 def measure_method(spec: str, profile: ComputeProfile, grads: Sequence[Mapping[str, torch.Tensor]], *,

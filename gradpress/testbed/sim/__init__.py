@@ -69,9 +69,12 @@ Three questions the multi-process testbed cannot afford to ask at scale:
 
     Known limits: the all-gather decodes n packets, so its decompression time grows with n, but a run
     records compression and decompression as one time, which the prediction keeps fixed at other n
-    (an underestimate for all-gather methods at large n); bytes are the packets' (``Packet.nbytes``),
-    not widened integer sums (THC past 8 workers) or TCP/IP headers; a multi-phase method (CLT-k's
-    broadcast, then all-reduce) is priced as one strategy.
+    (an underestimate for all-gather methods at large n); bytes are those on the link by the rule
+    ``advise`` prices with (:func:`~gradpress.testbed.sim.cost.link_phases`: an all-reduce's summands
+    widened for n workers' sums, so THC's 4-bit packet counts twice, as 8-bit table sums), not TCP/IP
+    headers; the links are the runs' own, with the token bucket of their tbf
+    (:func:`~gradpress.testbed.sim.cost.burst_of`, :mod:`~gradpress.testbed.costmodel`); the table above
+    predates both.
 
 The package holds one mode each: :mod:`~gradpress.testbed.sim.aggregate` (``nmse``),
 :mod:`~gradpress.testbed.sim.quality` (``quality``), :mod:`~gradpress.testbed.sim.cost` (``cost``), their
@@ -85,9 +88,9 @@ from gradpress.testbed.sim.aggregate import (DEFAULT_WORKERS, DISTRIBUTIONS, ROU
                                              worker_vectors)
 from gradpress.testbed.sim.command import add_parser
 from gradpress.testbed.sim.common import Progress
-from gradpress.testbed.sim.cost import (REFERENCE_STRATEGIES, Check, Crossover, Prediction, check_runs,
-                                        compute_time, cross_checks, crossovers, fit_run_latency,
-                                        load_results, predict, render_checks, render_crossovers,
+from gradpress.testbed.sim.cost import (REFERENCE_STRATEGIES, Check, Crossover, Prediction, burst_of,
+                                        check_runs, compute_time, cross_checks, crossovers, fit_run_latency,
+                                        link_phases, load_results, predict, render_checks, render_crossovers,
                                         render_what_if, strategy_of, what_if)
 from gradpress.testbed.sim.quality import (QualityPoint, _endless_batches, _worker_gradients, plot_quality,
                                            render_quality, train_simulated)

@@ -33,6 +33,34 @@ def _phases(strategy: str | None, nbytes: float) -> list[Phase]:
     return [] if strategy is None else [Phase(strategy, nbytes)]
 
 
+def link_phases(run: Run, strategy: str | None, nbytes: float, workers: int) -> list[Phase]:
+    """What carries ``nbytes`` of ``run``'s packets per worker among ``workers``: for a gradpress method
+    in its collective mode, the bytes on the link by the rule ``advise`` prices with
+    (:func:`gradpress.testbed.advise.costs.link_phases`: THC's 4-bit packet is all-reduced as 8-bit sums,
+    twice its bytes); otherwise (PyTorch's hooks, a server mode, another ``strategy``) one
+    :class:`Phase` of ``strategy`` on the packet bytes."""
+    if (strategy is not None and run.compressor not in REFERENCE_STRATEGIES
+            and strategy == strategy_of(run) and strategy in ("allreduce", "allgather")):
+        from gradpress.testbed.advise.costs import link_phases as priced
+
+        return priced(run.compressor, nbytes, workers)
+    return _phases(strategy, nbytes)
+
+
+def burst_of(run: Run) -> float:
+    """The token bucket (bytes) of ``run``'s links: what it recorded (``info["network"]["burst_bytes"]``,
+    :meth:`gradpress.testbed.netem.Star.settings`), else, for a run over the emulated star, the tbf burst
+    the testbed has always built it with (:data:`gradpress.testbed.netem.BURST`); 0 over loopback."""
+    from gradpress.testbed import netem
+
+    if run.bandwidth is None:
+        return 0.0
+    network = run.info.get("network") or {}
+    if "burst_bytes" in network:
+        return float(network["burst_bytes"])
+    return netem.size_bytes(network.get("burst", netem.BURST))
+
+
 def compute_time(run: Run, runs: Sequence[Run]) -> tuple[float, str]:
     """Seconds of ``run``'s step without communication or compression, and where the figure comes from:
     the mean step of a ``noop`` run of the same model, data, workers and batch (preferably over the same
@@ -93,8 +121,8 @@ def predict(run: Run, runs: Sequence[Run], workers: int, bandwidth: str, latency
     """``run``'s step at ``workers`` and ``bandwidth`` (``strategy``: ``"auto"`` = :func:`strategy_of`)."""
     strategy = strategy_of(run) if strategy == "auto" else strategy
     base, source = compute_time(run, runs)
-    phases = _phases(strategy, run.bytes_per_step)
-    common = {"n": workers, "bandwidth": bandwidth, "latency": latency}
+    phases = link_phases(run, strategy, run.bytes_per_step, workers)
+    common = {"n": workers, "bandwidth": bandwidth, "latency": latency, "burst": burst_of(run)}
     per_worker = run.steps[-1].samples / run.workers
     return Prediction(run.compressor, workers, bandwidth, strategy, source, run.bytes_per_step, latency,
                       costmodel.predict_step_time(base, run.mean_compress_s, phases, overlap=False, **common),
@@ -203,9 +231,20 @@ def crossovers(runs: Sequence[Run], latency: float) -> list[Crossover]:
         if not same:
             continue
         base = same[0]
-        speed = costmodel.crossover_bandwidth(run.mean_compress_s, _phases(strategy, run.bytes_per_step),
-                                              base.mean_compress_s, _phases("allreduce", base.bytes_per_step),
-                                              n=run.workers, latency=latency)
+        phases = link_phases(run, strategy, run.bytes_per_step, run.workers)
+        base_phases = _phases("allreduce", base.bytes_per_step)
+        burst = burst_of(run)
+        if burst:  # no closed form through a token bucket: the sequential steps' crossing, numerically
+            compute, _ = compute_time(run, runs)
+            common = {"n": run.workers, "latency": latency, "burst": burst}
+            speed = costmodel.bandwidth_crossing(
+                lambda bw: costmodel.predict_step_time(compute, run.mean_compress_s, phases, bandwidth=bw,
+                                                       **common).total,
+                lambda bw: costmodel.predict_step_time(compute, base.mean_compress_s, base_phases,
+                                                       bandwidth=bw, **common).total)
+        else:
+            speed = costmodel.crossover_bandwidth(run.mean_compress_s, phases, base.mean_compress_s,
+                                                  base_phases, n=run.workers, latency=latency)
         out.append(Crossover(run.compressor, run.workers, run.mean_compress_s, run.bytes_per_step, speed))
     return out
 
