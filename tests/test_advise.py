@@ -152,12 +152,16 @@ def realistic_methods(prof: A.ComputeProfile, rng: random.Random, n: int) -> lis
     return out
 
 
+@pytest.mark.parametrize("burst", [0.0, 256 * 1024])
 @pytest.mark.parametrize("case", range(12))
-def test_predicted_speedup_never_rises_with_link_speed(case):
+def test_predicted_speedup_never_rises_with_link_speed(case, burst):
     """Over every method (its bytes, at most the uncompressed all-reduce's; compression and decoding ≥ 1 ms,
     more than the latency an all-gather's fewer messages save at n ≤ 8), on profiles whose buckets
     reach the hook at the end of the backward pass (one or several, the link and the decoding pipelined),
-    the speed-up over torch-allreduce never rises from one link speed to a faster one."""
+    the speed-up over torch-allreduce never rises from one link speed to a faster one, on a plain link
+    and through the testbed's token bucket (tbf burst 256kb). Through a bucket, a step bound by the link
+    hides compression in the bucket's refill, so only bytes and messages count there and an all-gather's
+    fewer messages may gain α·(n − 1) (a few parts per million here): that variant prices α = 0."""
     rng = random.Random(case)
     n = rng.choice([2, 3, 4, 8])
     backward = rng.uniform(1, 100) * MS
@@ -167,9 +171,11 @@ def test_predicted_speedup_never_rises_with_link_speed(case):
     grid = np.geomspace(*A.PLOT_RANGE, 60)
     base = A.baseline_cost(prof)
     for cost in realistic_methods(prof, rng, n):
-        speedups = [A.speedup_at(prof, cost, float(bw), n=n, latency=1e-4, baseline=base) for bw in grid]
+        speedups = [A.speedup_at(prof, cost, float(bw), n=n, latency=0.0 if burst else 1e-4, baseline=base,
+                                 burst=burst)
+                    for bw in grid]
         rises = [(f"{grid[i]:.3g}", a, b) for i, (a, b) in enumerate(zip(speedups, speedups[1:]))
-                 if b > a * (1 + 1e-12)]
+                 if b > a * (1 + (1e-9 if burst else 1e-12))]  # bisection of the tokens: 1e-6 bytes
         assert not rises, (cost.spec, rises[:3])
 
 
@@ -228,12 +234,14 @@ def test_quality_steps_to_target_interpolate_between_checkpoints():
     assert A.checkpoints(7) == [1, 2, 3, 4, 5, 6, 7] and A.checkpoints(100)[-1] == 100
 
 
-def measured_run(compressor: str, step_s: float, bandwidth: str | None = "100mbit", workers: int = 2):
+def measured_run(compressor: str, step_s: float, bandwidth: str | None = "100mbit", workers: int = 2,
+                 comm_s: float = 0.0, burst: float = 0.0):
     from gradpress.testbed.results import Run, Step
 
-    steps = tuple(Step(step=i + 1, epoch=0, wall_s=(i + 1) * step_s, compute_s=step_s, compress_s=0.0,
-                       comm_s=0.0, bytes_sent=0, samples=32 * workers) for i in range(11))
-    return Run(compressor, "mlp-wide", "fashion-mnist", workers, bandwidth, 0, steps, (), {"batch_size": 32})
+    steps = tuple(Step(step=i + 1, epoch=0, wall_s=(i + 1) * step_s, compute_s=step_s - comm_s,
+                       compress_s=0.0, comm_s=comm_s, bytes_sent=0, samples=32 * workers) for i in range(11))
+    return Run(compressor, "mlp-wide", "fashion-mnist", workers, bandwidth, 0, steps, (),
+               {"batch_size": 32, "network": {"burst_bytes": burst}})
 
 
 def test_checked_against_measured_runs():
@@ -260,6 +268,37 @@ def test_checked_against_measured_runs():
     ranked = [c for c in checks.values() if c.spec != "noop"]
     assert [c.spec for c in sorted(ranked, key=lambda c: c.predicted_rank)] == ["tiny", "half", A.BASELINE]
     assert [c.measured_rank for c in sorted(ranked, key=lambda c: c.measured_s)] == [1, 2, 3]
+
+
+def test_the_check_prices_each_runs_link_with_rates_fitted_from_the_other_runs():
+    """Runs through the testbed's token bucket whose collectives ran at 0.6 (all-gather) and 0.95
+    (all-reduce) of the link's rate: each run is predicted with the rates fitted from the others (its own
+    step left out), which recover them, so every prediction is the measurement."""
+    burst, truth = 262144.0, {"allgather": 0.6, "allreduce": 0.95}
+    prof = profile(buckets=((0.03, 12e6),))
+    costs = [method("quarter", prof, 0.25, 8 * MS), method("half", prof, 0.5, 4 * MS),
+             method("tenth", prof, 0.1, 2 * MS)]
+    link = {"n": 2, "bandwidth": "100mbit", "latency": 1e-4, "burst": burst}
+    runs = []
+    for cost in [*costs, A.baseline_cost(prof)]:
+        step = A.predict(prof, cost, efficiency=truth, **link)
+        runs.append(measured_run(cost.spec, step.total, comm_s=step.communication, burst=burst))
+    advice = A.Advice("m", "random", 2, 1e-4, ["100mbit"], prof, costs, {}, {})
+    checks = {c.spec: c for c in A.check_against(advice, runs)}
+    assert checks["quarter"].efficiency == pytest.approx(truth)
+    assert checks[A.BASELINE].efficiency == pytest.approx({"allgather": 0.6})  # no other all-reduce run
+    for c in checks.values():
+        assert c.burst == burst
+        if c.spec != A.BASELINE:
+            assert c.relative_error == pytest.approx(0.0, abs=1e-9), c.spec
+    # a plain link at the full rate is off by the rates, and the bucket's bytes
+    plain = {c.spec: c for c in A.check_against(advice, runs, fit_rates=False)}
+    assert plain["half"].relative_error < -0.2
+    # --burst and --efficiency override what the runs recorded and the fit
+    forced = A.Advice("m", "random", 2, 1e-4, ["100mbit"], prof, costs, {}, {}, burst=1.0,
+                      efficiency={"allgather": 1.0})
+    assert {c.burst for c in A.check_against(forced, runs)} == {1.0}
+    assert A.check_against(forced, runs)[0].efficiency["allgather"] == 1.0
 
 
 # -- the command --------------------------------------------------------------------------------------

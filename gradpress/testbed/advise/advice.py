@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from gradpress import cli
 from gradpress.testbed import costmodel
@@ -68,6 +68,8 @@ class Advice:
     steps_to_target: dict[str, float | None] | None = None
     quality_note: str | None = None
     measure_seconds: float = 0.0
+    burst: float = 0.0
+    efficiency: dict[str, float] = field(default_factory=dict)
 
     def best(self, bandwidth: str) -> Ranked:
         return self.rankings[bandwidth][0]
@@ -77,9 +79,12 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
            bandwidths: Sequence[str] = ("100mbit",), latency: float = costmodel.DEFAULT_LATENCY,
            repeats: int = 5, quality_steps: int | None = None, quality_workers: int | None = None,
            tolerance: float | None = None, bucket_cap_mb: float = 25.0, seed: int = 0, threads: int = 1,
-           progress: Progress = _quiet, use_ddp: bool = True) -> Advice:
-    """Profile ``workload``, measure every spec, rank them at every bandwidth (package doc). A spec that
-    fails to measure is left out with its reason (``Advice.skipped``)."""
+           progress: Progress = _quiet, use_ddp: bool = True, burst: float = 0.0,
+           efficiency: Mapping[str, float] | None = None) -> Advice:
+    """Profile ``workload``, measure every spec, rank them at every bandwidth (package doc) through links
+    with a token bucket of ``burst`` bytes and ``efficiency`` per strategy
+    (:mod:`~gradpress.testbed.costmodel`; default: a plain link at its rate). A spec that fails to
+    measure is left out with its reason (``Advice.skipped``)."""
     started = time.perf_counter()
     simulated = min(2, workers)
     progress("profiling compute and DDP's buckets")
@@ -104,13 +109,14 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
             to_target = {c.spec: steps_to_reach(c, target) for c in curves}
             to_target[BASELINE] = to_target[QUALITY_REFERENCE]
             costs = [c for c in costs if c.spec in to_target]
-    rankings = {bw: rank(profile, costs, n=workers, bandwidth=bw, latency=latency, steps_to_target=to_target)
+    link = {"latency": latency, "burst": burst, "efficiency": dict(efficiency or {})}
+    rankings = {bw: rank(profile, costs, n=workers, bandwidth=bw, steps_to_target=to_target, **link)
                 for bw in bandwidths}
     base = baseline_cost(profile)
-    crossings = {c.spec: crossover(profile, c, n=workers, latency=latency, baseline=base) for c in costs}
+    crossings = {c.spec: crossover(profile, c, n=workers, baseline=base, **link) for c in costs}
     return Advice(workload.label, workload.source, workers, latency, list(bandwidths), profile, costs,
                   rankings, crossings, skipped, curves, target, to_target, note,
-                  time.perf_counter() - started)
+                  time.perf_counter() - started, burst, dict(efficiency or {}))
 
 
 def _quality_runs(workload: Workload, measured: Sequence[str], steps: int, workers: int, seed: int,

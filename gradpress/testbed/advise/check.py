@@ -2,11 +2,12 @@
 link rate (see :mod:`gradpress.testbed.advise`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from gradpress.testbed import costmodel
 from gradpress.testbed.advise.advice import Advice
-from gradpress.testbed.advise.costs import BASELINE, baseline_cost
+from gradpress.testbed.advise.costs import BASELINE, MethodCost, baseline_cost
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.ranking import predict
 
@@ -24,6 +25,8 @@ class Checked:
     predicted_rank: int | None
     measured_rank: int | None
     with_noop_s: float | None = None
+    burst: float = 0.0
+    efficiency: dict[str, float] = field(default_factory=dict)
 
     @property
     def relative_error(self) -> float:
@@ -42,35 +45,93 @@ def scaled(profile: ComputeProfile, compute_s: float) -> ComputeProfile:
                    buckets=tuple(replace(b, ready_s=b.ready_s * k) for b in profile.buckets))
 
 
-def check_against(advice: Advice, runs: Sequence[Any]) -> list[Checked]:
+def check_against(advice: Advice, runs: Sequence[Any], fit_rates: bool = True) -> list[Checked]:
     """Every run of ``runs`` (:class:`~gradpress.testbed.results.Run`) over an emulated link whose method
     the advice priced (and ``noop``), predicted at the run's n and rate; ranks by samples/s among the
     checked runs (``torch-allreduce`` included). Where a ``noop`` run of the same n and link is among them,
     ``with_noop_s`` is the prediction with the profile's compute scaled to that run's step (``sim cost``'s
     compute): it separates the communication and compression model from a machine that computed at
-    another speed while ``compare`` ran."""
+    another speed while ``compare`` ran.
+
+    The links are the runs' own (:mod:`~gradpress.testbed.costmodel`'s two link terms): the token bucket
+    the run recorded (:func:`gradpress.testbed.sim.cost.burst_of`; the testbed's tbf for runs from before
+    it was recorded), unless ``advise --burst`` gave one; and, with ``fit_rates``, each strategy's rate
+    beyond the bucket fitted (:func:`~gradpress.testbed.costmodel.fit_efficiency`) from the *other*
+    checked runs of the same n and link (:func:`rates_from_runs`), so no run's own step enters its
+    prediction; ``advise --efficiency`` overrides the fit per strategy."""
+    from gradpress.testbed.sim.cost import burst_of
+
     by_spec = {c.spec: c for c in advice.costs}
     base = baseline_cost(advice.profile)
     noop = {(run.workers, run.bandwidth): run.mean_step_s for run in runs if run.compressor == "noop"}
+
+    def cost_of(spec: str) -> MethodCost | None:
+        return base if spec == BASELINE else by_spec.get(spec)
+
     rows = []
     for run in runs:
         priced = run.compressor in by_spec or run.compressor in (BASELINE, "noop")
         if run.bandwidth is None or not priced:
             continue
         compute = noop.get((run.workers, run.bandwidth))
+        burst = advice.burst or burst_of(run)
+        rates: dict[str, float] = {}
         if run.compressor == "noop":
             predicted, with_noop = advice.profile.compute_s, None
         else:
-            cost = base if run.compressor == BASELINE else by_spec[run.compressor]
-            common = {"n": run.workers, "bandwidth": run.bandwidth, "latency": advice.latency}
+            cost = cost_of(run.compressor)
+            same_link = (run.workers, run.bandwidth)
+            others = [r for r in runs if r is not run and (r.workers, r.bandwidth) == same_link
+                      and cost_of(r.compressor) is not None]
+            if fit_rates:
+                rates = rates_from_runs(advice.profile, [(r, cost_of(r.compressor)) for r in others],
+                                        latency=advice.latency, burst=burst)
+            rates.update(advice.efficiency)
+            common = {"n": run.workers, "bandwidth": run.bandwidth, "latency": advice.latency, "burst": burst,
+                      "efficiency": rates}
             predicted = predict(advice.profile, cost, **common).total
             with_noop = (None if compute is None
                          else predict(scaled(advice.profile, compute), cost, **common).total)
-        rows.append((run.compressor, run.workers, run.bandwidth, predicted, run.mean_step_s, with_noop))
+        rows.append((run.compressor, run.workers, run.bandwidth, predicted, run.mean_step_s, with_noop, burst,
+                     rates))
     ranked = [r for r in rows if r[0] != "noop"]
     by_prediction = {r[:3]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[3]), start=1)}
     by_measurement = {r[:3]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[4]), start=1)}
-    return [Checked(*r[:5], by_prediction.get(r[:3]), by_measurement.get(r[:3]), r[5]) for r in rows]
+    return [Checked(*r[:5], by_prediction.get(r[:3]), by_measurement.get(r[:3]), *r[5:]) for r in rows]
+
+
+def rates_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost]], *, latency: float,
+                    burst: float) -> dict[str, float]:
+    """Each strategy's rate beyond the token bucket, as a fraction of the link's, fitted from measured runs
+    (each with the method's priced costs): the run's mean time in collectives per step against the bytes
+    its collectives carry on the link beyond the tokens its idle time per step (step − communication)
+    refilled (:func:`~gradpress.testbed.costmodel.fit_efficiency`). Runs of one worker, without a link or
+    whose bytes beyond the bucket are fewer than the bucket holds are left out: a rate shows in bytes
+    that wait for tokens, and the few milliseconds of a small remainder are lost among what else a
+    measured collective waits for (the other rank's compute and compression, latency). {} when none is
+    left."""
+    observations = []
+    for run, cost in runs:
+        if run.workers < 2 or run.bandwidth is None or run.mean_comm_s <= 0:
+            continue
+        phases = [phase for step in cost.steps(profile, run.workers) for phase in step.phases]
+        if not phases:
+            continue
+        idle = max(0.0, run.mean_step_s - run.mean_comm_s)
+        tokens = costmodel.refill(0.0, idle, run.bandwidth, burst)
+        beyond = costmodel.transfer_seconds(phases, run.workers, run.bandwidth, 0.0, tokens)[0]
+        if beyond * costmodel.rate_bits_per_second(run.bandwidth) / 8.0 < burst:
+            continue
+        observed = costmodel.Observation(phases, run.workers, run.mean_comm_s, tokens)
+        observations.append((run.bandwidth, observed))
+    rates: dict[str, float] = {}
+    for bandwidth in sorted({bw for bw, _ in observations}):
+        chosen = [o for bw, o in observations if bw == bandwidth]
+        try:
+            rates.update(costmodel.fit_efficiency(chosen, bandwidth, latency))
+        except ValueError:
+            continue
+    return rates
 
 
 def render_checks(checks: Sequence[Checked]) -> Any:
@@ -79,14 +140,17 @@ def render_checks(checks: Sequence[Checked]) -> Any:
     table = Table(title="predicted against measured (compare's mean steady-state step; ranks by samples/s "
                         "among these runs; noop: the profile's compute)")
     noop = any(c.with_noop_s is not None for c in checks)
-    columns = ["method", "n", "link", "predicted ms", "measured ms", "error", "rank pred.", "rank meas."]
+    columns = ["method", "n", "link", "bucket", "rates (others' fit)", "predicted ms", "measured ms", "error",
+               "rank pred.", "rank meas."]
     if noop:
         columns += ["pred. with noop's compute", "error"]
     for column in columns:
         table.add_column(column, justify="left" if column == "method" else "right",
                          no_wrap=column == "method")
     for c in checks:
-        cells = [c.spec, str(c.workers), c.bandwidth, f"{c.predicted_s * 1e3:.1f}",
+        rates = ", ".join(f"{k} {v:.2f}" for k, v in sorted(c.efficiency.items())) or "1"
+        cells = [c.spec, str(c.workers), c.bandwidth, f"{c.burst / 1024:.0f} KiB" if c.burst else "none",
+                 rates if c.spec != "noop" else "", f"{c.predicted_s * 1e3:.1f}",
                  f"{c.measured_s * 1e3:.1f}", f"{c.relative_error:+.1%}", str(c.predicted_rank or ""),
                  str(c.measured_rank or "")]
         if noop:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from dataclasses import asdict
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from gradpress import cli
-from gradpress.testbed import costmodel
+from gradpress.testbed import costmodel, netem
 from gradpress.testbed.advise.advice import DEMO, Advice, advise, candidates
 from gradpress.testbed.advise.check import Checked, check_against, render_checks
 from gradpress.testbed.advise.output import describe_profile, plot, render, summary_lines, to_json
@@ -58,6 +59,29 @@ def _rates(text: str) -> list[str]:
     return [cli.rate(rate) for rate in rates]
 
 
+def _burst(text: str) -> float:
+    try:
+        return netem.size_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _efficiency(text: str) -> dict[str, float]:
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        try:
+            fraction = float(value)
+        except ValueError:
+            fraction = math.nan
+        if name not in costmodel.STRATEGIES or not (0 < fraction <= 1):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected STRATEGY=F with F in (0, 1] and STRATEGY one of "
+                f"{', '.join(costmodel.STRATEGIES)}")
+        out[name] = fraction
+    return out
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from gradpress.testbed import advise as package
     from gradpress.testbed.data import dataset_names
@@ -78,6 +102,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"link rates per worker, comma-separated (default {DEFAULT_BANDWIDTHS})")
     p.add_argument("--latency", type=cli.non_negative_float, default=costmodel.DEFAULT_LATENCY,
                    help=f"per-message latency α in seconds (default {costmodel.DEFAULT_LATENCY:g})")
+    p.add_argument("--burst", type=_burst, default=0.0, metavar="SIZE",
+                   help="the links' token bucket, e.g. 256kb (a tc size or bytes; tc tbf's burst): up to "
+                        "this many bytes cross at once after an idle moment (default 0: a plain link; "
+                        "--check takes each run's recorded one unless given)")
+    p.add_argument("--efficiency", type=_efficiency, default={}, metavar="STRATEGY=F[,...]",
+                   help="a collective's rate beyond the bucket as a fraction of the link's, e.g. "
+                        "allgather=0.65 (default 1; --check fits it from the other runs)")
     p.add_argument("--compressors", type=cli.compressor_list(keywords=("default", "demo")), default="default",
                    help="comma-separated specs; 'default': every registered method at its defaults and "
                         "top-k/random-k at ratios 0.1 and 0.001; 'demo': " + ",".join(DEMO))
@@ -210,7 +241,8 @@ def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> 
                 bar.update(task, description=what[:70])
 
             return advise(workload, specs, workers=args.workers, bandwidths=args.bandwidth,
-                          latency=args.latency, repeats=args.repeats, quality_steps=args.quality_steps,
+                          latency=args.latency, burst=args.burst, efficiency=args.efficiency,
+                          repeats=args.repeats, quality_steps=args.quality_steps,
                           quality_workers=args.quality_workers, tolerance=args.tolerance,
                           bucket_cap_mb=args.bucket_cap_mb, seed=args.seed, threads=args.threads,
                           progress=progress)

@@ -62,7 +62,12 @@ def render(advice: Advice) -> Any:
     first = advice.bandwidths[0]
     quality = advice.steps_to_target is not None
     by = "predicted time to target" if quality else "predicted step time"
-    table = Table(title=f"gradpress advise: {advice.workers} workers, α = {advice.latency * 1e3:.3g} ms; "
+    link = f"α = {advice.latency * 1e3:.3g} ms"
+    if advice.burst:
+        link += f", token bucket {advice.burst:.0f} B"
+    if advice.efficiency:
+        link += ", rate " + ", ".join(f"{k} {v:.2f}×" for k, v in sorted(advice.efficiency.items()))
+    table = Table(title=f"gradpress advise: {advice.workers} workers, {link}; "
                         f"ranked by {by} at {first} (speed-up: over {BASELINE}'s samples/s"
                         f"{'; time to target' if quality else ''})")
     for column in ("#", "method", "exchange", "bytes/step", "sent/link", "compr. ms"):
@@ -132,7 +137,8 @@ def to_json(advice: Advice, setting: Mapping[str, Any] | None = None) -> dict[st
     return {
         "setting": dict(setting or {}),
         "workload": advice.workload, "data": advice.source, "workers": advice.workers,
-        "latency": advice.latency, "bandwidths": advice.bandwidths,
+        "latency": advice.latency, "bandwidths": advice.bandwidths, "burst": advice.burst,
+        "efficiency": advice.efficiency,
         "profile": {**asdict(advice.profile), "compute_s": advice.profile.compute_s},
         "methods": [{**asdict(c), "packet_bytes_per_step": c.packet_bytes,
                      "wire_bytes_per_step": c.wire_bytes(advice.workers),
@@ -169,7 +175,8 @@ def plot(advice: Advice, path: str | Path, limit: int = PLOTTED) -> Path:
     figure = Figure(figsize=(7.5, 4.8))
     axis = figure.subplots()
     for cost in chosen:
-        ys = [speedup_at(profile, cost, float(bw), n=n, latency=advice.latency, baseline=base) for bw in grid]
+        ys = [speedup_at(profile, cost, float(bw), n=n, latency=advice.latency, baseline=base,
+                         burst=advice.burst, efficiency=advice.efficiency) for bw in grid]
         cross = advice.crossovers.get(cost.spec, 0.0)
         (line,) = axis.plot(grid, ys, label=f"{cost.spec} ({_pays(cross)})")
         if PLOT_RANGE[0] <= cross <= PLOT_RANGE[1]:

@@ -17,12 +17,15 @@ CROSSING_RANGE = (1e6, 1e12)
 
 
 def predict(profile: ComputeProfile, cost: MethodCost, *, n: int, bandwidth: float | str,
-            latency: float = costmodel.DEFAULT_LATENCY) -> Breakdown:
+            latency: float = costmodel.DEFAULT_LATENCY, burst: float = 0.0,
+            efficiency: Mapping[str, float] | None = None) -> Breakdown:
     """``cost``'s step among ``n`` workers at ``bandwidth`` (bits/s or a tc rate):
-    :func:`~gradpress.testbed.costmodel.predict_bucketed_step` on the profile's buckets."""
+    :func:`~gradpress.testbed.costmodel.predict_bucketed_step` on the profile's buckets, through a link
+    with a token bucket of ``burst`` bytes and ``efficiency`` per strategy (both off by default)."""
     return costmodel.predict_bucketed_step(profile.forward_s, profile.backward_s, cost.steps(profile, n),
                                            n=n, bandwidth=bandwidth, latency=latency,
-                                           optimizer_s=profile.optimizer_s)
+                                           optimizer_s=profile.optimizer_s, burst=burst,
+                                           efficiency=efficiency)
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,8 @@ class Ranked:
 
 def rank(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, bandwidth: float | str,
          latency: float = costmodel.DEFAULT_LATENCY,
-         steps_to_target: Mapping[str, float | None] | None = None) -> list[Ranked]:
+         steps_to_target: Mapping[str, float | None] | None = None, burst: float = 0.0,
+         efficiency: Mapping[str, float] | None = None) -> list[Ranked]:
     """Every method of ``costs`` and ``torch-allreduce``, best first, at ``n`` workers and ``bandwidth``.
 
     Without ``steps_to_target`` the order is by predicted step time (samples/s). With it (spec → steps
@@ -54,14 +58,15 @@ def rank(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, bandwi
     come after those that do, by step time."""
     base = baseline_cost(profile)
     methods = [base, *[c for c in costs if c.spec != BASELINE]]
-    base_s = predict(profile, base, n=n, bandwidth=bandwidth, latency=latency).total
+    link = {"n": n, "bandwidth": bandwidth, "latency": latency, "burst": burst, "efficiency": efficiency}
+    base_s = predict(profile, base, **link).total
     steps = dict(steps_to_target or {})
     if steps_to_target is not None and BASELINE not in steps:
         steps[BASELINE] = steps.get(QUALITY_REFERENCE)
     label = bandwidth if isinstance(bandwidth, str) else f"{bandwidth:g}"
     rows = []
     for cost in methods:
-        breakdown = predict(profile, cost, n=n, bandwidth=bandwidth, latency=latency)
+        breakdown = predict(profile, cost, **link)
         to_target = steps.get(cost.spec) if steps_to_target is not None else None
         to_target_s = None if to_target is None else to_target * breakdown.total
         rows.append(Ranked(cost.spec, n, label, breakdown, base_s / breakdown.total, cost.wire_bytes(n),
@@ -78,22 +83,25 @@ def rank(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, bandwi
 
 
 def speedup_at(profile: ComputeProfile, cost: MethodCost, bandwidth: float | str, *, n: int,
-               latency: float = costmodel.DEFAULT_LATENCY, baseline: MethodCost | None = None) -> float:
+               latency: float = costmodel.DEFAULT_LATENCY, baseline: MethodCost | None = None,
+               burst: float = 0.0, efficiency: Mapping[str, float] | None = None) -> float:
     """Predicted samples/s of ``cost`` over ``torch-allreduce``'s at ``bandwidth``."""
     base = baseline or baseline_cost(profile)
-    common = {"n": n, "bandwidth": bandwidth, "latency": latency}
+    common = {"n": n, "bandwidth": bandwidth, "latency": latency, "burst": burst, "efficiency": efficiency}
     return predict(profile, base, **common).total / predict(profile, cost, **common).total
 
 
 def crossover(profile: ComputeProfile, cost: MethodCost, *, n: int,
-              latency: float = costmodel.DEFAULT_LATENCY, baseline: MethodCost | None = None) -> float:
+              latency: float = costmodel.DEFAULT_LATENCY, baseline: MethodCost | None = None,
+              burst: float = 0.0, efficiency: Mapping[str, float] | None = None) -> float:
     """The link speed (bits/s) above which ``cost``'s predicted step is no shorter than
     ``torch-allreduce``'s (:func:`~gradpress.testbed.costmodel.bandwidth_crossing` in
     :data:`CROSSING_RANGE`; inf: it pays at every speed there, 0: at none)."""
     base = baseline or baseline_cost(profile)
+    link = {"n": n, "latency": latency, "burst": burst, "efficiency": efficiency}
     return costmodel.bandwidth_crossing(
-        lambda bw: predict(profile, cost, n=n, bandwidth=bw, latency=latency).total,
-        lambda bw: predict(profile, base, n=n, bandwidth=bw, latency=latency).total,
+        lambda bw: predict(profile, cost, bandwidth=bw, **link).total,
+        lambda bw: predict(profile, base, bandwidth=bw, **link).total,
         low=CROSSING_RANGE[0], high=CROSSING_RANGE[1])
 
 
