@@ -272,8 +272,8 @@ def test_checked_against_measured_runs():
 
 def test_the_check_prices_each_runs_link_with_rates_fitted_from_the_other_runs():
     """Runs through the testbed's token bucket whose collectives ran at 0.6 (all-gather) and 0.95
-    (all-reduce) of the link's rate: each run is predicted with the rates fitted from the others (its own
-    step left out), which recover them, so every prediction is the measurement."""
+    (all-reduce) of the link's rate: each run is predicted with α and the rates fitted from the others
+    (its own step left out), which recover them, so every prediction is the measurement."""
     burst, truth = 262144.0, {"allgather": 0.6, "allreduce": 0.95}
     prof = profile(buckets=((0.03, 12e6),))
     costs = [method("quarter", prof, 0.25, 8 * MS), method("half", prof, 0.5, 4 * MS),
@@ -292,7 +292,8 @@ def test_the_check_prices_each_runs_link_with_rates_fitted_from_the_other_runs()
         if c.spec != A.BASELINE:
             assert c.relative_error == pytest.approx(0.0, abs=1e-9), c.spec
     # a plain link at the full rate is off by the rates, and the bucket's bytes
-    plain = {c.spec: c for c in A.check_against(advice, runs, fit_rates=False)}
+    assert checks["quarter"].latency == pytest.approx(1e-4)  # α fitted beside the rates
+    plain = {c.spec: c for c in A.check_against(advice, runs, fit_link=False)}
     assert plain["half"].relative_error < -0.2
     # --burst and --efficiency override what the runs recorded and the fit
     forced = A.Advice("m", "random", 2, 1e-4, ["100mbit"], prof, costs, {}, {}, burst=1.0,

@@ -292,3 +292,20 @@ def test_fit_efficiency_recovers_each_collectives_rate_beyond_the_bucket():
     assert fitted == pytest.approx(truth, rel=1e-9)
     with pytest.raises(ValueError, match="beyond the token bucket"):
         C.fit_efficiency([C.Observation(C.Phase("allreduce", 1e3), 2, 1e-3, 1e6)], rate)
+
+
+def test_fit_link_recovers_the_latency_beside_the_rates():
+    rate, alpha, truth = 1e8, 8e-4, {"allreduce": 0.95, "allgather": 0.65}
+    observations = []
+    for strategy in truth:
+        for nbytes, tokens in ((3e6, 256e3), (1e7, 100e3), (50e3, 256e3), (200e3, 256e3)):
+            phase = C.Phase(strategy, nbytes)
+            observations.append(C.Observation(phase, 2, C.transfer_seconds(phase, 2, rate, alpha, tokens,
+                                                                           truth)[0], tokens))
+    fitted_alpha, fitted = C.fit_link(observations, rate)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-9) and fitted == pytest.approx(truth, rel=1e-9)
+    # a remainder beyond the bucket smaller than it informs α only, priced at the rate: 0.05 MB of 0.3 MB
+    small = C.Observation(C.Phase("allreduce", 0.3 * MB), 2, 2 * alpha + 8 * 0.05 * MB / rate, 0.25 * MB)
+    assert C.fit_link([small], rate, min_excess=0.25 * MB) == (pytest.approx(alpha), {})
+    with pytest.raises(ValueError, match="messages"):
+        C.fit_link([C.Observation(C.Phase("allreduce", MB), 1, 0.0)], rate)

@@ -68,11 +68,11 @@ does not, a faster link still shortens the method's step and no longer the all-r
 - **A rate per collective** (``efficiency``: strategy → fraction of R its bytes beyond the bucket
   achieve, default 1). A ring all-reduce reaches ~0.94–0.96·R of payload over TCP through tbf (1448
   payload bytes per 1514-byte Ethernet frame, which tbf counts, is 0.956), while the testbed's
-  all-gathers of whole megabyte packets in one message measured ~0.63–0.70·R on the same star (Gloo
-  sends each all-gather packet as one message, which fills tbf's queue — ``latency 50ms`` bounds it at
-  S + R·50 ms — and TCP's loss recovery idles the link; the all-reduce's chunked pipeline does not).
-  Not guessed: :func:`fit_efficiency` fits it per strategy from measured exchanges (``advise --check``
-  fits it from ``compare``'s runs, each run predicted from the others').
+  all-gathers of megabyte packets measured ~0.63–0.70·R on the same star. Why is not identified (a
+  candidate, unmeasured: a whole packet sent as one message overflows tbf's queue, which ``latency 50ms``
+  bounds at S + R·50 ms, and TCP's loss recovery idles the link; the all-reduce's chunked pipeline would
+  not). So it is not guessed: :func:`fit_efficiency` fits it per strategy from measured exchanges
+  (``advise --check`` fits it from ``compare``'s runs, each run predicted from the others').
 """
 from __future__ import annotations
 
@@ -502,6 +502,39 @@ def fit_efficiency(observations: Sequence[Observation], bandwidth: float | str,
     a = np.array([[row.get(k, 0.0) for k in strategies] for row in rows], dtype=float)
     inverse, _ = nnls(a, np.array(times, dtype=float))
     return {k: float(1.0 / x) for k, x in zip(strategies, inverse) if x > 0}
+
+
+def fit_link(observations: Sequence[Observation], bandwidth: float | str,
+             min_excess: float = 0.0) -> tuple[float, dict[str, float]]:
+    """α and each strategy's rate beyond the token bucket (as :func:`fit_efficiency`), fitted together by
+    non-negative least squares: seconds = α·messages + Σ 8·(bytes beyond the tokens)/R · 1/e. Through a
+    bucket, exchanges that fit it cost messages only, which makes α identifiable beside the rates.
+    Observations with fewer than ``min_excess`` bytes beyond their tokens inform α only: their few
+    bytes beyond are priced at R (their time is mostly what else the exchange waits for, not a rate).
+    Raises without an observation with messages."""
+    rate = _bits_per_second(bandwidth)
+    strategies: list[str] = []
+    rows, times = [], []
+    for o in observations:
+        tokens, messages, row = float(o.tokens), 0.0, {}
+        for phase in _phases(o.phases):
+            cost = phase.cost(o.n)
+            messages += cost.messages
+            row[phase.strategy] = row.get(phase.strategy, 0.0) + 8.0 * max(0.0, cost.nbytes - tokens) / rate
+            tokens = max(0.0, tokens - cost.nbytes)
+        seconds = o.seconds
+        if sum(row.values()) * rate / 8.0 < min_excess:
+            seconds -= sum(row.values())
+            row = {}
+        row = {k: v for k, v in row.items() if v > 0}
+        strategies += [k for k in row if k not in strategies]
+        rows.append((messages, row))
+        times.append(seconds)
+    if not any(messages for messages, _ in rows):
+        raise ValueError("fit_link needs an observation with messages (n > 1)")
+    a = np.array([[messages] + [row.get(k, 0.0) for k in strategies] for messages, row in rows], dtype=float)
+    solution, _ = nnls(a, np.array(times, dtype=float))
+    return float(solution[0]), {k: float(1.0 / x) for k, x in zip(strategies, solution[1:]) if x > 0}
 
 
 def _bits_per_second(bandwidth: float | str) -> float:

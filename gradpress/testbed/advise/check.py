@@ -27,6 +27,7 @@ class Checked:
     with_noop_s: float | None = None
     burst: float = 0.0
     efficiency: dict[str, float] = field(default_factory=dict)
+    latency: float | None = None
 
     @property
     def relative_error(self) -> float:
@@ -45,7 +46,7 @@ def scaled(profile: ComputeProfile, compute_s: float) -> ComputeProfile:
                    buckets=tuple(replace(b, ready_s=b.ready_s * k) for b in profile.buckets))
 
 
-def check_against(advice: Advice, runs: Sequence[Any], fit_rates: bool = True) -> list[Checked]:
+def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) -> list[Checked]:
     """Every run of ``runs`` (:class:`~gradpress.testbed.results.Run`) over an emulated link whose method
     the advice priced (and ``noop``), predicted at the run's n and rate; ranks by samples/s among the
     checked runs (``torch-allreduce`` included). Where a ``noop`` run of the same n and link is among them,
@@ -55,10 +56,10 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_rates: bool = True) -
 
     The links are the runs' own (:mod:`~gradpress.testbed.costmodel`'s two link terms): the token bucket
     the run recorded (:func:`gradpress.testbed.sim.cost.burst_of`; the testbed's tbf for runs from before
-    it was recorded), unless ``advise --burst`` gave one; and, with ``fit_rates``, each strategy's rate
-    beyond the bucket fitted (:func:`~gradpress.testbed.costmodel.fit_efficiency`) from the *other*
-    checked runs of the same n and link (:func:`rates_from_runs`), so no run's own step enters its
-    prediction; ``advise --efficiency`` overrides the fit per strategy."""
+    it was recorded), unless ``advise --burst`` gave one; and, with ``fit_link``, the latency α and each
+    strategy's rate beyond the bucket fitted from the *other* checked runs of the same n and link
+    (:func:`link_from_runs`), so no run's own step enters its prediction (``advise --latency`` where
+    no other run communicated); ``advise --efficiency`` overrides the fitted rates per strategy."""
     from gradpress.testbed.sim.cost import burst_of
 
     by_spec = {c.spec: c for c in advice.costs}
@@ -76,6 +77,7 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_rates: bool = True) -
         compute = noop.get((run.workers, run.bandwidth))
         burst = advice.burst or burst_of(run)
         rates: dict[str, float] = {}
+        latency = advice.latency
         if run.compressor == "noop":
             predicted, with_noop = advice.profile.compute_s, None
         else:
@@ -83,34 +85,35 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_rates: bool = True) -
             same_link = (run.workers, run.bandwidth)
             others = [r for r in runs if r is not run and (r.workers, r.bandwidth) == same_link
                       and cost_of(r.compressor) is not None]
-            if fit_rates:
-                rates = rates_from_runs(advice.profile, [(r, cost_of(r.compressor)) for r in others],
-                                        latency=advice.latency, burst=burst)
+            measured = [(r, cost_of(r.compressor)) for r in others]
+            fitted = link_from_runs(advice.profile, measured, burst=burst) if fit_link else None
+            if fitted is not None:
+                latency, rates = fitted
             rates.update(advice.efficiency)
-            common = {"n": run.workers, "bandwidth": run.bandwidth, "latency": advice.latency, "burst": burst,
+            common = {"n": run.workers, "bandwidth": run.bandwidth, "latency": latency, "burst": burst,
                       "efficiency": rates}
             predicted = predict(advice.profile, cost, **common).total
             with_noop = (None if compute is None
                          else predict(scaled(advice.profile, compute), cost, **common).total)
         rows.append((run.compressor, run.workers, run.bandwidth, predicted, run.mean_step_s, with_noop, burst,
-                     rates))
+                     rates, latency))
     ranked = [r for r in rows if r[0] != "noop"]
     by_prediction = {r[:3]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[3]), start=1)}
     by_measurement = {r[:3]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[4]), start=1)}
     return [Checked(*r[:5], by_prediction.get(r[:3]), by_measurement.get(r[:3]), *r[5:]) for r in rows]
 
 
-def rates_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost]], *, latency: float,
-                    burst: float) -> dict[str, float]:
-    """Each strategy's rate beyond the token bucket, as a fraction of the link's, fitted from measured runs
-    (each with the method's priced costs): the run's mean time in collectives per step against the bytes
-    its collectives carry on the link beyond the tokens its idle time per step (step − communication)
-    refilled (:func:`~gradpress.testbed.costmodel.fit_efficiency`). Runs of one worker, without a link or
-    whose bytes beyond the bucket are fewer than the bucket holds are left out: a rate shows in bytes
-    that wait for tokens, and the few milliseconds of a small remainder are lost among what else a
-    measured collective waits for (the other rank's compute and compression, latency). {} when none is
-    left."""
-    observations = []
+def link_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost]], *,
+                   burst: float) -> tuple[float, dict[str, float]] | None:
+    """α and each strategy's rate beyond the token bucket, as a fraction of the link's, fitted from
+    measured runs of one link, each with the method's priced costs
+    (:func:`~gradpress.testbed.costmodel.fit_link`): a run's mean time in collectives per step against
+    its collectives' messages and the bytes they carry beyond the tokens its idle time per step
+    (step − communication) refilled. Only runs whose bytes beyond the bucket are at least the bucket
+    inform the rates: a rate shows in bytes that wait for tokens, and the few milliseconds of a smaller
+    remainder are lost among what else a measured collective waits for (the other rank's compute and
+    compression). None without a run of 2+ workers that communicated."""
+    observations, bandwidths = [], set()
     for run, cost in runs:
         if run.workers < 2 or run.bandwidth is None or run.mean_comm_s <= 0:
             continue
@@ -119,19 +122,14 @@ def rates_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCos
             continue
         idle = max(0.0, run.mean_step_s - run.mean_comm_s)
         tokens = costmodel.refill(0.0, idle, run.bandwidth, burst)
-        beyond = costmodel.transfer_seconds(phases, run.workers, run.bandwidth, 0.0, tokens)[0]
-        if beyond * costmodel.rate_bits_per_second(run.bandwidth) / 8.0 < burst:
-            continue
-        observed = costmodel.Observation(phases, run.workers, run.mean_comm_s, tokens)
-        observations.append((run.bandwidth, observed))
-    rates: dict[str, float] = {}
-    for bandwidth in sorted({bw for bw, _ in observations}):
-        chosen = [o for bw, o in observations if bw == bandwidth]
-        try:
-            rates.update(costmodel.fit_efficiency(chosen, bandwidth, latency))
-        except ValueError:
-            continue
-    return rates
+        observations.append(costmodel.Observation(phases, run.workers, run.mean_comm_s, tokens))
+        bandwidths.add(run.bandwidth)
+    if len(bandwidths) != 1:
+        return None
+    try:
+        return costmodel.fit_link(observations, bandwidths.pop(), min_excess=burst)
+    except ValueError:
+        return None
 
 
 def render_checks(checks: Sequence[Checked]) -> Any:
@@ -140,15 +138,16 @@ def render_checks(checks: Sequence[Checked]) -> Any:
     table = Table(title="predicted against measured (compare's mean steady-state step; ranks by samples/s "
                         "among these runs; noop: the profile's compute)")
     noop = any(c.with_noop_s is not None for c in checks)
-    columns = ["method", "n", "link", "bucket", "rates (others' fit)", "predicted ms", "measured ms", "error",
-               "rank pred.", "rank meas."]
+    columns = ["method", "n", "link", "bucket", "α ms, rates (others' fit)", "predicted ms", "measured ms",
+               "error", "rank pred.", "rank meas."]
     if noop:
         columns += ["pred. with noop's compute", "error"]
     for column in columns:
         table.add_column(column, justify="left" if column == "method" else "right",
                          no_wrap=column == "method")
     for c in checks:
-        rates = ", ".join(f"{k} {v:.2f}" for k, v in sorted(c.efficiency.items())) or "1"
+        rates = ", ".join([f"{(c.latency or 0.0) * 1e3:.2g}",
+                           *(f"{k} {v:.2f}" for k, v in sorted(c.efficiency.items()))])
         cells = [c.spec, str(c.workers), c.bandwidth, f"{c.burst / 1024:.0f} KiB" if c.burst else "none",
                  rates if c.spec != "noop" else "", f"{c.predicted_s * 1e3:.1f}",
                  f"{c.measured_s * 1e3:.1f}", f"{c.relative_error:+.1%}", str(c.predicted_rank or ""),
