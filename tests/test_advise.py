@@ -307,12 +307,15 @@ def test_advise_end_to_end(tmp_path, synthetic_data, capsys):
     out, png = tmp_path / "advice.json", tmp_path / "speedup.png"
     assert main(["advise", "--model", "mlp:hidden=8,depth=1,image_size=8", "--workers", "16",
                  "--compressors", "none,topk:ratio=0.1,qsgd,fp16", "--bandwidth", "10mbit,10gbit",
-                 "--batch-size", "8", "--repeats", "3", "--json", str(out), "--plot", str(png)]) == 0
+                 "--batch-size", "8", "--repeats", "3", "--json", str(out), "--plot", str(png),
+                 "--burst", "256kb", "--efficiency", "allgather=0.65"]) == 0
     text = capsys.readouterr().out
     assert "gradpress.register(model" in text or "keep DDP's built-in all-reduce" in text
+    assert "token bucket 262144 B" in text and "allgather 0.65×" in text
     assert "topk:ratio=0.1" in text and "pays below" in text
     advice = json.loads(out.read_text())
     assert advice["workers"] == 16 and advice["bandwidths"] == ["10mbit", "10gbit"]
+    assert advice["burst"] == 262144 and advice["efficiency"] == {"allgather": 0.65}
     assert advice["profile"]["layout"] in ("ddp", "replicated") and advice["profile"]["buckets"]
     assert {m["spec"] for m in advice["methods"]} == {"none", "topk:ratio=0.1", "qsgd", "fp16"}
     for bandwidth in ("10mbit", "10gbit"):
@@ -398,6 +401,9 @@ class Started(Exception):
     (["--model", "test_advise:tiny_model", "--input-shape", "6", "--quality-steps", "3"], "needs --batch"),
     (["--input-shape", "3,x"], "expected"),
     (["--latency", "-1"], "non-negative"),
+    (["--burst", "lots"], "tc size"),
+    (["--efficiency", "allgather=1.5"], "F in (0, 1]"),
+    (["--efficiency", "ring=0.5"], "STRATEGY one of"),
 ])
 def test_bad_arguments_are_one_line_and_measure_nothing(argv, expected, monkeypatch, capsys):
     # advise() looks profile_compute up in its own module, gradpress.testbed.advise.advice

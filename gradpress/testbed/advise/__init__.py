@@ -40,7 +40,8 @@ compresses nothing and all-reduces each bucket's fp32 bytes; every speed-up is r
 — compression on the backward thread as the hook runs it, each bucket's exchange starting when its hook
 returns and the link is free, decoding when it arrives, ``backward()`` returning when both the
 gradients and the last decoding are done — at every ``--bandwidth`` for ``--workers`` n (1–1024) and
-latency α per message. :func:`rank` is a pure function of the profile and the candidates' measured
+latency α per message, through links with a token bucket of ``--burst`` bytes (tc tbf's) and
+``--efficiency`` per collective where given (:mod:`~gradpress.testbed.costmodel`). :func:`rank` is a pure function of the profile and the candidates' measured
 per-bucket costs (``auto`` can call it with costs measured in a running job). Where a method stops
 paying is :func:`~gradpress.testbed.costmodel.bandwidth_crossing` of the same model against
 ``torch-allreduce``.
