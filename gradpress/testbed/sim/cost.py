@@ -155,9 +155,10 @@ def cross_checks(runs: Sequence[Run], latency: float) -> list[Check]:
 
 def fit_run_latency(runs: Sequence[Run]) -> float:
     """Least-squares α over the communicating runs with an emulated link: each run's exposed
-    communication (step − compute − compression) minus its bytes' transfer time at its own rate is
-    its messages' share, priced by :func:`~gradpress.testbed.costmodel.fit_latency` (the byte term is
-    taken out first, so runs at different rates pool into one fit)."""
+    communication (step − compute − compression) minus its bytes' transfer time at its own rate (on the
+    link, through its token bucket: :func:`link_phases`, :func:`burst_of`) is its messages' share, priced
+    by :func:`~gradpress.testbed.costmodel.fit_latency` (the byte term is taken out first, so runs at
+    different rates pool into one fit)."""
     observations = []
     for run in runs:
         strategy = strategy_of(run)
@@ -165,9 +166,11 @@ def fit_run_latency(runs: Sequence[Run]) -> float:
             continue
         base, _ = compute_time(run, runs)
         exposed = run.mean_step_s - base - run.mean_compress_s
-        transfer = costmodel.Cost(0, Phase(strategy, run.bytes_per_step).cost(run.workers).nbytes)
-        observations.append(Observation(Phase(strategy, 0.0), run.workers,
-                                        exposed - transfer.seconds(run.bandwidth, 0.0)))
+        phases = link_phases(run, strategy, run.bytes_per_step, run.workers)
+        transfer = costmodel.predict_step_time(base, run.mean_compress_s, phases, n=run.workers,
+                                               bandwidth=run.bandwidth, latency=0.0, burst=burst_of(run))
+        observations.append(Observation([Phase(p.strategy, 0.0) for p in phases], run.workers,
+                                        exposed - transfer.communication))
     if not observations:
         raise ValueError("fitting the latency needs a communicating run of 2+ workers over an emulated link")
     return costmodel.fit_latency(observations, bandwidth=1.0)
