@@ -283,3 +283,7 @@ def _print_checks(console: Any, checks: list[Checked]) -> None:
     top = [c for c in checks if c.predicted_rank == 1]
     if top:
         console.print(f"top pick {top[0].spec}: measured rank {top[0].measured_rank} by samples/s")
+    scaled = sorted((c for c in checks if c.with_noop_s is not None), key=lambda c: c.with_noop_s)
+    if scaled:
+        console.print(f"top pick with noop's compute {scaled[0].spec}: measured rank "
+                      f"{scaled[0].measured_rank} by samples/s")
