@@ -72,10 +72,10 @@ from __future__ import annotations
 
 from gradpress.testbed.advise.advice import (DEMO, RATIO_VARIANTS, Advice, Progress, advise, candidates,
                                              default_candidates)
-from gradpress.testbed.advise.check import Checked, check_against, render_checks, scaled
+from gradpress.testbed.advise.check import Checked, check_against, link_from_runs, render_checks, scaled
 from gradpress.testbed.advise.command import DEFAULT_BANDWIDTHS, add_parser, workload_of
 from gradpress.testbed.advise.costs import (BASELINE, BucketCost, MethodCost, Transfer, baseline_cost,
-                                            measure_method, transfers_of)
+                                            link_phases, measure_method, transfers_of)
 from gradpress.testbed.advise.output import (NEAR, PLOT_RANGE, PLOTTED, describe_profile, plot, render,
                                              summary_lines, to_json)
 from gradpress.testbed.advise.profile import (FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets,
@@ -89,5 +89,6 @@ from gradpress.testbed.advise.workload import (Workload, factory_workload, is_fa
 
 __all__ = ["Advice", "Bucket", "BucketCost", "Checked", "ComputeProfile", "MethodCost", "QualityCurve",
            "Ranked", "Transfer", "Workload", "add_parser", "advise", "assign_buckets", "baseline_cost",
-           "check_against", "crossover", "factory_workload", "measure_method", "predict", "profile_compute",
-           "quality_curve", "rank", "register_line", "steps_to_reach", "testbed_workload", "transfers_of"]
+           "check_against", "crossover", "factory_workload", "link_from_runs", "link_phases", "measure_method",
+           "predict", "profile_compute", "quality_curve", "rank", "register_line", "steps_to_reach",
+           "testbed_workload", "transfers_of"]
