@@ -83,3 +83,16 @@ def test_stale_namespaces_of_dead_processes_are_cleaned():
     finally:
         netem.delete([name])
     assert netem.namespaces_of(dead_pid) == []
+
+
+def test_tc_sizes_and_the_settings_a_run_records():
+
+    # tc(8): sizes in bytes with binary prefixes, ...bit in bits
+    assert netem.size_bytes("256kb") == 262144 and netem.size_bytes("1mb") == 1024 ** 2
+    assert netem.size_bytes("8kbit") == 1024 and netem.size_bytes("1500") == 1500
+    assert netem.size_bytes(1000.0) == 1000.0
+    with pytest.raises(ValueError, match="tc size"):
+        netem.size_bytes("lots")
+    star = netem.Star("br", ("w0",), ("10.213.0.1",), "100mbit")
+    assert star.settings() == {"qdisc": "tbf", "rate": "100mbit", "burst": "256kb", "burst_bytes": 262144,
+                               "latency": "50ms"}
