@@ -280,14 +280,20 @@ def test_through_a_token_bucket_the_speedup_still_never_rises_with_link_speed(ca
     assert not rises, rises[:3]
 
 
-def test_fit_efficiency_recovers_each_collectives_rate_beyond_the_bucket():
-    rate, alpha, truth = 1e8, 1e-4, {"allreduce": 0.95, "allgather": 0.65}
+def _observed(truth: dict[str, float], cases, rate: float, alpha: float) -> list:
+    """Observations of each strategy in ``truth`` (its rate) for each (bytes, tokens) case, priced exactly."""
     observations = []
     for strategy in truth:
-        for nbytes, tokens in ((3e6, 256e3), (1e7, 100e3), (2e6, 0.0), (100e3, 256e3)):
+        for nbytes, tokens in cases:
             phase = C.Phase(strategy, nbytes)
-            observations.append(C.Observation(phase, 2, C.transfer_seconds(phase, 2, rate, alpha, tokens,
-                                                                           truth)[0], tokens))
+            seconds = C.transfer_seconds(phase, 2, rate, alpha, tokens, truth)[0]
+            observations.append(C.Observation(phase, 2, seconds, tokens))
+    return observations
+
+
+def test_fit_efficiency_recovers_each_collectives_rate_beyond_the_bucket():
+    rate, alpha, truth = 1e8, 1e-4, {"allreduce": 0.95, "allgather": 0.65}
+    observations = _observed(truth, ((3e6, 256e3), (1e7, 100e3), (2e6, 0.0), (100e3, 256e3)), rate, alpha)
     fitted = C.fit_efficiency(observations, rate, alpha)
     assert fitted == pytest.approx(truth, rel=1e-9)
     with pytest.raises(ValueError, match="beyond the token bucket"):
@@ -296,12 +302,7 @@ def test_fit_efficiency_recovers_each_collectives_rate_beyond_the_bucket():
 
 def test_fit_link_recovers_the_latency_beside_the_rates():
     rate, alpha, truth = 1e8, 8e-4, {"allreduce": 0.95, "allgather": 0.65}
-    observations = []
-    for strategy in truth:
-        for nbytes, tokens in ((3e6, 256e3), (1e7, 100e3), (50e3, 256e3), (200e3, 256e3)):
-            phase = C.Phase(strategy, nbytes)
-            observations.append(C.Observation(phase, 2, C.transfer_seconds(phase, 2, rate, alpha, tokens,
-                                                                           truth)[0], tokens))
+    observations = _observed(truth, ((3e6, 256e3), (1e7, 100e3), (50e3, 256e3), (200e3, 256e3)), rate, alpha)
     fitted_alpha, fitted = C.fit_link(observations, rate)
     assert fitted_alpha == pytest.approx(alpha, rel=1e-9) and fitted == pytest.approx(truth, rel=1e-9)
     # a remainder beyond the bucket smaller than it informs α only, priced at the rate: 0.05 MB of 0.3 MB

@@ -209,10 +209,7 @@ def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str | Compre
     expected = k / stride
     for margin in (3.0, 6.0):
         want = min(sample.size, math.ceil(1.05 * expected + margin * math.sqrt(expected) + 8))
-        if addends is not None:
-            threshold = float(_sampled_kth_of_sum(*addends, stride, want, sample))
-        else:
-            threshold = float(_sampled_kth(x, stride, want, sample))
+        threshold = float(_sampled_kth(*(addends or (x, None)), stride, want, sample))
         if not math.isfinite(threshold) or threshold <= 0.0:
             if addends is not None:
                 _add(*addends, x)
@@ -223,11 +220,9 @@ def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str | Compre
         # about want·stride candidates: a buffer of twice that (then all n, if more are found)
         for capacity in dict.fromkeys((min(n, 2 * want * stride + 1024), n)):
             candidates = torch.empty(capacity, dtype=torch.int64)
-            if addends is not None:  # the sum's one pass, written in full even when the buffer overflows
-                count = _sum_collecting_at_least(*addends, x, np.float32(threshold), as_numpy(candidates))
-                addends = None
-            else:
-                count = _collect_at_least(x, np.float32(threshold), as_numpy(candidates))
+            # (with addends: the sum's one pass, written in full even when the buffer overflows)
+            count = _collect_at_least(x, addends, np.float32(threshold), as_numpy(candidates))
+            addends = None
             if count >= 0:
                 break
         if count >= k:
@@ -241,26 +236,14 @@ def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str | Compre
 
 
 @jit
-def _sampled_kth(x, stride, want, sample):  # pragma: no cover - compiled
-    """The ``want``-th largest |x| over x[0], x[stride], …; NaN if one of those is NaN or Inf."""
+def _sampled_kth(x, addend, stride, want, sample):  # pragma: no cover - compiled
+    """The ``want``-th largest |x| over x[0], x[stride], … (of x + addend where ``addend`` is an array,
+    read at those positions only); NaN if one of those is NaN or Inf."""
     top = np.uint32(0)
     for j in range(sample.size):
-        m = abs(x[j * stride])
+        m = abs(x[j * stride]) if addend is None else abs(x[j * stride] + addend[j * stride])
         sample[j] = m
         top = max(top, bits_of_f32(m))
-    if top >= np.uint32(0x7F800000):
-        return np.float32(np.nan)
-    return np.partition(sample, sample.size - want)[sample.size - want]
-
-
-@jit
-def _sampled_kth_of_sum(m, g, stride, want, sample):  # pragma: no cover - compiled
-    """:func:`_sampled_kth` of x = m + g (float32 sums), read at the sample's positions only."""
-    top = np.uint32(0)
-    for j in range(sample.size):
-        v = abs(m[j * stride] + g[j * stride])
-        sample[j] = v
-        top = max(top, bits_of_f32(v))
     if top >= np.uint32(0x7F800000):
         return np.float32(np.nan)
     return np.partition(sample, sample.size - want)[sample.size - want]
@@ -272,36 +255,6 @@ def _add(m, g, x):  # pragma: no cover - compiled
     wide_vectors()
     for i in range(x.size):
         x[i] = m[i] + g[i]
-
-
-@jit
-def _sum_collecting_at_least(m, g, x, threshold, out):  # pragma: no cover - compiled
-    """x = m + g, and :func:`_collect_at_least`'s positions of x in the same pass (64 sums, then their
-    comparison mask); past ``out``'s capacity it goes on summing, and returns −1 at the end."""
-    wide_vectors()
-    n = x.size
-    capacity = out.size
-    count = 0
-    full = n - n % 64
-    for start in range(0, full, 64):
-        mask = np.uint64(0)
-        for j in range(64):
-            v = m[start + j] + g[start + j]
-            x[start + j] = v
-            mask |= np.uint64(not abs(v) < threshold) << np.uint64(j)
-        while mask:
-            if count < capacity:
-                out[count] = start + trailing_zeros(mask)
-            count += 1
-            mask &= mask - np.uint64(1)
-    for i in range(full, n):
-        v = m[i] + g[i]
-        x[i] = v
-        if not abs(v) < threshold:
-            if count < capacity:
-                out[count] = i
-            count += 1
-    return count if count <= capacity else -1
 
 
 @jit
@@ -321,10 +274,13 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @jit
-def _collect_at_least(x, threshold, out):  # pragma: no cover - compiled
+def _collect_at_least(x, addends, threshold, out):  # pragma: no cover - compiled
     """Positions of |x| ≥ threshold (float32), and of NaN (a comparison with NaN is false, its
     negation true), ascending, into ``out``; their count, or −1 if more than fit. Per 64 values a bit
-    mask of the comparisons (vectorized), then the positions of its set bits."""
+    mask of the comparisons (vectorized), then the positions of its set bits.
+
+    ``addends`` (m, g), or None: x = m + g is formed in the same pass (fused error feedback), in full
+    even when ``out`` overflows (it then goes on summing and returns −1 at the end)."""
     wide_vectors()
     n = x.size
     capacity = out.size
@@ -333,20 +289,30 @@ def _collect_at_least(x, threshold, out):  # pragma: no cover - compiled
     for start in range(0, full, 64):
         mask = np.uint64(0)
         for j in range(64):
-            mask |= np.uint64(not abs(x[start + j]) < threshold) << np.uint64(j)
+            if addends is None:
+                v = x[start + j]
+            else:
+                v = addends[0][start + j] + addends[1][start + j]
+                x[start + j] = v
+            mask |= np.uint64(not abs(v) < threshold) << np.uint64(j)
         while mask:
-            if count == capacity:
+            if count == capacity and addends is None:
                 return -1
-            out[count] = start + trailing_zeros(mask)
+            if count < capacity:
+                out[count] = start + trailing_zeros(mask)
             count += 1
             mask &= mask - np.uint64(1)
     for i in range(full, n):
-        if not abs(x[i]) < threshold:
-            if count == capacity:
-                return -1
-            out[count] = i
+        if addends is None:
+            v = x[i]
+        else:
+            v = addends[0][i] + addends[1][i]
+            x[i] = v
+        if not abs(v) < threshold:
+            if count < capacity:
+                out[count] = i
             count += 1
-    return count
+    return count if count <= capacity else -1
 
 
 @jit

@@ -485,12 +485,7 @@ def fit_efficiency(observations: Sequence[Observation], bandwidth: float | str,
     strategies: list[str] = []
     rows, times = [], []
     for o in observations:
-        tokens, messages, row = float(o.tokens), 0.0, {}
-        for phase in _phases(o.phases):
-            cost = phase.cost(o.n)
-            messages += cost.messages
-            row[phase.strategy] = row.get(phase.strategy, 0.0) + 8.0 * max(0.0, cost.nbytes - tokens) / rate
-            tokens = max(0.0, tokens - cost.nbytes)
+        messages, row = _beyond_tokens(o, rate)
         row = {k: v for k, v in row.items() if v > 0}
         if not row:
             continue
@@ -516,12 +511,7 @@ def fit_link(observations: Sequence[Observation], bandwidth: float | str,
     strategies: list[str] = []
     rows, times = [], []
     for o in observations:
-        tokens, messages, row = float(o.tokens), 0.0, {}
-        for phase in _phases(o.phases):
-            cost = phase.cost(o.n)
-            messages += cost.messages
-            row[phase.strategy] = row.get(phase.strategy, 0.0) + 8.0 * max(0.0, cost.nbytes - tokens) / rate
-            tokens = max(0.0, tokens - cost.nbytes)
+        messages, row = _beyond_tokens(o, rate)
         seconds = o.seconds
         if sum(row.values()) * rate / 8.0 < min_excess:
             seconds -= sum(row.values())
@@ -535,6 +525,18 @@ def fit_link(observations: Sequence[Observation], bandwidth: float | str,
     a = np.array([[messages] + [row.get(k, 0.0) for k in strategies] for messages, row in rows], dtype=float)
     solution, _ = nnls(a, np.array(times, dtype=float))
     return float(solution[0]), {k: float(1.0 / x) for k, x in zip(strategies, solution[1:]) if x > 0}
+
+
+def _beyond_tokens(o: Observation, rate: float) -> tuple[float, dict[str, float]]:
+    """An observation's messages, and per strategy the seconds at ``rate`` of its bytes beyond the
+    tokens it starts with (drawn on phase by phase)."""
+    tokens, messages, row = float(o.tokens), 0.0, {}
+    for phase in _phases(o.phases):
+        cost = phase.cost(o.n)
+        messages += cost.messages
+        row[phase.strategy] = row.get(phase.strategy, 0.0) + 8.0 * max(0.0, cost.nbytes - tokens) / rate
+        tokens = max(0.0, tokens - cost.nbytes)
+    return messages, row
 
 
 def _bits_per_second(bandwidth: float | str) -> float:
