@@ -48,3 +48,26 @@ def both_paths(compressor: str | gradpress.Compressor, x: torch.Tensor,
     values = c.decompress(fast)
     assert values.dtype == slow_values.dtype and torch.equal(bits(values), bits(slow_values)), c.spec
     return fast, values
+
+
+def accumulate_both_paths(compressor: str | gradpress.Compressor, xs: list[torch.Tensor]) -> torch.Tensor:
+    """The all-gather sum of the workers' packets of ``xs`` (one per rank), after checking that the
+    numba path's fused decode-add (:meth:`~gradpress.Compressor.accumulate`), the torch path's, and the
+    dense formula ``total += _decompress(packet).float()`` (what :meth:`~gradpress.Compressor.aggregate`
+    did before the fused kernels) give the same bits, packets added in rank order into a float32
+    total that starts non-zero and holds −0.0 (the sign of a zero sum shows too)."""
+    c = gradpress.make(compressor) if isinstance(compressor, str) else compressor
+    packets = [c.compress(x, Context(seed=3, step=1, key="sum", rank=r)) for r, x in enumerate(xs)]
+    n = xs[0].numel()
+    start = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    start[::5] = -0.0
+    dense = start.clone()
+    for p in packets:
+        dense += c._decompress(p).float().reshape(-1)
+    for torch_only in (False, True):
+        total = start.clone()
+        with path(torch_only):
+            for p in packets:
+                c.accumulate(total, p)
+        assert torch.equal(bits(total), bits(dense)), (c.spec, "torch" if torch_only else "numba")
+    return dense

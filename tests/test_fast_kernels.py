@@ -21,7 +21,7 @@ from gradpress.compressors.dither import standard_deviation
 from gradpress.compressors.sparsify import random_subset, scatter, topk_indices
 from gradpress.compressors.threshold import _strata_positions, packet_above, stratified_threshold
 from gradpress.rng import Context
-from kernels import PATHS, both_paths, path
+from kernels import PATHS, accumulate_both_paths, both_paths, path
 
 
 # -- random-k: the hashed subset -------------------------------------------------------------------------
@@ -323,3 +323,14 @@ def test_bench_grace_runs_against_a_stand_in(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FP16Compressor()" in out and "speed-up" in out
     assert "horovod" not in __import__("sys").modules
+
+
+# -- all-gather sums: each packet decoded and added into the float32 total in one pass --------------------
+@pytest.mark.parametrize("spec", ["natural", "qsgd", "qsgd:levels=127,bucket=100", "terngrad", "terngrad:clip=2.5",
+                                  "dither", "dither:partition=standard,levels=5,norm=1",
+                                  "dither:natural_norm=true,bucket=100,norm=inf", "dither:levels=3,bucket=128"])
+@pytest.mark.parametrize("n", [1, 7, 1000, 8193, 20_001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_decode_add_equals_torch_and_the_dense_sum(spec, n, dtype):
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(s)).mul_(10.0**s).to(dtype) for s in range(3)]
+    accumulate_both_paths(spec, xs)

@@ -49,7 +49,8 @@ import torch
 from gradpress._numba import as_numpy, jit, use_numba, wide_vectors
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
-from gradpress.compressors.dither_kernels import CHUNK, U, _bucket_norms_numba, _decode_numba, _encode_numba
+from gradpress.compressors.dither_kernels import (CHUNK, U, _bucket_norms_numba, _decode_add_numba, _decode_numba,
+                                                  _encode_numba)
 from gradpress.compressors.natural import Natural
 from gradpress.compressors.onebit import fixed_point_scale, mean_of, to_fixed
 from gradpress.packet import Packet
@@ -265,11 +266,14 @@ class Dithering:
             wire_norms = Natural().compress(norms, ctx.with_key(ctx.key + "/norms"))
         return Packet({"codes": codes, "norms": wire_norms}, flat.shape, flat.dtype)
 
+    def _norms(self, packet: Packet) -> torch.Tensor:
+        norms = packet.tensors["norms"]
+        return Natural().decompress(norms) if isinstance(norms, Packet) else norms
+
     def decompress(self, packet: Packet) -> torch.Tensor:
         n = packet.numel
         size, _ = self.buckets(n)
-        norms = packet.tensors["norms"]
-        norms = Natural().decompress(norms) if isinstance(norms, Packet) else norms
+        norms = self._norms(packet)
         natural = self.partition == "natural"
         codes = packet["codes"]
         if use_numba(codes):
@@ -280,6 +284,17 @@ class Dithering:
         scales = norms if natural else (norms.double() / self.levels).float()
         codes = unpack_bits(codes, self.code_bits, n).long()
         return _values_torch(codes, scales.repeat_interleave(size)[:n], self.levels, natural)
+
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """``total += decompress(packet)`` on a flat float32 ``total``, the same bits: on the CPU decoded
+        and added in one pass (no decoded temporary), elsewhere by the torch decoder."""
+        codes = packet["codes"]
+        if use_numba(codes) and use_numba(total):
+            size, _ = self.buckets(packet.numel)
+            _decode_add_numba(as_numpy(codes), as_numpy(self._norms(packet).contiguous()), size, self.levels,
+                              self.partition == "natural", self.code_bits, as_numpy(total))
+        else:
+            total += self.decompress(packet)
 
     def _threshold(self, x: torch.Tensor) -> float:
         """TernGrad's clipping threshold c·σ (σ: :func:`standard_deviation` of the tensor's values)."""
@@ -368,6 +383,10 @@ class _Dithered(Compressor):
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         return self.mechanism.decompress(packet)
+
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """``total += decompress(packet)``, decoded and added in one pass on the CPU (the same bits)."""
+        self.mechanism.accumulate(total, packet)
 
 
 def _bucket(value: int | None) -> int:

@@ -309,23 +309,27 @@ def _encode_numba(x, power, cap, bucket, levels, natural, seed, tie_seed, code_b
 
 
 @inline
-def _decode_segment(codes, base, start, stop, scale, levels, natural, out):  # pragma: no cover - compiled
-    """±fl32(scale · k) (standard, scale = fl32(ν/s)) or ±ν·2^(k-s) (natural, scale = ν) per code."""
+def _decode_segment(codes, base, start, stop, scale, levels, natural, add, out):  # pragma: no cover - compiled
+    """±fl32(scale · k) (standard, scale = fl32(ν/s)) or ±ν·2^(k-s) (natural, scale = ν) per code, stored
+    into ``out`` or (``add``) added to it in float32."""
     for i in range(start, stop):
         c = U(codes[np.uint64(i - base)])
         k = U(c >> U(1))
         if natural:  # (the sign or-ed into the bits, which measured faster here, slower below)
             level = f32_from_bits(U(U(k + U(127 - levels)) << U(23))) if k != U(0) else np.float32(0.0)
-            out[np.uint64(i)] = f32_from_bits(U(bits_of_f32(scale * level) | U(c << U(31))))
+            value = f32_from_bits(U(bits_of_f32(scale * level) | U(c << U(31))))
         else:  # float32(k), exactly, in 32-bit lanes (2^23 + k has k as its mantissa)
-            value = scale * (f32_from_bits(U(k | U(0x4B000000))) - np.float32(2.0**23))
-            out[np.uint64(i)] = -value if c & U(1) else value
+            magnitude = scale * (f32_from_bits(U(k | U(0x4B000000))) - np.float32(2.0**23))
+            value = -magnitude if c & U(1) else magnitude
+        if add:
+            out[np.uint64(i)] += value
+        else:
+            out[np.uint64(i)] = value
 
 
-@jit
-def _decode_numba(packed, norms, bucket, levels, natural, code_bits, out):  # pragma: no cover - compiled
+@inline
+def _decode_blocks(packed, norms, bucket, levels, natural, code_bits, add, out):  # pragma: no cover - compiled
     """Unpack and decode block by block, bucket segment by bucket segment (:func:`_decode_segment`)."""
-    wide_vectors()
     n = out.size
     codes = np.empty(DECODE_BLOCK // 8, dtype=np.uint64)
     codes8 = codes.view(np.uint8)
@@ -339,8 +343,24 @@ def _decode_numba(packed, norms, bucket, levels, natural, code_bits, out):  # pr
         i, b = start, start // bucket
         while i < stop:
             end = min(stop, (b + 1) * bucket)
+            # each call with constant flags, so that _decode_segment's other branches compile away
             if natural:
-                _decode_segment(codes8, start, i, end, scales[b], levels, True, out)
+                _decode_segment(codes8, start, i, end, scales[b], levels, True, add, out)
             else:
-                _decode_segment(codes8, start, i, end, scales[b], levels, False, out)
+                _decode_segment(codes8, start, i, end, scales[b], levels, False, add, out)
             i, b = end, b + 1
+
+
+@jit
+def _decode_numba(packed, norms, bucket, levels, natural, code_bits, out):  # pragma: no cover - compiled
+    """``out`` = the decoded values (:func:`_decode_blocks`)."""
+    wide_vectors()
+    _decode_blocks(packed, norms, bucket, levels, natural, code_bits, False, out)
+
+
+@jit
+def _decode_add_numba(packed, norms, bucket, levels, natural, code_bits, total):  # pragma: no cover - compiled
+    """``total += decode(packed)`` in float32, in one pass (an all-gather's sum: no decoded temporary per
+    worker; the same bits as adding :func:`_decode_numba`'s output)."""
+    wide_vectors()
+    _decode_blocks(packed, norms, bucket, levels, natural, code_bits, True, total)
