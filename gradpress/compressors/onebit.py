@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import as_numpy, jit, use_numba
+from gradpress._numba import as_numpy, jit, select_bits64, use_numba, wide_vectors
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.packet import Packet
@@ -167,6 +167,12 @@ class OneBit(Compressor):
     def _decompress(self, packet: Packet) -> torch.Tensor:
         return decode_two_levels(packet["bits"], packet["means"], packet.numel)
 
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """``total += decompress(packet)``, decoded and added in one pass on the CPU (the same bits)."""
+        means = packet["means"]
+        if not add_two_levels(packet["bits"], float(means[0]), float(means[1]), total):
+            super().accumulate(total, packet)
+
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """A boolean mask as packed bits (the :func:`gradpress.bits.pack_bits` layout)."""
@@ -181,6 +187,33 @@ def decode_two_levels(bits: torch.Tensor, levels: torch.Tensor, n: int) -> torch
         return out
     mask = unpack_bits(bits, 1, n).bool()
     return torch.where(mask, levels[1], levels[0])
+
+
+def add_two_levels(bits: torch.Tensor, low: float, high: float, total: torch.Tensor) -> bool:
+    """``total += decode_two_levels(bits, [low, high])`` on a flat float32 ``total``, decoded and added in
+    one numba pass (no decoded temporary: an all-gather's sum); ``low`` and ``high`` are float32 values.
+    False, with nothing done, where the numba path does not apply (the caller then adds the decode)."""
+    if not (use_numba(bits) and use_numba(total)):
+        return False
+    _add_two_levels(as_numpy(bits), np.float32(low), np.float32(high), as_numpy(total))
+    return True
+
+
+@jit
+def _add_two_levels(packed, low, high, total):  # pragma: no cover - compiled
+    """total_i += high if bit i is set, else low (float32): 64 values per word of bits, one vector select
+    into a 64-value scratch, then one vectorized add."""
+    wide_vectors()
+    n = total.size
+    full = n - n % 64
+    words = packed[:full // 8].view(np.uint64)
+    scratch = np.empty(64, dtype=np.float32)
+    for w in range(full // 64):
+        select_bits64(words[np.uint64(w)], low, high, scratch, 0)
+        for k in range(64):
+            total[np.uint64(64 * w + k)] += scratch[np.uint64(k)]
+    for i in range(full, n):
+        total[i] += high if (packed[i // 8] >> np.uint8(i % 8)) & np.uint8(1) else low
 
 
 @jit

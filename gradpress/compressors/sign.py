@@ -21,8 +21,8 @@ from gradpress._numba import as_numpy, f64_from_bits, jit, select_bits64, sign_b
 from gradpress.bits import packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.compressors.sparsify import float32_decompress
-from gradpress.compressors.onebit import (as_float32, checked_fixed_point_scale, decode_two_levels, mean_of,
-                                          pack_mask, to_fixed)
+from gradpress.compressors.onebit import (add_two_levels, as_float32, checked_fixed_point_scale, decode_two_levels,
+                                          mean_of, pack_mask, to_fixed)
 from gradpress.feedback import KeyedMemory, feedback_registry
 from gradpress.packet import Packet
 from gradpress.registry import check_params_of, param
@@ -135,6 +135,12 @@ class EFSignSGD(Compressor):
     def _decompress(self, packet: Packet) -> torch.Tensor:
         scale = float(packet["scale"].item())
         return decode_signs(packet["signs"], -scale, scale, packet.numel)
+
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """``total += decompress(packet)``, decoded and added in one pass on the CPU (the same bits)."""
+        scale = float(packet["scale"].item())
+        if not add_two_levels(packet["signs"], -scale, scale, total):
+            super().accumulate(total, packet)
 
     def decompress(self, packet: Packet) -> torch.Tensor:
         return float32_decompress(self, packet)
