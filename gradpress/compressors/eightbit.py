@@ -84,6 +84,11 @@ class EightBit(Compressor):
     def _decompress(self, packet: Packet) -> torch.Tensor:
         return lookup(TABLE.to(packet.device) * packet["scale"], packet["codes"])
 
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """``total += decompress(packet)``, looked up and added in one pass on the CPU (the same bits)."""
+        if not lookup_add(TABLE * packet["scale"].cpu(), packet["codes"], total):
+            super().accumulate(total, packet)
+
 
 def _encode(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     """Codes sign·128 + #{edges < |x|} (uint8)."""
@@ -105,6 +110,16 @@ def lookup(values: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         _lookup(as_numpy(values.float().contiguous()), as_numpy(codes), as_numpy(out))
         return out
     return values.float()[codes.long()]
+
+
+def lookup_add(values: torch.Tensor, codes: torch.Tensor, total: torch.Tensor) -> bool:
+    """``total += values[codes]`` on a flat float32 ``total`` (uint8 codes, float32 ``values``), in one
+    numba pass (no looked-up temporary: an all-gather's sum). False, with nothing done, where the numba
+    path does not apply (the caller then adds the decode)."""
+    if not (use_numba(codes) and use_numba(total)):
+        return False
+    _lookup_add(as_numpy(values.float().contiguous()), as_numpy(codes), as_numpy(total))
+    return True
 
 
 # -- cell tables (shared with sketchml.py) ------------------------------------------------------------
@@ -199,3 +214,19 @@ def _lookup(values, codes, out):  # pragma: no cover - compiled
         gather16(values, codes, out, start)
     for i in range(n - n % 16, n):
         out[i] = values[codes[i]]
+
+
+@jit
+def _lookup_add(values, codes, total):  # pragma: no cover - compiled
+    """total += values[codes], BLOCK values at a time: gathered 16 at a time into a scratch block, then
+    added (one vectorized loop)."""
+    n = codes.size
+    scratch = np.empty(BLOCK, dtype=np.float32)
+    for start in range(0, n - n % BLOCK, BLOCK):
+        block = codes[start:start + BLOCK]
+        for k in range(0, BLOCK, 16):
+            gather16(values, block, scratch, k)
+        for k in range(BLOCK):
+            total[start + k] += scratch[k]
+    for i in range(n - n % BLOCK, n):
+        total[i] += values[codes[i]]
