@@ -226,7 +226,7 @@ def _lookup_add(values, codes, total):  # pragma: no cover - compiled
         block = codes[start:start + BLOCK]
         for k in range(0, BLOCK, 16):
             gather16(values, block, scratch, k)
-        for k in range(BLOCK):
-            total[start + k] += scratch[k]
+        for k in range(BLOCK):  # (unsigned indices: no wraparound check, so the loop vectorizes)
+            total[np.uint64(start + k)] += scratch[np.uint64(k)]
     for i in range(n - n % BLOCK, n):
         total[i] += values[codes[i]]
