@@ -31,7 +31,7 @@ from numba import njit
 from gradpress._numba import as_numpy, gather16, jit, use_numba
 from gradpress.bits import pack_bits, unpack_bits
 from gradpress.compressor import Compressor, register
-from gradpress.compressors.eightbit import BLOCK, CROWDED, cell_table, lookup, order_key, rank_in_cell
+from gradpress.compressors.eightbit import BLOCK, CROWDED, cell_table, lookup, lookup_add, order_key, rank_in_cell
 from gradpress.compressors.onebit import as_float32, checked_extreme_and_nonzeros, fixed_point_scale, to_fixed
 from gradpress.compressors.threshold import draw_sample, select_above
 from gradpress.packet import Packet
@@ -91,6 +91,26 @@ class SketchML(Compressor):
         out = torch.zeros(packet.numel, dtype=torch.float32, device=packet.device)
         out[indices.long()] = values
         return out
+
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """``total += decompress(packet)``: a dense packet's codes looked up and added in one numba pass
+        (no decoded temporary; the same bits), a sparse one's values added at their positions only
+        (x + 0 = x exactly, and a sum that starts at +0 is never −0, as :class:`Sparse` adds)."""
+        indices, packed = packet["indices"], packet["codes"]
+        if indices.numel():
+            count = indices.numel()
+        elif packed.numel() and packet.numel:
+            count = packet.numel
+        else:  # an all-zero tensor (rare): its zeros added as the dense formula adds them
+            super().accumulate(total, packet)
+            return
+        table = torch.cat([packet["means"].new_zeros(1), packet["means"]])
+        whole = self.bits == 8 and packed.numel() == count
+        codes = packed if whole else unpack_bits(packed, self.bits, count)
+        if indices.numel():
+            total.index_add_(0, indices.long(), lookup(table, codes))
+        elif not lookup_add(table, codes, total):
+            total += lookup(table, codes)
 
 
 def sort(values: torch.Tensor) -> torch.Tensor:
