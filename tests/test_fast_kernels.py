@@ -329,7 +329,8 @@ def test_bench_grace_runs_against_a_stand_in(tmp_path, capsys):
 @pytest.mark.parametrize("spec", ["natural", "qsgd", "qsgd:levels=127,bucket=100", "terngrad", "terngrad:clip=2.5",
                                   "dither", "dither:partition=standard,levels=5,norm=1",
                                   "dither:natural_norm=true,bucket=100,norm=inf", "dither:levels=3,bucket=128",
-                                  "onebit", "onebit:tau=0.5", "efsignsgd", "eightbit"])
+                                  "onebit", "onebit:tau=0.5", "efsignsgd", "eightbit", "sketchml", "sketchml:bits=4",
+                                  "sketchml:bits=1", "inceptionn"])
 @pytest.mark.parametrize("n", [1, 7, 1000, 8193, 20_001])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_decode_add_equals_torch_and_the_dense_sum(spec, n, dtype):

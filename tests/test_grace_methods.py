@@ -14,7 +14,7 @@ from gradpress.compressor import check_finite
 from gradpress.compressors.eightbit import BLOCK, CROWDED, EDGES, NO_EDGE, TABLE, cell_table
 from gradpress.compressors.onebit import fixed_point_scale, to_fixed
 from gradpress.rng import Context
-from kernels import PATHS, both_paths, path
+from kernels import PATHS, accumulate_both_paths, both_paths, path
 from numerics import eps, unit_roundoff
 
 
@@ -282,6 +282,21 @@ def test_inceptionn_rejects_a_payload_the_tags_do_not_call_for(monkeypatch, kern
             c.decompress(packet.with_wire([packet["tags"], wrong]))
     with path(kernels is None), pytest.raises(ValueError, match="tag bytes"):
         c.decompress(packet.with_wire([packet["tags"][:-1], payload]))
+
+
+@pytest.mark.parametrize("kernels", _inceptionn_kernels())
+@pytest.mark.parametrize("n", [1000, 4099, 10_007])
+def test_inceptionn_decode_add_equals_torch_and_the_dense_sum(monkeypatch, kernels, n):
+    """The all-gather sum decodes block by block into a scratch added into the total: the same bits as
+    the torch path and the dense sum, across blocks (a small block here) and tails."""
+    monkeypatch.setattr(inceptionn, "KERNELS", kernels)
+    monkeypatch.setattr(inceptionn, "ADD_BLOCK", 1024)
+    accumulate_both_paths("inceptionn", [_inceptionn_edges(n, 2.0**-10) * s for s in (1.0, 0.01, -0.5)])
+    c = gradpress.make("inceptionn")
+    packet = c.compress(torch.randn(n) * 0.1)
+    for wrong in (packet["payload"][:-1], torch.cat([packet["payload"], packet["payload"][:1]])):
+        with pytest.raises(ValueError, match="payload bytes"):
+            c.accumulate(torch.zeros(n), packet.with_wire([packet["tags"], wrong]))
 
 
 @pytest.mark.parametrize("kernels", _inceptionn_kernels())

@@ -130,6 +130,23 @@ class INCEPTIONN(Compressor):
         raw = (word & 0xFFFFFFFF).to(torch.int64).to(torch.int32).view(torch.float32)
         return torch.where(tag == 3, raw, torch.where(tag == 0, 0.0, value))
 
+    def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
+        """``total += decompress(packet)`` on the CPU without a decoded tensor of the packet's size: the
+        kernel decodes ADD_BLOCK elements at a time into a cache-sized scratch and adds it into ``total``
+        (the same bits). A payload the tags do not call for raises, as :meth:`decompress` does, after
+        ``total`` was written."""
+        n = packet.numel
+        tags, payload = packet["tags"], packet["payload"]
+        if not (use_numba(payload) and use_numba(total)):
+            super().accumulate(total, packet)
+            return
+        if tags.numel() != packed_nbytes(n, 2):
+            raise ValueError(f"{self.spec}: {tags.numel()} tag bytes cannot hold {n} tags")
+        scratch = np.empty(min(n, ADD_BLOCK), dtype=np.uint32)
+        read = KERNELS.decode_add(as_numpy(tags), as_numpy(payload), np.float32(self.error_bound), scratch,
+                                  as_numpy(total))
+        self._check_payload(read, payload)
+
     def _check_payload(self, expected: int, payload: torch.Tensor) -> None:
         if expected != payload.numel():
             raise ValueError(f"{self.spec}: the tags call for {expected} payload bytes, the packet has "
@@ -152,6 +169,7 @@ def _signed(magnitude: torch.Tensor, sign_bit: torch.Tensor) -> torch.Tensor:
 # the variable-size payloads, two elements' as one 8-byte store at the running position, which then
 # advances by their size. Decoding mirrors it. Integers are cast back to their width after every
 # operation (numba widens to 64 bits) so the loops vectorize over 32-bit lanes.
+ADD_BLOCK = 1 << 14  # elements decoded at a time by INCEPTIONN.accumulate (a multiple of 16: whole tag bytes, vectors)
 BLOCK = 4096  # elements per block, a multiple of 4 (a tag byte never straddles two blocks)
 U8, U32, U64 = np.uint8, np.uint32, np.uint64
 ONE = U32(0x3F800000)  # the bits of 1.0f: |x| ≥ 1 exactly when its magnitude bits are at least this
@@ -323,6 +341,23 @@ def _decode(tags, payload, eps, out_bits):  # pragma: no cover - compiled
 
 
 @jit
+def _decode_add(tags, payload, eps, scratch, total):  # pragma: no cover - compiled
+    """total += the decoded elements, ``scratch.size`` (a multiple of 4) at a time: decoded by
+    :func:`_decode` into ``scratch`` (float32 bits), then added; returns the payload bytes the tags call
+    for, as :func:`_decode` does."""
+    n = total.size
+    values = scratch.view(np.float32)
+    position = 0
+    for start in range(0, n, scratch.size):
+        count = min(scratch.size, n - start)
+        position += _decode(tags[start // 4:(start + count + 3) // 4], payload[min(position, payload.size):], eps,
+                            scratch[:count])
+        for k in range(count):  # (unsigned indices: no wraparound check, so the loop vectorizes)
+            total[np.uint64(start + k)] += values[np.uint64(k)]
+    return position
+
+
+@jit
 def _unpack_tags(tags, tag_of, sizes):  # pragma: no cover - compiled
     """Tags and payload sizes of the elements of ``tags``' bytes."""
     for j in range(tags.size):
@@ -368,13 +403,16 @@ class Kernels(NamedTuple):
     """One implementation of the numba coding, on float32 bits (uint32 arrays):
     ``encode_tags(bits, eps_bits, coarse_bits, tags)`` packs the tags and returns the payload's bytes
     (-1 if an element is NaN or Inf), ``encode_payload(bits, eps_bits, coarse_bits, payload)`` fills
-    the payload, ``decode(tags, payload, ε, out_bits)`` returns the payload bytes the tags call for."""
+    the payload, ``decode(tags, payload, ε, out_bits)`` returns the payload bytes the tags call for,
+    ``decode_add(tags, payload, ε, scratch, total)`` adds the decoded elements into float32 ``total``,
+    ``scratch.size`` at a time (uint32), and returns the same."""
 
     encode_tags: Callable[..., int]
     encode_payload: Callable[..., None]
     decode: Callable[..., int]
+    decode_add: Callable[..., int]
 
 
-PORTABLE = Kernels(_encode_tags, _encode_payload, _decode)
-VECTOR = Kernels(simd.encode_tags, simd.encode_payload, simd.decode)
+PORTABLE = Kernels(_encode_tags, _encode_payload, _decode, _decode_add)
+VECTOR = Kernels(simd.encode_tags, simd.encode_payload, simd.decode, simd.decode_add)
 KERNELS = VECTOR if simd.AVAILABLE else PORTABLE  # the same bytes; VECTOR needs AVX-512 VBMI2

@@ -284,3 +284,20 @@ def decode(tags, payload, eps, out_bits):  # pragma: no cover - compiled
         out_bits[i:i + count] = rest[:count]
         i += LANES
     return position
+
+
+@jit
+def decode_add(tags, payload, eps, scratch, total):  # pragma: no cover - compiled
+    """total += the decoded elements, ``scratch.size`` (a multiple of 16) at a time: decoded by
+    :func:`decode` into ``scratch`` (float32 bits), then added; returns the payload bytes the tags call
+    for, as :func:`decode` does."""
+    n = total.size
+    values = scratch.view(np.float32)
+    position = 0
+    for start in range(0, n, scratch.size):
+        count = min(scratch.size, n - start)
+        position += decode(tags[start // 4:(start + count + 3) // 4], payload[min(position, payload.size):], eps,
+                           scratch[:count])
+        for k in range(count):  # (unsigned indices: no wraparound check, so the loop vectorizes)
+            total[np.uint64(start + k)] += values[np.uint64(k)]
+    return position
