@@ -86,7 +86,7 @@ class EightBit(Compressor):
 
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
         """``total += decompress(packet)``, looked up and added in one pass on the CPU (the same bits)."""
-        if not lookup_add(TABLE * packet["scale"].cpu(), packet["codes"], total):
+        if not (use_numba(packet["codes"]) and lookup_add(TABLE * packet["scale"], packet["codes"], total)):
             super().accumulate(total, packet)
 
 

@@ -169,8 +169,8 @@ class OneBit(Compressor):
 
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
         """``total += decompress(packet)``, decoded and added in one pass on the CPU (the same bits)."""
-        means = packet["means"]
-        if not add_two_levels(packet["bits"], float(means[0]), float(means[1]), total):
+        bits, means = packet["bits"], packet["means"]
+        if not (use_numba(bits) and add_two_levels(bits, float(means[0]), float(means[1]), total)):
             super().accumulate(total, packet)
 
 
