@@ -254,7 +254,9 @@ class Compressor:
 
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
         """``total += decompress(packet)`` on a flat float32 ``total``, the same bits (:meth:`aggregate`
-        sums the workers' packets with it). Sparse methods override it to add only what they sent."""
+        sums the workers' packets with it). Sparse methods override it to add only what they sent;
+        element-wise quantizers (natural, the dithering family, 8-bit, 1-bit, EF-sign, INCEPTIONN,
+        SketchML) to decode into ``total`` in one pass on the CPU, without a decoded temporary."""
         total += self._decompress(packet).float()
 
     def residual(self, x: torch.Tensor, packet: Packet, owned: bool = False) -> torch.Tensor:

@@ -95,7 +95,8 @@ class SketchML(Compressor):
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
         """``total += decompress(packet)``: a dense packet's codes looked up and added in one numba pass
         (no decoded temporary; the same bits), a sparse one's values added at their positions only
-        (x + 0 = x exactly, and a sum that starts at +0 is never −0, as :class:`Sparse` adds)."""
+        (x + 0 = x exactly, and a sum that starts at +0 is never −0, as
+        :class:`~gradpress.compressors.sparsify.Sparse` adds)."""
         indices, packed = packet["indices"], packet["codes"]
         if indices.numel():
             count = indices.numel()
