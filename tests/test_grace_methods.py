@@ -285,12 +285,11 @@ def test_inceptionn_rejects_a_payload_the_tags_do_not_call_for(monkeypatch, kern
 
 
 @pytest.mark.parametrize("kernels", _inceptionn_kernels())
-@pytest.mark.parametrize("n", [1000, 4099, 10_007])
+@pytest.mark.parametrize("n", [1, 17, 1000, 4099, 10_007])
 def test_inceptionn_decode_add_equals_torch_and_the_dense_sum(monkeypatch, kernels, n):
-    """The all-gather sum decodes block by block into a scratch added into the total: the same bits as
-    the torch path and the dense sum, across blocks (a small block here) and tails."""
+    """The all-gather sum decodes each packet straight into the total: the same bits as the torch path
+    and the dense sum, across 16-element chunks, blocks and tails."""
     monkeypatch.setattr(inceptionn, "KERNELS", kernels)
-    monkeypatch.setattr(inceptionn, "ADD_BLOCK", 1024)
     accumulate_both_paths("inceptionn", [_inceptionn_edges(n, 2.0**-10) * s for s in (1.0, 0.01, -0.5)])
     c = gradpress.make("inceptionn")
     packet = c.compress(torch.randn(n) * 0.1)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import as_numpy, jit, use_numba
+from gradpress._numba import as_numpy, f32_from_bits, jit, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.compressors import inceptionn_simd as simd
@@ -131,10 +131,8 @@ class INCEPTIONN(Compressor):
         return torch.where(tag == 3, raw, torch.where(tag == 0, 0.0, value))
 
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
-        """``total += decompress(packet)`` on the CPU without a decoded tensor of the packet's size: the
-        kernel decodes ADD_BLOCK elements at a time into a cache-sized scratch and adds it into ``total``
-        (the same bits). A payload the tags do not call for raises, as :meth:`decompress` does, after
-        ``total`` was written."""
+        """``total += decompress(packet)``, decoded and added in one pass on the CPU (the same bits). A
+        payload the tags do not call for raises, as :meth:`decompress` does, after ``total`` was written."""
         n = packet.numel
         tags, payload = packet["tags"], packet["payload"]
         if not (use_numba(payload) and use_numba(total)):
@@ -142,9 +140,7 @@ class INCEPTIONN(Compressor):
             return
         if tags.numel() != packed_nbytes(n, 2):
             raise ValueError(f"{self.spec}: {tags.numel()} tag bytes cannot hold {n} tags")
-        scratch = np.empty(min(n, ADD_BLOCK), dtype=np.uint32)
-        read = KERNELS.decode_add(as_numpy(tags), as_numpy(payload), np.float32(self.error_bound), scratch,
-                                  as_numpy(total))
+        read = KERNELS.decode_add(as_numpy(tags), as_numpy(payload), np.float32(self.error_bound), as_numpy(total))
         self._check_payload(read, payload)
 
     def _check_payload(self, expected: int, payload: torch.Tensor) -> None:
@@ -169,7 +165,6 @@ def _signed(magnitude: torch.Tensor, sign_bit: torch.Tensor) -> torch.Tensor:
 # the variable-size payloads, two elements' as one 8-byte store at the running position, which then
 # advances by their size. Decoding mirrors it. Integers are cast back to their width after every
 # operation (numba widens to 64 bits) so the loops vectorize over 32-bit lanes.
-ADD_BLOCK = 1 << 14  # elements decoded at a time by INCEPTIONN.accumulate (a multiple of 16: whole tag bytes, vectors)
 BLOCK = 4096  # elements per block, a multiple of 4 (a tag byte never straddles two blocks)
 U8, U32, U64 = np.uint8, np.uint32, np.uint64
 ONE = U32(0x3F800000)  # the bits of 1.0f: |x| ≥ 1 exactly when its magnitude bits are at least this
@@ -317,11 +312,12 @@ def _value(tag, word, eps):  # pragma: no cover - compiled
     return word if tag == U8(3) else (fine_bits if tag == U8(2) else (small_bits if tag == U8(1) else U32(0)))
 
 
-@jit
-def _decode(tags, payload, eps, out_bits):  # pragma: no cover - compiled
-    """Inverse of the two passes; returns the payload bytes the tags call for (the caller checks it
-    is all of them; reads never pass the payload's end)."""
-    n = out_bits.size
+@inline
+def _decode_blocks(tags, payload, eps, add, out):  # pragma: no cover - compiled
+    """Every element from its tag and payload, block by block, into ``out`` (float32 bits) or (``add``)
+    added to float32 ``out``; returns the payload bytes the tags call for (reads never pass the
+    payload's end)."""
+    n = out.size
     tag_of = np.zeros(BLOCK, dtype=np.uint8)
     sizes = np.zeros(BLOCK, dtype=np.uint8)
     words = np.zeros(BLOCK, dtype=np.uint32)
@@ -335,26 +331,25 @@ def _decode(tags, payload, eps, out_bits):  # pragma: no cover - compiled
             _load_words(payload[position:], sizes[:count], words)
         elif position <= payload.size:  # near the payload's end: byte by byte
             _load_bytes(payload[position:], sizes[:count], words)
-        _values(tag_of[:count], words, eps, out_bits[start:start + count])
+        if add:
+            _add_values(tag_of[:count], words, eps, out[start:start + count])
+        else:
+            _values(tag_of[:count], words, eps, out[start:start + count])
         position += total
     return position
 
 
 @jit
-def _decode_add(tags, payload, eps, scratch, total):  # pragma: no cover - compiled
-    """total += the decoded elements, ``scratch.size`` (a multiple of 4) at a time: decoded by
-    :func:`_decode` into ``scratch`` (float32 bits), then added; returns the payload bytes the tags call
-    for, as :func:`_decode` does."""
-    n = total.size
-    values = scratch.view(np.float32)
-    position = 0
-    for start in range(0, n, scratch.size):
-        count = min(scratch.size, n - start)
-        position += _decode(tags[start // 4:(start + count + 3) // 4], payload[min(position, payload.size):], eps,
-                            scratch[:count])
-        for k in range(count):  # (unsigned indices: no wraparound check, so the loop vectorizes)
-            total[np.uint64(start + k)] += values[np.uint64(k)]
-    return position
+def _decode(tags, payload, eps, out_bits):  # pragma: no cover - compiled
+    """Inverse of the two passes; returns the payload bytes the tags call for (the caller checks it
+    is all of them; reads never pass the payload's end)."""
+    return _decode_blocks(tags, payload, eps, False, out_bits)
+
+
+@jit
+def _decode_add(tags, payload, eps, total):  # pragma: no cover - compiled
+    """total += the decoded elements (float32), in the same pass as :func:`_decode`; returns the same."""
+    return _decode_blocks(tags, payload, eps, True, total)
 
 
 @jit
@@ -399,13 +394,20 @@ def _values(tag_of, words, eps, out_bits):  # pragma: no cover - compiled
         out_bits[i] = _value(tag_of[i], words[i], eps)
 
 
+@jit
+def _add_values(tag_of, words, eps, total):  # pragma: no cover - compiled
+    """total += every element's float32 value."""
+    for i in range(total.size):
+        total[i] += f32_from_bits(_value(tag_of[i], words[i], eps))
+
+
 class Kernels(NamedTuple):
     """One implementation of the numba coding, on float32 bits (uint32 arrays):
     ``encode_tags(bits, eps_bits, coarse_bits, tags)`` packs the tags and returns the payload's bytes
     (-1 if an element is NaN or Inf), ``encode_payload(bits, eps_bits, coarse_bits, payload)`` fills
     the payload, ``decode(tags, payload, ε, out_bits)`` returns the payload bytes the tags call for,
-    ``decode_add(tags, payload, ε, scratch, total)`` adds the decoded elements into float32 ``total``,
-    ``scratch.size`` at a time (uint32), and returns the same."""
+    ``decode_add(tags, payload, ε, total)`` adds the decoded elements into float32 ``total`` in the
+    same pass, and returns the same."""
 
     encode_tags: Callable[..., int]
     encode_payload: Callable[..., None]

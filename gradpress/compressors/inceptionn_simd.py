@@ -173,43 +173,57 @@ def _encode16(typingctx, bits, i, eps_bits, coarse_bits, shift, payload, positio
     return signature, codegen
 
 
-@intrinsic
-def _decode16(typingctx, tags, i, payload, position, eps, out_bits):  # pragma: no cover - compiled
-    """Elements i..i+15 from their tags and the payloads at payload[position:] (reads only those
-    bytes) into out_bits (float32 bits); returns the payloads' bytes."""
-    signature = types.uint64(tags, i, payload, position, eps, out_bits)
+def _decoder16(add: bool):  # noqa: ANN202
+    """The intrinsic decoding 16 elements: stored as float32 bits, or (``add``) added to float32."""
 
-    def codegen(context, builder, sig, args):
-        tags_data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        payload_data = context.make_array(sig.args[2])(context, builder, args[2]).data
-        out_data = context.make_array(sig.args[5])(context, builder, args[5]).data
-        i = args[1]
-        quarter = builder.lshr(i, ir.Constant(i.type, 2))
-        packed = builder.load(_element(builder, tags_data, quarter, I32), align=1)
-        low, high = _extract(builder, packed, 0x55555555), _extract(builder, packed, 0xAAAAAAAA)
-        raw_bits = builder.and_(low, high)
-        mask = _byte_mask(builder, builder.or_(low, high), high, raw_bits)
-        is_raw = _lanes(builder, raw_bits)
-        is_small = _lanes(builder, builder.and_(low, builder.not_(high)))
-        is_zero = _lanes(builder, builder.not_(builder.or_(low, high)))
-        source = builder.gep(payload_data, [args[3]])
-        zeros = ir.Constant(BYTES, [0] * 4 * LANES)
-        loaded = _call(builder, "llvm.masked.expandload.v64i8", BYTES, source, mask, zeros)
-        word = builder.bitcast(loaded, WORDS)  # zero above each payload
-        # ±(m + ½)·step: m = the word's low 7 (tag 1, step ε) or 15 (tag 2, step 2^-15) bits
-        code = builder.and_(word, builder.select(is_small, _words(0x7F), _words(0x7FFF)))
-        step = builder.select(is_small, _splat(builder, args[4], FLOATS),
-                              ir.Constant(FLOATS, [2.0**-15] * LANES))
-        half_step = builder.fmul(step, ir.Constant(FLOATS, [0.5] * LANES))
-        magnitude = _call(builder, "llvm.fma.v16f32", FLOATS, builder.uitofp(code, FLOATS), step, half_step)
-        sign = builder.and_(builder.shl(word, builder.select(is_small, _words(24), _words(16))),
-                            _words(0x80000000))
-        coded = builder.or_(builder.bitcast(magnitude, WORDS), sign)
-        value = builder.select(is_raw, word, builder.select(is_zero, _words(0), coded))
-        builder.store(value, _element(builder, out_data, i, WORDS), align=4)
-        return _count(builder, mask)
+    @intrinsic
+    def decode16(typingctx, tags, i, payload, position, eps, out):  # pragma: no cover - compiled
+        """Elements i..i+15 from their tags and the payloads at payload[position:] (reads only those
+        bytes) into ``out`` (float32 bits), or added to ``out`` (float32); returns the payloads' bytes."""
+        signature = types.uint64(tags, i, payload, position, eps, out)
 
-    return signature, codegen
+        def codegen(context, builder, sig, args):
+            tags_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            payload_data = context.make_array(sig.args[2])(context, builder, args[2]).data
+            out_data = context.make_array(sig.args[5])(context, builder, args[5]).data
+            i = args[1]
+            quarter = builder.lshr(i, ir.Constant(i.type, 2))
+            packed = builder.load(_element(builder, tags_data, quarter, I32), align=1)
+            low, high = _extract(builder, packed, 0x55555555), _extract(builder, packed, 0xAAAAAAAA)
+            raw_bits = builder.and_(low, high)
+            mask = _byte_mask(builder, builder.or_(low, high), high, raw_bits)
+            is_raw = _lanes(builder, raw_bits)
+            is_small = _lanes(builder, builder.and_(low, builder.not_(high)))
+            is_zero = _lanes(builder, builder.not_(builder.or_(low, high)))
+            source = builder.gep(payload_data, [args[3]])
+            zeros = ir.Constant(BYTES, [0] * 4 * LANES)
+            loaded = _call(builder, "llvm.masked.expandload.v64i8", BYTES, source, mask, zeros)
+            word = builder.bitcast(loaded, WORDS)  # zero above each payload
+            # ±(m + ½)·step: m = the word's low 7 (tag 1, step ε) or 15 (tag 2, step 2^-15) bits
+            code = builder.and_(word, builder.select(is_small, _words(0x7F), _words(0x7FFF)))
+            step = builder.select(is_small, _splat(builder, args[4], FLOATS),
+                                  ir.Constant(FLOATS, [2.0**-15] * LANES))
+            half_step = builder.fmul(step, ir.Constant(FLOATS, [0.5] * LANES))
+            magnitude = _call(builder, "llvm.fma.v16f32", FLOATS, builder.uitofp(code, FLOATS), step, half_step)
+            sign = builder.and_(builder.shl(word, builder.select(is_small, _words(24), _words(16))),
+                                _words(0x80000000))
+            coded = builder.or_(builder.bitcast(magnitude, WORDS), sign)
+            value = builder.select(is_raw, word, builder.select(is_zero, _words(0), coded))
+            if add:  # out[i..i+15] += the values (float32)
+                target = _element(builder, out_data, i, FLOATS)
+                value = builder.fadd(builder.load(target, align=4), builder.bitcast(value, FLOATS))
+            else:
+                target = _element(builder, out_data, i, WORDS)
+            builder.store(value, target, align=4)
+            return _count(builder, mask)
+
+        return signature, codegen
+
+    return decode16
+
+
+_decode16 = _decoder16(False)
+_decode16_add = _decoder16(True)
 
 
 @jit
@@ -287,17 +301,29 @@ def decode(tags, payload, eps, out_bits):  # pragma: no cover - compiled
 
 
 @jit
-def decode_add(tags, payload, eps, scratch, total):  # pragma: no cover - compiled
-    """total += the decoded elements, ``scratch.size`` (a multiple of 16) at a time: decoded by
-    :func:`decode` into ``scratch`` (float32 bits), then added; returns the payload bytes the tags call
-    for, as :func:`decode` does."""
+def decode_add(tags, payload, eps, total):  # pragma: no cover - compiled
+    """total += every element (float32), in the one pass of :func:`decode`; returns the same."""
     n = total.size
-    values = scratch.view(np.float32)
     position = 0
-    for start in range(0, n, scratch.size):
-        count = min(scratch.size, n - start)
-        position += decode(tags[start // 4:(start + count + 3) // 4], payload[min(position, payload.size):], eps,
-                           scratch[:count])
-        for k in range(count):  # (unsigned indices: no wraparound check, so the loop vectorizes)
-            total[np.uint64(start + k)] += values[np.uint64(k)]
+    i = 0
+    while i + LANES <= n and position + 4 * LANES <= payload.size:
+        position += np.int64(_decode16_add(tags, i, payload, position, eps, total))
+        i += LANES
+    rest_tags = np.empty(LANES // 4, dtype=np.uint8)
+    scratch = np.empty(4 * LANES, dtype=np.uint8)
+    rest = np.empty(LANES, dtype=np.uint32)
+    values = rest.view(np.float32)
+    while i < n:
+        count = min(LANES, n - i)
+        rest_tags[:] = 0
+        rest_tags[:(count + 3) // 4] = tags[i // 4:(i + count + 3) // 4]
+        for k in range(count, LANES):  # unused slots of the last tag byte: tag 0
+            rest_tags[k // 4] &= np.uint8(~(3 << (2 * (k % 4))) & 0xFF)
+        available = max(0, min(4 * LANES, payload.size - position))
+        scratch[:] = 0
+        scratch[:available] = payload[position:position + available]
+        position += np.int64(_decode16(rest_tags, 0, scratch, 0, eps, rest))
+        for k in range(count):
+            total[i + k] += values[k]
+        i += LANES
     return position
