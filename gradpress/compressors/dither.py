@@ -34,9 +34,9 @@ two when a bucket is too large for the cache (the norm's, then the encoder's), i
 block's hash words, its bucket segments quantized into byte codes, which are then packed 8 at a time (SWAR:
 shifts and masks in 64-bit words, :func:`gradpress.bits.pack_groups`); decoding unpacks the same way and
 computes ±scale·level per code, which an all-gather's sum adds straight into its float32 total
-(:meth:`Dithering.accumulate`: no decoded temporary per worker). NaN/Inf: the encoder sees them in each bucket's largest |x| (computed for
-the norm anyway) and stops; the compressors raise NonFiniteError then, so they skip the base class's
-separate check pass.
+(:meth:`Dithering.accumulate`: no decoded temporary per worker). NaN/Inf: the encoder sees them in each
+bucket's largest |x| (computed for the norm anyway) and stops; the compressors raise NonFiniteError then,
+so they skip the base class's separate check pass.
 """
 from __future__ import annotations
 

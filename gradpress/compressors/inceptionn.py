@@ -140,7 +140,8 @@ class INCEPTIONN(Compressor):
             return
         if tags.numel() != packed_nbytes(n, 2):
             raise ValueError(f"{self.spec}: {tags.numel()} tag bytes cannot hold {n} tags")
-        read = KERNELS.decode_add(as_numpy(tags), as_numpy(payload), np.float32(self.error_bound), as_numpy(total))
+        read = KERNELS.decode_add(as_numpy(tags), as_numpy(payload), np.float32(self.error_bound),
+                                  as_numpy(total))
         self._check_payload(read, payload)
 
     def _check_payload(self, expected: int, payload: torch.Tensor) -> None:
