@@ -629,33 +629,40 @@ def _forward_fast(x, out, numel, partition, size, tail, scale, tail_scale, key, 
 
 
 @njit(cache=True, inline="always")
-def _inverse_store(out, first, j, count, v, key, factor, scaled, streamed):  # pragma: no cover - compiled
-    """out[first + j + l] = D·v (times ``factor`` if ``scaled``) for the lanes with j + l < count; whole
-    vectors of an output larger than the caches bypass them (V.store_stream)."""
+def _inverse_store(out, first, j, count, v, key, factor, scaled, streamed, minuend, subtract):  # pragma: no cover
+    """out[first + j + l] = D·v (times ``factor`` if ``scaled``) for the lanes with j + l < count, or
+    minuend[first + j + l] − that if ``subtract`` (``minuend`` may be ``out`` itself); whole vectors of an
+    output larger than the caches bypass them (V.store_stream)."""
     u = np.uint64
     v = V.bits(V.xor(V.bits(v), _sign_bits(first + j, key)))
     if scaled:
         v = V.mul(v, V.fsplat(factor))
     if j + u(16) <= count:
+        if subtract:
+            v = V.sub(V.load(minuend, first + j), v)
         if streamed:
             V.store_stream(out, first + j, v)
         else:
             V.store(out, first + j, v)
     elif j < count:
+        if subtract:
+            v = V.sub(V.load_first(minuend, first + j, np.int64(count - j)), v)
         V.store_first(out, first + j, v, np.int64(count - j))
 
 
 @njit(cache=True, inline="always")
-def inverse_columns(work, n, count, first, key, s, one, scratch, out, factor, scaled, streamed):  # pragma: no cover
+def inverse_columns(work, n, count, first, key, s, one, scratch, out, factor, scaled, streamed, minuend,
+                    subtract):  # pragma: no cover - compiled
     """Pass B of the inverse transform of a block whose rows are done (pass A) in ``work``: the stages
-    across rows, then 1/√P (``s``), D and ``factor`` (if ``scaled``), into out[first : first + count]
-    (pointers; ``streamed``: whole vectors past the caches)."""
+    across rows, then 1/√P (``s``), D and ``factor`` (if ``scaled``), into out[first : first + count], or
+    minuend[first : first + count] minus that where ``subtract`` (pointers; ``streamed``: whole vectors
+    past the caches)."""
     u = np.uint64
     c, rows, stride = _geometry(n)
     if rows == u(1):
         for m in range(c // u(16)):
             _inverse_store(out, first, u(16) * m, count, V.mul(V.load(work, u(16) * m), V.fsplat(s)), key, factor,
-                           scaled, streamed)
+                           scaled, streamed, minuend, subtract)
         return
     low, stages = _last_group(rows)
     step = u(1) << low
@@ -671,7 +678,7 @@ def inverse_columns(work, n, count, first, key, s, one, scratch, out, factor, sc
     for r in range(rows):
         for m in range(c // u(16)):
             _inverse_store(out, first, r * c + u(16) * m, count, V.load(work, r * stride + u(16) * m), key, factor,
-                           scaled, streamed)
+                           scaled, streamed, minuend, subtract)
 
 
 @njit(cache=True, inline="always")
@@ -709,5 +716,5 @@ def _inverse_fast(y, out, numel, partition, size, tail, scale, tail_scale, key, 
             start += n
             continue
         _load_plain_rows(yp, start, n, wp, one)
-        inverse_columns(wp, n, count, first, key, s, one, scratch, outp, np.float32(1.0), False, streamed)
+        inverse_columns(wp, n, count, first, key, s, one, scratch, outp, np.float32(1.0), False, streamed, outp, False)
         start += n

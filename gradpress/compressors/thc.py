@@ -436,13 +436,14 @@ def _decode_rows(source, packed, start, n, bits, values, centre, buf, one):  # p
 
 @njit(cache=True, inline="always")
 def _decode(source, packed, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-            centre, factor):  # pragma: no cover - compiled
+            centre, factor, minuend, subtract):  # pragma: no cover - compiled
     """THC's decoding (Algorithm 3 lines 18-20): RHT⁻¹(Y − centre)·factor per block into ``out``, Y the
     table values of packed codes (``packed``; ``values``: float32 T[z] − centre, at least 32 entries) or
-    the workers' summed values."""
+    the workers' summed values; where ``subtract``, minuend − that instead (the residual x − C⁻¹(C(x)) in
+    the decoding's output pass: ``minuend`` may be ``out``)."""
     u = np.uint64
     start = u(0)
-    sp, op, wp, vp = V.pointer(source), V.pointer(out), V.pointer(work), V.pointer(values)
+    sp, op, wp, vp, mp = V.pointer(source), V.pointer(out), V.pointer(work), V.pointer(values), V.pointer(minuend)
     centred = (V.load(vp, 0), V.load(vp, 16), vp)
     scratch = V.advance(wp, work.size - 256)
     streamed = out.size >= _STREAMED
@@ -463,11 +464,12 @@ def _decode(source, packed, out, numel, partition, size, tail, scale, tail_scale
             _stages(tiny, u(0), n, s)
             one_ = s / s
             for i in range(count):
-                out[first + i] = (tiny[i] * (-one_ if _negative(first + i, key) else one_)) * factor
+                y = (tiny[i] * (-one_ if _negative(first + i, key) else one_)) * factor
+                out[first + i] = minuend[first + i] - y if subtract else y
             start += n
             continue
         _decode_rows(sp, packed, start, n, bits, centred, centre, wp, one)
-        inverse_columns(wp, n, count, first, key, s, one, scratch, op, factor, True, streamed)
+        inverse_columns(wp, n, count, first, key, s, one, scratch, op, factor, True, streamed, mp, subtract)
         start += n
 
 
@@ -475,14 +477,22 @@ def _decode(source, packed, out, numel, partition, size, tail, scale, tail_scale
 def _thc_decode_packed(packed, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
                        centre, factor):  # pragma: no cover - compiled
     _decode(packed, True, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-            centre, factor)
+            centre, factor, out, False)
+
+
+@jit
+def _thc_residual_packed(packed, x, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits,
+                         values, centre, factor):  # pragma: no cover - compiled
+    """out = x − the decoding of one packet's codes (``out`` may be ``x``): the residual memory's update."""
+    _decode(packed, True, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
+            centre, factor, x, True)
 
 
 @jit
 def _thc_decode_sums(total, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
                      centre, factor):  # pragma: no cover - compiled
     _decode(total, False, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-            centre, factor)
+            centre, factor, out, False)
 
 
 @jit
@@ -818,13 +828,33 @@ class THC(_Homomorphic):
         scale = float(np.float32(2.0 * packet.meta["M"] / self.granularity))
         return self._kernel_decode(_thc_decode_packed, packed, layout, 1, scale)
 
-    def _kernel_decode(self, kernel, source: torch.Tensor, layout, count: int, scale: float) -> torch.Tensor:  # noqa: ANN001
-        """``kernel`` (packed codes or sums) into a new float32 tensor: lines 18-20 in two passes per
-        partition."""
-        out = torch.empty(layout.numel, dtype=torch.float32)
+    def residual(self, x: torch.Tensor, packet: Packet, owned: bool = False) -> torch.Tensor:
+        """x − decompress(packet), the residual memory's update (Algorithm 3 line 21), the same bits as the
+        base class's: on the CPU the decoding's output pass subtracts its values from x as it writes them
+        (into x's own storage when ``owned``), with no decompressed temporary nor a separate pass."""
+        flat = x.reshape(-1) if x.dtype == torch.float32 else None
+        if (flat is None or packet.numel == 0 or packet.dtype != torch.float32 or flat.numel() != packet.numel
+                or not flat.is_contiguous() or not use_numba(packet["codes"]) or not use_numba(flat)):
+            return super().residual(x, packet, owned)
+        layout = packet.meta["rht"]
+        packed = packet["codes"].contiguous()
+        if packed.numel() != packed_nbytes(layout.padded_numel, self.bits):
+            raise ValueError(f"{packed.numel()} bytes cannot hold {layout.padded_numel} codes of {self.bits} bits")
+        scale = float(np.float32(2.0 * packet.meta["M"] / self.granularity))
+        out = flat if owned else torch.empty(flat.numel(), dtype=torch.float32)
+        self._kernel_decode(_thc_residual_packed, packed, layout, 1, scale, minuend=flat, out=out)
+        return out.view(x.shape)
+
+    def _kernel_decode(self, kernel, source: torch.Tensor, layout, count: int, scale: float,  # noqa: ANN001
+                       minuend: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``kernel`` (packed codes or sums) into ``out`` or a new float32 tensor: lines 18-20 in two passes
+        per partition (``minuend``: the residual kernel's x, subtracted from)."""
+        if out is None:
+            out = torch.empty(layout.numel, dtype=torch.float32)
         centre = np.float32(self.granularity * count / 2)
         centred = self.grid.values32.astype(np.float32) - centre  # float32 T[z] − centre: the kernel's own bits
-        kernel(as_numpy(source), as_numpy(out), *_kernel_args(layout, torch.float32), ONE, work_buffer(layout),
+        first = () if minuend is None else (as_numpy(minuend),)
+        kernel(as_numpy(source), *first, as_numpy(out), *_kernel_args(layout, torch.float32), ONE, work_buffer(layout),
                np.uint64(self.bits), centred, centre, np.float32(scale))
         return out
 
