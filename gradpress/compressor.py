@@ -148,11 +148,15 @@ class Compressor:
 
     # -- public API -------------------------------------------------------------------------------
     def compress(self, x: torch.Tensor, ctx: Context | None = None, *,
-                 prepared: torch.Tensor | None = None) -> Packet:
+                 prepared: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> Packet:
         """Compress ``x`` (fp32, fp16 or bf16, any shape, contiguous or not) into a :class:`Packet`.
 
         ``prepared``: the combined result of the preliminary exchange, for a method that has one
         (:meth:`prepare`); without it the method prepares alone, as a world of one worker.
+        ``residual``: a float32 tensor of x's size, possibly x itself, into which a method that
+        :attr:`fuses_residual` may write x − decompress(packet) as it compresses (up to float rounding),
+        for :meth:`residual` to return; x given as its own target no longer holds its values afterwards.
+        Other methods ignore it.
         """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.spec}: expected a tensor, got {type(x).__name__}")
@@ -171,7 +175,10 @@ class Compressor:
             if prepared is None:
                 own = self.prepare(flat.view(x.shape), ctx, 1)
                 prepared = None if own is None else own.values
-            packet = self._compress(flat, ctx, prepared)  # type: ignore[call-arg]
+            if residual is not None and self.fuses_residual:
+                packet = self._compress(flat, ctx, prepared, residual=residual)  # type: ignore[call-arg]
+            else:
+                packet = self._compress(flat, ctx, prepared)  # type: ignore[call-arg]
         else:
             if prepared is not None:
                 raise TypeError(f"{self.spec}: has no preliminary exchange, but got prepared values")
@@ -275,6 +282,11 @@ class Compressor:
         return None
 
     # -- runtime hooks ------------------------------------------------------------------------------
+    fuses_residual: ClassVar[bool] = False
+    """Whether :meth:`compress` can form the residual x − decompress(packet) while compressing (its
+    ``residual`` argument, used by the runtime when the memory updates from :meth:`residual`); for
+    now only methods with a preliminary exchange (THC)."""
+
     @property
     def exchange(self) -> str:
         """How packets meet (GRACE Algorithm 1 lines 7-14): ``"allreduce"`` sums :meth:`summands` and

@@ -54,3 +54,19 @@ def mean_error(terms: list[torch.Tensor], dtype: torch.dtype = torch.float32) ->
     order, then a division by n (or a product with a rounded 1/n), γ_{n+1}·Σ|terms| / n, as float64."""
     magnitude = sum(t.double().abs() for t in terms)
     return gamma(len(terms) + 1, dtype) * magnitude / len(terms)
+
+
+def rht_residual_error(d: int, x: torch.Tensor, decoded: torch.Tensor) -> float:
+    """A first-order bound on the 2-norm of the difference between two float32 evaluations of the residual
+    x − R⁻¹(q̂) of a randomized Hadamard transform R with blocks of at most ``d`` = 2^L values, q̂ the
+    dequantized codes and ``decoded`` = R⁻¹(q̂): THC's decoder (R⁻¹ of the centred codes, then the scale,
+    then x minus that) and its compression's fused form (R(x), r' = R(x) − q̂, then R⁻¹(r')).
+
+    An orthonormal transform of L butterfly stages and one scaling: each stage's roundings (at most u
+    relative per value) add at most u·‖input‖₂ to the 2-norm error once scaled, (L + 1)·u·‖x‖₂ in all.
+    The fused form: R(x), (L + 1)·u·‖x‖₂; r', u·‖r'‖₂ + u·‖q̂‖₂; R⁻¹(r'), (L + 1)·u·‖r'‖₂. The decoder:
+    (L + 2)·u·‖q̂‖₂, then u·‖x − decoded‖₂. With ‖r'‖₂ ≤ ‖x‖₂ + ‖q̂‖₂ and ‖q̂‖₂ = ‖decoded‖₂ (up to its own
+    rounding): (2L + 6)·u·(‖x‖₂ + ‖decoded‖₂). Each block's bound holds on its own, so their sum in
+    quadrature holds for the whole vector."""
+    stages = max(0, d.bit_length() - 1)
+    return (2 * stages + 6) * unit_roundoff() * (float(x.double().norm()) + float(decoded.double().norm()))

@@ -13,6 +13,7 @@ from gradpress.bits import unpack_bits
 from gradpress.compressors.thc import _affine
 from gradpress.rng import Context, mix32_torch, seed32
 from kernels import path
+from numerics import rht_residual_error
 
 # the vector kernel (blocks ≥ 16 values: one row, rows of fewer than 16 vectors, 2-256 rows), the scalar
 # kernel (blocks < 16), tails of 1-15 values, blocks off a multiple of 16 or 32, tables of at most 32 grid
@@ -117,4 +118,74 @@ def test_permute32_without_avx512_gathers_the_same_lanes(monkeypatch):
     out = np.empty(64, dtype=np.float32)
     lookup(table, index, out)
     assert np.array_equal(out, table[index])
+
+
+
+# -- the residual memory's update (issue 12: THC's error feedback without a decompressed temporary) ---------
+THC_SPECS = [spec for spec in SPECS if not spec.startswith("thc_uniform")]
+
+
+def fused_residual_bound(c, x: torch.Tensor, decoded: torch.Tensor) -> float:
+    """:func:`numerics.rht_residual_error` for THC ``c``'s largest padded block."""
+    return rht_residual_error(1 << max(0, min(x.numel(), c.partition) - 1).bit_length(), x, decoded)
+
+
+@pytest.mark.parametrize("spec", THC_SPECS)
+def test_residual_is_x_minus_the_decompression_bit_for_bit(spec):
+    """THC.residual (the decoding's output pass subtracting from x, in x's storage when owned) gives
+    x − decompress(packet)'s bits, on both paths."""
+    c = gradpress.make(spec)
+    for numel in SIZES:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+        ctx = Context(seed=1, step=2, key="k", rank=1)
+        packet = c.compress(x, ctx)
+        expected = x - c.decompress(packet)
+        assert torch.equal(c.residual(x, packet), expected), (spec, numel)
+        owned = x.clone()
+        result = c.residual(owned, packet, owned=True)
+        assert result.data_ptr() == owned.data_ptr() and torch.equal(result, expected), (spec, numel)
+        with numba_disabled():
+            assert torch.equal(c.residual(x, packet), expected), (spec, numel)
+
+
+@pytest.mark.parametrize("spec", THC_SPECS)
+def test_residual_formed_in_compression_is_within_the_transforms_rounding(spec):
+    """compress(x, residual=target) sends the codes compress(x) sends and leaves x − decompress(packet) in
+    ``target`` (x itself, or another tensor), which residual() returns: equal up to the rounding of
+    2·log2(d) butterfly stages (:func:`fused_residual_bound`); the torch path ignores the target."""
+    c = gradpress.make(spec)
+    assert c.fuses_residual
+    for numel in SIZES + [3 * 2**20 + 12_345]:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+        ctx = Context(seed=1, step=2, key="k", rank=1)
+        shared = c.prepare(x, ctx, 1).values
+        packet = c.compress(x, ctx, prepared=shared)
+        decoded = c.decompress(packet)
+        expected = (x.double() - decoded.double())
+        bound = fused_residual_bound(c, x, decoded)
+        for in_place in (True, False):
+            given = x.clone()
+            target = given if in_place else torch.empty(numel)
+            fused = c.compress(given, ctx, prepared=shared, residual=target)
+            assert torch.equal(fused["codes"], packet["codes"]), (spec, numel)
+            result = c.residual(given, fused, owned=in_place)
+            assert result.data_ptr() == target.data_ptr(), (spec, numel)
+            assert float((result.double() - expected).norm()) <= bound, (spec, numel, in_place)
+        with numba_disabled():
+            given = x.clone()
+            fused = c.compress(given, ctx, prepared=shared, residual=given)
+            assert torch.equal(given, x) and "residual" not in fused.meta
+            assert torch.equal(c.residual(given, fused), x - decoded)
+
+
+def test_residual_target_is_left_alone_where_compression_cannot_form_it():
+    """An fp16 input (its decompression is rounded to fp16) or a target of another size: not fused, the
+    target untouched, residual() decoding as before."""
+    c = gradpress.make("thc")
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(9))
+    for given, target in ((x.half(), x.clone()), (x, torch.zeros(4999))):
+        before = target.clone()
+        packet = c.compress(given, Context(), residual=target)
+        assert "residual" not in packet.meta and torch.equal(target, before)
+        assert torch.equal(c.residual(given, packet), given.float() - c.decompress(packet).float())
 

@@ -48,12 +48,21 @@ Speed (issue 12): on CPU tensors each method is a few numba passes (the vector k
 pass B fused with the scaling, the quantization and the packing) after the preliminary norm, and decodes
 a packet or a sum in two passes (unpacking and table lookup fused into pass A; D, the scale and the
 output into pass B); ``thc_uniform`` quantizes and packs in one pass after its min/max, and decodes in
-one. The torch path (other devices, or ``GRADPRESS_NUMBA=0``) does the same float32 operations in the
-same order and gives the same bits. Issue 12 changed two bits of the method that reach the wire (its
-layout does not change): the RHT signs come 32 to a hash (:mod:`gradpress.hadamard`), and a step up is
-drawn as (mix32(i, seed) >> 8) < (a − T[z])·2^24/(T[z+1] − T[z]) in float32, the old comparison of
-r·2^-24 with the probability less one multiplication (they differ only where the probability is below
-float32's normal range); the same inputs, seeds and keys therefore give other codes than before.
+one. With the residual memory (Algorithm 3 line 21) the runtime has the compression form e = x − RHT⁻¹(X)
+as well, in the compensated tensor's own storage: r' = v − (T[z] − g/2)·2M/g for each rotated value v as
+it is quantized, the inverse stages across rows on each panel of pass B while it is in the cache, then
+one more pass per block (the stages within rows, D, 1/√P, the output): no decompressed temporary, no
+subtraction pass, no new tensor; equal to x − decompress(packet) up to the rounding of 2·log2(d)
+butterfly stages (the rotation changes every step, so the memory cannot stay in the rotated domain).
+Without it (the first step, whose compensated tensor is the gradient itself), :meth:`THC.residual`
+decodes and subtracts in one kernel, the same bits. The torch path (other devices, or
+``GRADPRESS_NUMBA=0``) does the same float32 operations in the same order and gives the same bits (its
+residual: x minus the decoding, as the base class's). Issue 12 changed two bits of the method that reach
+the wire (its layout does not change): the RHT signs come 32 to a hash (:mod:`gradpress.hadamard`), and a
+step up is drawn as (mix32(i, seed) >> 8) < (a − T[z])·2^24/(T[z+1] − T[z]) in float32, the old
+comparison of r·2^-24 with the probability less one multiplication (they differ only where the
+probability is below float32's normal range); the same inputs, seeds and keys therefore give other codes
+than before.
 """
 from __future__ import annotations
 
@@ -72,7 +81,7 @@ from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, Preliminary, check_finite, register, saturate
 from gradpress.hadamard import (_PANEL, _STREAMED, DEFAULT_PARTITION, ONE, _columns_but_last, _geometry, _kernel_args,
                                 _last_group, _load_signed, _load_signed_rows, _negative, _quad, _radix_any,
-                                _row_rest, _row_small, _stages, apply_rht, inverse_columns, inverse_rht,
+                                _inverse_store, _row_rest, _row_small, _stages, apply_rht, inverse_columns, inverse_rht,
                                 rht_layout, work_buffer)
 from gradpress.packet import Packet
 from gradpress.registry import param
@@ -319,6 +328,7 @@ def _quantize_store(v, k, h, pre, origin, scale, top, tables, seed, bits, codes)
     """Quantize and pack the 16 coordinates k … (k a multiple of 16, h = k·GOLDEN …)."""
     code = _quantize16(v, h, pre, origin, scale, top, tables, seed)
     _write_codes(codes, k * bits // np.uint64(8), code, bits, np.uint64(2) * bits)
+    return code
 
 
 @njit(cache=True, inline="always")
@@ -334,12 +344,66 @@ def _thc_compress(x, numel, partition, size, tail, scale, tail_scale, key, one, 
     arguments and work buffer), Grid.quantize on the grid (pre, origin, qscale, top) and the packing of
     the b-bit codes into ``codes`` (zeroed where a block has fewer than 16 values). Returns the largest
     exponent field of the transformed values (all ones: x held NaN or Inf)."""
+    return _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
+                     point_gap, point_low, point_inv, seed, bits, codes, False, x, point_low, np.float32(0.0))
+
+
+@jit
+def _thc_compress_residual(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale,
+                           top, point_gap, point_low, point_inv, seed, bits, codes, res, centred,
+                           factor):  # pragma: no cover - compiled
+    """:func:`_thc_compress`, and the residual x − C⁻¹(C(x)) into ``res`` (float32, x's length; may be x
+    itself): in the rotated domain r' = v − (T[z] − g/2)·factor for each transformed value v and its code
+    z (``centred``: float32 T[z] − g/2, at least 32 entries; factor = 2M/g, the decoder's), then
+    res = RHT⁻¹(r') — the stages across rows on each panel of pass B while it is in the cache, those
+    within a row, D and 1/√P in one more pass per block. Equal to x − decompress(packet) up to float
+    rounding (the decoder transforms T[z] − g/2 and subtracts the result from x)."""
+    return _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
+                     point_gap, point_low, point_inv, seed, bits, codes, True, res, centred, factor)
+
+
+@njit(cache=True, inline="always")
+def _dequantized(code, bits, centred):  # pragma: no cover - compiled
+    """(T[z] − g/2) of the 16 codes z (``centred``: its two vectors and the array)."""
+    low, high, table = centred
+    return V.permute32(low, high, code) if bits <= np.uint64(5) else V.gather(table, code)
+
+
+@njit(cache=True, inline="always")
+def _rows_inverse(work, n, count, first, key, s, one, out, streamed):  # pragma: no cover - compiled
+    """The residual's last pass over a block whose stages across rows are done in ``work``: the stages
+    within each row, then D and 1/√P (``s``), into out[first : first + count] (pointers)."""
+    u = np.uint64
+    c, rows, stride = _geometry(n)
+    vectors = c // u(16)
+    for r in range(rows):
+        at = r * stride
+        for m in range(vectors):
+            V.store(work, at + u(16) * m, V.wht16(V.load(work, at + u(16) * m)))
+            if m % u(16) == u(15):
+                V.radix16(work, at + u(16) * (m - u(15)), u(16), work, at + u(16) * (m - u(15)), u(16), one, one)
+        if vectors < u(16):
+            _row_small(work, at, vectors, one)
+        _row_rest(work, at, vectors, one)
+        for m in range(vectors):
+            _inverse_store(out, first, r * c + u(16) * m, count, V.load(work, at + u(16) * m), key, s, True, streamed,
+                           out, False)
+
+
+@njit(cache=True, inline="always")
+def _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
+              point_gap, point_low, point_inv, seed, bits, codes, fused, res, centred_values,
+              factor):  # pragma: no cover - compiled
     u = np.uint64
     start = u(0)
     exponent = V.isplat(np.uint32(0))
     xp, wp, cp = V.pointer(x), V.pointer(work), V.pointer(codes)
     gp, lp, ip = V.pointer(point_gap), V.pointer(point_low), V.pointer(point_inv)
     tables = (V.load(gp, 0), V.load(gp, 16), V.load(lp, 0), V.load(lp, 16), V.load(ip, 0), V.load(ip, 16), gp, lp, ip)
+    rp, cvp = V.pointer(res), V.pointer(centred_values)
+    centred = (V.load(cvp, 0), V.load(cvp, 16), cvp)
+    fac = V.fsplat(factor)
+    streamed = res.size >= _STREAMED
     scratch = V.advance(wp, work.size - 256)
     for first in range(u(0), numel, partition):
         count = min(partition, numel - first)
@@ -355,6 +419,16 @@ def _thc_compress(x, numel, partition, size, tail, scale, tail_scale, key, one, 
                 _or_code(codes, start + i, bits, point_gap[z] + up)
                 if bits_of_f32(tiny[i]) & _MASK == _MASK:
                     exponent = V.isplat(_MASK)
+                if fused:
+                    tiny[i] = tiny[i] - centred_values[point_gap[z] + up] * factor
+            if fused:
+                if n >= u(4):
+                    for q in range(u(0), n, u(4)):
+                        _quad(tiny, q, tiny[q], tiny[q + u(1)], tiny[q + u(2)], tiny[q + u(3)])
+                _stages(tiny, u(0), n, s)
+                one_ = s / s
+                for i in range(count):
+                    res[first + i] = tiny[i] * (-one_ if _negative(first + i, key) else one_)
             start += n
             continue
         _load_signed_rows(xp, first, count, n, key, wp, one)
@@ -364,8 +438,12 @@ def _thc_compress(x, numel, partition, size, tail, scale, tail_scale, key, one, 
             for m in range(c // u(16)):
                 v = V.mul(V.load(wp, u(16) * m), V.fsplat(s))
                 exponent = _exponent(exponent, v)
-                _quantize_store(v, start + u(16) * m, h, pre, origin, qscale, top, tables, seed, bits, cp)
+                code = _quantize_store(v, start + u(16) * m, h, pre, origin, qscale, top, tables, seed, bits, cp)
+                if fused:
+                    V.store(wp, u(16) * m, V.sub(v, V.mul(_dequantized(code, bits, centred), fac)))
                 h = V.add(h, V.isplat(_GOLDEN16))
+            if fused:
+                _rows_inverse(wp, n, count, first, key, s, one, rp, streamed)
             start += n
             continue
         low, stages = _last_group(rows)
@@ -385,9 +463,21 @@ def _thc_compress(x, numel, partition, size, tail, scale, tail_scale, key, one, 
                         exponent = _exponent(exponent, V.load(scratch, u(0)))
                         h = _golden(k)
                         for m in range(u(1) << stages):
-                            _quantize_store(V.load(scratch, u(16) * m), k + m * d, h, pre, origin, qscale, top,
-                                            tables, seed, bits, cp)
+                            v = V.load(scratch, u(16) * m)
+                            code = _quantize_store(v, k + m * d, h, pre, origin, qscale, top, tables, seed, bits, cp)
+                            if fused:  # r' where v came from (the panel is in the cache)
+                                V.store(wp, at + m * step * stride, V.sub(v, V.mul(_dequantized(code, bits, centred),
+                                                                                   fac)))
                             h = V.add(h, V.isplat(golden_d))
+            if fused:  # the residual's stages across rows, on this panel while it is in the cache
+                _columns_but_last(wp, panel, rows, stride, one)
+                for high in range(u(0), rows, step << stages):
+                    for base in range(high, high + step):
+                        for lane in range(panel, panel + u(_PANEL), u(16)):
+                            at = lane + base * stride
+                            _radix_any(stages, wp, at, step * stride, wp, at, step * stride, one, one, False)
+        if fused:
+            _rows_inverse(wp, n, count, first, key, s, one, rp, streamed)
         start += n
     return V.hmax(exponent)
 
@@ -737,6 +827,7 @@ class THC(_Homomorphic):
     partition: int = param(DEFAULT_PARTITION, "[1, inf)")
     symmetric: bool = True
     checks_finite = True  # NaN/Inf input makes the preliminary norm NaN/Inf; the kernel sees them too
+    fuses_residual = True
     examples = ("thc:bits=2,granularity=8", "thc:bits=3,granularity=12,p=1/512,partition=64",
                 "thc:granularity=16,symmetric=false")
 
@@ -767,8 +858,10 @@ class THC(_Homomorphic):
             ell = torch.linalg.vector_norm(flat, dtype=torch.float64)
         return Preliminary(ell.view(1), "max")
 
-    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor) -> Packet:
-        """Algorithm 3 lines 9-15."""
+    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor,
+                  residual: torch.Tensor | None = None) -> Packet:
+        """Algorithm 3 lines 9-15; on the CPU, with ``residual`` (:meth:`Compressor.compress`), also line 21's
+        e = x − RHT⁻¹(X), formed from the rotated values as they are quantized (:func:`_thc_compress_residual`)."""
         if prepared.numel() != 1:
             raise ValueError(f"{self.spec}: expected the prepared largest norm, got {prepared.numel()} "
                              "values")
@@ -791,11 +884,21 @@ class THC(_Homomorphic):
             tiny = _power_of_two(layout.partition) < 16 or 0 < layout.tail and _power_of_two(layout.tail) < 16
             codes = (torch.zeros if tiny else torch.empty)(packed_nbytes(coded, self.bits), dtype=torch.uint8)
             g = self.grid
-            exponent = _thc_compress(as_numpy(x), *_kernel_args(layout, torch.float32), ONE, work_buffer(layout), pre,
-                                     origin, scale, np.float32(g.top), g.point_gap, g.point_low, g.point_inv,
-                                     np.uint32(seed32(seed)), np.uint64(self.bits), as_numpy(codes))
+            args = (as_numpy(x), *_kernel_args(layout, torch.float32), ONE, work_buffer(layout), pre, origin, scale,
+                    np.float32(g.top), g.point_gap, g.point_low, g.point_inv, np.uint32(seed32(seed)),
+                    np.uint64(self.bits), as_numpy(codes))
+            fused = (residual is not None and flat.dtype == torch.float32 and residual.dtype == torch.float32
+                     and residual.numel() == flat.numel() and residual.is_contiguous() and use_numba(residual))
+            if fused:
+                factor = np.float32(2.0 * bound / self.granularity)  # the decoder's scale (count 1)
+                centred = self.grid.values32.astype(np.float32) - np.float32(self.granularity / 2)
+                exponent = _thc_compress_residual(*args, as_numpy(residual.view(-1)), centred, factor)
+            else:
+                exponent = _thc_compress(*args)
             if exponent == _MASK:
                 self._nonfinite(flat)
+            if fused:
+                meta["residual"] = residual
             return Packet({"codes": codes}, flat.shape, flat.dtype, meta)
         check_finite(flat, self.spec)
         rotated = apply_rht(flat, layout)  # line 9: R_i = H·D·x_i (orthonormal per partition)
@@ -829,9 +932,13 @@ class THC(_Homomorphic):
         return self._kernel_decode(_thc_decode_packed, packed, layout, 1, scale)
 
     def residual(self, x: torch.Tensor, packet: Packet, owned: bool = False) -> torch.Tensor:
-        """x − decompress(packet), the residual memory's update (Algorithm 3 line 21), the same bits as the
-        base class's: on the CPU the decoding's output pass subtracts its values from x as it writes them
-        (into x's own storage when ``owned``), with no decompressed temporary nor a separate pass."""
+        """x − decompress(packet), the residual memory's update (Algorithm 3 line 21): the one the compression
+        formed, if it was asked to (up to float rounding); else, on the CPU, the same bits as the base
+        class's, the decoding's output pass subtracting its values from x as it writes them (into x's own
+        storage when ``owned``), with no decompressed temporary nor a separate pass."""
+        formed = packet.meta.pop("residual", None)  # by the compression (its ``residual`` argument)
+        if formed is not None:
+            return formed.view(x.shape)
         flat = x.reshape(-1) if x.dtype == torch.float32 else None
         if (flat is None or packet.numel == 0 or packet.dtype != torch.float32 or flat.numel() != packet.numel
                 or not flat.is_contiguous() or not use_numba(packet["codes"]) or not use_numba(flat)):
