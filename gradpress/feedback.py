@@ -34,6 +34,10 @@ class Feedback:
     an exchange that failed back as they were (references, no copies)."""
 
     name: ClassVar[str] = ""
+    residual_update: ClassVar[bool] = False
+    """Whether :meth:`update_from` only asks the compressor for its :meth:`~Compressor.residual` of the
+    compensated tensor (never reading that tensor otherwise): then the runtime may have a method that
+    :attr:`~Compressor.fuses_residual` form it during compression, in the compensated tensor's storage."""
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """The tensor to compress in place of ``grad``."""
@@ -164,6 +168,7 @@ class Residual(KeyedMemory):
 
     beta: float = param(1.0, "[0, 1]")
     gamma: float = param(1.0, "(0, inf)")
+    residual_update: ClassVar[bool] = True  # update_from stores compressor.residual(...) and nothing else
     _spare: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

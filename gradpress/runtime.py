@@ -357,12 +357,16 @@ class Pipeline:
             # the mean's division by n in the pass that checks the input (a bucket this may overwrite)
             divided = self.world_size if feedback.inert and strategy.divides_first else None
             packets = []
-            for given, ctx, ready, grad, parts in zip(inputs, ctxs, prepared, grads, sums):
+            # the residual formed during compression, in the compensated tensor's own storage (THC): only where
+            # that tensor is this memory's own (not the gradient) and is what is compressed (no cast)
+            fuse = feedback.updates and feedback.residual_update and compressor.fuses_residual
+            for given, x, grad, ctx, ready, parts in zip(inputs, xs, grads, ctxs, prepared, sums):
+                target = x if fuse and given is x and x is not grad and x.dtype == torch.float32 else None
                 try:
                     if parts is not None:
                         packet = compressor.compress_sum(parts[0], grad, parts[1], ctx)
                     else:
-                        packet = _compress(compressor, given, ctx, ready, divided, writable)
+                        packet = _compress(compressor, given, ctx, ready, divided, writable, target)
                 except NonFiniteError:
                     if carried:  # not seen before the preliminary exchange: no flag can travel now
                         raise
@@ -448,7 +452,11 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
 
 
 def _compress(compressor: Compressor, x: torch.Tensor, ctx: Context, prepared: torch.Tensor | None,
-              divided: int | None = None, writable: bool = False) -> Any:
+              divided: int | None = None, writable: bool = False, residual: torch.Tensor | None = None) -> Any:
     if divided is not None:
         return compressor.compress_divided(x, divided, ctx, inplace=writable)
-    return compressor.compress(x, ctx, prepared=prepared) if compressor.prepares else compressor.compress(x, ctx)
+    if not compressor.prepares:
+        return compressor.compress(x, ctx)
+    if residual is None:  # (methods that override compress need not know the argument)
+        return compressor.compress(x, ctx, prepared=prepared)
+    return compressor.compress(x, ctx, prepared=prepared, residual=residual)

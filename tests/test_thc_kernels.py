@@ -189,3 +189,16 @@ def test_residual_target_is_left_alone_where_compression_cannot_form_it():
         assert "residual" not in packet.meta and torch.equal(target, before)
         assert torch.equal(c.residual(given, packet), given.float() - c.decompress(packet).float())
 
+
+def test_the_runtime_forms_thc_residuals_during_compression(monkeypatch):
+    """With the residual memory, the steps after the first compress into the compensated tensor's storage
+    (the first compensates to the gradient itself, which is not the memory's to overwrite)."""
+    from gradpress.compressors import thc
+
+    calls = []
+    kernel = thc._thc_compress_residual
+    monkeypatch.setattr(thc, "_thc_compress_residual", lambda *args: calls.append(1) or kernel(*args))
+    sim = gradpress.Simulator("thc", 2, seed=3)
+    for step in range(3):
+        sim.step([torch.randn(3000, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(2)])
+    assert len(calls) == 2 * 2
