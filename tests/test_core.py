@@ -175,6 +175,21 @@ def test_residual_beta_gamma_and_state_dict():
         fb.compensate("w", torch.ones(5))
 
 
+@pytest.mark.parametrize("numel", [2**21, 2**21 + 13, 3 * 2**20 + 5])
+def test_residual_compensates_large_tensors_in_the_bits_of_torch_add(numel):
+    """φ = m + g past the caches (a numba pass with non-temporal stores on the CPU): the bits of
+    torch.add, with or without numba."""
+    g = torch.Generator().manual_seed(numel)
+    grads, memory = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    fast, slow = gradpress.make_feedback("residual"), gradpress.make_feedback("residual")
+    for fb in (fast, slow):
+        fb.update("w", memory.clone(), torch.zeros(numel))
+    phi = fast.compensate("w", grads)
+    with numba_disabled():
+        reference = slow.compensate("w", grads)
+    assert torch.equal(phi, memory + grads) and torch.equal(reference, phi)
+
+
 # -- CLI ------------------------------------------------------------------------------------------
 def test_bench_ops_writes_records(tmp_path, capsys):
     out = tmp_path / "ops.json"
