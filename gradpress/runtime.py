@@ -457,6 +457,6 @@ def _compress(compressor: Compressor, x: torch.Tensor, ctx: Context, prepared: t
         return compressor.compress_divided(x, divided, ctx, inplace=writable)
     if not compressor.prepares:
         return compressor.compress(x, ctx)
-    if residual is None:  # (methods that override compress need not know the argument)
+    if residual is None:  # (a method that overrides compress need not know the argument)
         return compressor.compress(x, ctx, prepared=prepared)
     return compressor.compress(x, ctx, prepared=prepared, residual=residual)
