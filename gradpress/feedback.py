@@ -14,11 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import torch
 
-from gradpress import _simd as V
-from gradpress._numba import as_numpy, jit, use_numba
+from gradpress._numba import add_into
 from gradpress.registry import Registry, check_params_of, format_spec, param
 
 if TYPE_CHECKING:
@@ -189,7 +187,7 @@ class Residual(KeyedMemory):
             spare = self._spare.pop(key, None)
             if spare is None or spare.shape != memory.shape:
                 spare = torch.empty_like(memory)
-            return _sum_into(memory, grad, spare)
+            return add_into(memory, grad, spare)
         phi = memory * self.beta if self.beta != 1.0 else memory
         return phi + scaled
 
@@ -230,31 +228,3 @@ class Residual(KeyedMemory):
         residual = residual.float()
         self._memory[key] = residual if memory is None else memory + residual.to(memory.device)
         return True
-
-
-_STREAMED = 1 << 21  # values (8 MiB): sums at least this large are written past the caches
-
-
-def _sum_into(memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``torch.add(memory, grad, out=out)``, the same bits; float32 CPU tensors larger than the caches in
-    one numba pass whose stores bypass them (measured on the 13 MB gradient of ``mlp-wide``: 1.4 ms
-    against torch's 1.7, the norm that reads the sum next included)."""
-    if (out.numel() >= _STREAMED and memory.dtype == grad.dtype == out.dtype == torch.float32
-            and memory.shape == grad.shape == out.shape and use_numba(memory) and use_numba(grad)
-            and memory.is_contiguous() and grad.is_contiguous() and out.is_contiguous()):
-        _add_streamed(as_numpy(memory.view(-1)), as_numpy(grad.view(-1)), as_numpy(out.view(-1)))
-        return out
-    return torch.add(memory, grad, out=out)
-
-
-@jit
-def _add_streamed(a, b, out):  # pragma: no cover - compiled
-    """out = a + b (float32), whole vectors stored past the caches (V.store_stream)."""
-    u = np.uint64
-    n = u(out.size)
-    whole = n - n % u(16)
-    ap, bp, op = V.pointer(a), V.pointer(b), V.pointer(out)
-    for k in range(u(0), whole, u(16)):
-        V.store_stream(op, k, V.add(V.load(ap, k), V.load(bp, k)))
-    for k in range(whole, n):
-        out[k] = a[k] + b[k]
