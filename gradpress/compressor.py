@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import add_into, as_numpy, bits_of_f32, jit, use_numba
+from gradpress._numba import add_into, as_numpy, bits_of_f32, jit, use_numba, wide_vectors
 from gradpress.packet import Packet
 from gradpress.registry import Registry, check_params_of, format_spec
 from gradpress.rng import Context
@@ -187,13 +187,13 @@ class Compressor:
         return packet
 
     def compress_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
-                     ctx: Context | None = None) -> Packet:
-        """``compress(memory + grad)`` with the sum φ = m + g (GRACE Eq. 5 with β = γ = 1) formed in
-        ``out`` (float32, contiguous, their shape), which holds φ afterwards whatever happens (the error
-        memory's update reads it). The default adds, then compresses; a method whose first pass reads
-        every element of its input forms the sum in that pass instead (one pass over the gradient
-        fewer: issue 12's fused error feedback), with the same bits."""
-        add_into(memory, grad, out)
+                     ctx: Context | None = None, beta: float = 1.0, gamma: float = 1.0) -> Packet:
+        """``compress(memory * beta + grad * gamma)`` with that sum φ = β·m + γ·g (GRACE Eq. 5; torch's
+        bits, :func:`scaled_sum`) formed in ``out`` (float32, contiguous, their shape), which holds φ
+        afterwards whatever happens (the memory's update reads it). The default forms the sum, then
+        compresses; a method whose first pass reads every element of its input forms the sum in that pass
+        instead (one pass over the gradient fewer: issue 12's fused error feedback), with the same bits."""
+        scaled_sum(memory, grad, beta, gamma, out)
         return self.compress(out, ctx)
 
     def compress_divided(self, x: torch.Tensor, count: int, ctx: Context | None = None, *,
@@ -528,6 +528,31 @@ class Compose(Compressor):
 
 
 # -- output range ---------------------------------------------------------------------------------
+def scaled_sum(memory: torch.Tensor, grad: torch.Tensor, beta: float, gamma: float,
+               out: torch.Tensor) -> torch.Tensor:
+    """out = ``memory * beta + grad * gamma`` with torch's bits, fl32(fl32(m·β) + fl32(g·γ)) (β and γ
+    rounded to float32; a factor of 1 is exact, so β = γ = 1 gives m + g): one numba pass for
+    contiguous float32 CPU tensors, else torch's products and sum. Returns ``out``."""
+    if beta == 1.0 and gamma == 1.0:
+        return add_into(memory, grad, out)  # (past the caches for large tensors)
+    if (use_numba(out) and memory.dtype == grad.dtype == out.dtype == torch.float32 and memory.is_contiguous()
+            and grad.is_contiguous() and out.is_contiguous()):
+        _scaled_sum(as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta),
+                    np.float32(gamma), as_numpy(out).reshape(-1))
+    else:
+        torch.add(memory * beta if beta != 1.0 else memory, grad * gamma if gamma != 1.0 else grad, out=out)
+    return out
+
+
+@jit
+def _scaled_sum(m, g, beta, gamma, out):  # pragma: no cover - compiled
+    """out = fl32(fl32(m·β) + fl32(g·γ)), β and γ given as float32."""
+    wide_vectors()
+    for i in range(out.size):
+        j = np.uint64(i)
+        out[j] = m[j] * beta + g[j] * gamma
+
+
 def saturate(flat: torch.Tensor, dtype: torch.dtype, inplace: bool = True) -> torch.Tensor:
     """``flat`` (a float32 decode) clamped to ±``finfo(dtype).max``: decoded values beyond the range of
     the gradient's dtype become its largest finite value (±Inf too; NaN stays NaN). ``flat`` itself for

@@ -12,7 +12,7 @@ an optimizer's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 
 
 _MISSING = object()
+
+
+class SumParts(NamedTuple):
+    """What :meth:`Feedback.sum_parts` hands the runtime: φ = β·m + γ·g is to be formed in ``out``."""
+
+    memory: torch.Tensor
+    out: torch.Tensor
+    beta: float = 1.0
+    gamma: float = 1.0
 
 
 class Feedback:
@@ -47,12 +56,12 @@ class Feedback:
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Record what compression dropped: ``compensated`` went in, ``transmitted`` came out."""
 
-    def sum_parts(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(m, out)`` when :meth:`compensate` would return m + g formed in ``out`` (a float32 buffer of
-        the key's that nobody else holds): the runtime then lets the compressor form that sum in the pass
-        that reads the input anyway (:meth:`~gradpress.compressor.Compressor.compress_sum`) and hands
-        ``out``, then holding φ, to :meth:`update_from` as an owned tensor. None (the default): call
-        :meth:`compensate`."""
+    def sum_parts(self, key: str, grad: torch.Tensor) -> SumParts | None:
+        """``(m, out, β, γ)`` when :meth:`compensate` would return φ = β·m + γ·g (torch's bits of
+        ``m * β + g * γ``) formed in ``out`` (a float32 buffer of the key's that nobody else holds): the
+        runtime then lets the compressor form that sum in the pass that reads the input anyway
+        (:meth:`~gradpress.compressor.Compressor.compress_sum`) and hands ``out``, then holding φ, to
+        :meth:`update_from` as an owned tensor. None (the default): call :meth:`compensate`."""
         return None
 
     def update_from(self, key: str, compensated: torch.Tensor, packet: Packet, compressor: Compressor,
@@ -114,6 +123,23 @@ class Feedback:
         return format_spec(self)
 
 
+def compress_with(feedback: Feedback, compressor: Compressor, key: str, grad: torch.Tensor,
+                  ctx: Any = None) -> Packet:
+    """One worker's compensate, compress and memory update for ``key``, as the runtime makes them
+    (:meth:`gradpress.runtime.Pipeline._protocol`, less its NaN/Inf protocol): φ formed in the
+    compressor's pass where :meth:`Feedback.sum_parts` allows it. Returns the packet."""
+    parts = feedback.sum_parts(key, grad) if feedback.updates and not compressor.prepares else None
+    if parts is None:
+        x = feedback.compensate(key, grad)
+        packet = compressor.compress(x if x.dtype == grad.dtype else x.to(grad.dtype), ctx)
+    else:
+        x = parts.out
+        packet = compressor.compress_sum(parts.memory, grad, x, ctx, parts.beta, parts.gamma)
+    if feedback.updates:
+        feedback.update_from(key, x, packet, compressor, owned=x is not grad)
+    return packet
+
+
 feedback_registry: Registry[Feedback] = Registry("feedback")
 
 
@@ -158,6 +184,14 @@ class KeyedMemory(Feedback):
         self._memory = {key: value.clone() for key, value in state.get(self.state_name, {}).items()}
 
 
+def spare_for(spares: dict[str, torch.Tensor], key: str, like: torch.Tensor) -> torch.Tensor:
+    """``spares[key]``, made anew (like ``like``) when missing or of another shape or device."""
+    spare = spares.get(key)
+    if spare is None or spare.shape != like.shape or spare.device != like.device:
+        spare = spares[key] = torch.empty_like(like)
+    return spare
+
+
 @feedback_registry.register("residual")
 @dataclass
 class Residual(KeyedMemory):
@@ -194,17 +228,13 @@ class Residual(KeyedMemory):
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         self._memory[key] = compensated.float() - transmitted.float()
 
-    def sum_parts(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(m, the key's spare buffer) where φ = m + g (β = γ = 1, a float32 gradient beside a stored
-        memory on its device): see :meth:`Feedback.sum_parts`."""
+    def sum_parts(self, key: str, grad: torch.Tensor) -> SumParts | None:
+        """(m, the key's spare buffer, β, γ), a float32 gradient beside a stored memory on its device:
+        see :meth:`Feedback.sum_parts`."""
         memory = self._stored_for(key, grad)
-        if (memory is None or self.beta != 1.0 or self.gamma != 1.0 or grad.dtype != torch.float32
-                or memory.device != grad.device):
+        if memory is None or grad.dtype != torch.float32 or memory.device != grad.device:
             return None
-        spare = self._spare.get(key)
-        if spare is None or spare.shape != memory.shape or spare.device != memory.device:
-            spare = self._spare[key] = torch.empty_like(memory)
-        return memory, spare
+        return SumParts(memory, spare_for(self._spare, key, memory), self.beta, self.gamma)
 
     def update_from(self, key: str, compensated: torch.Tensor, packet: Packet, compressor: Compressor,
                     owned: bool = False) -> None:

@@ -334,7 +334,7 @@ class Pipeline:
         keys = [key for key, _ in items]
         before = feedback.snapshot(keys) if feedback.updates else None
         start = time.perf_counter()
-        # φ = m + g formed by the compressor's first pass where the memory and the method allow it
+        # φ = β·m + γ·g formed by the compressor's first pass where the memory and the method allow it
         sums = ([feedback.sum_parts(key, grad) for key, grad in zip(keys, grads)]
                 if feedback.updates and not compressor.prepares else [None] * len(items))
         xs = [feedback.compensate(key, grad) if parts is None else parts[1]
@@ -364,7 +364,7 @@ class Pipeline:
                 target = x if fuse and given is x and x is not grad and x.dtype == torch.float32 else None
                 try:
                     if parts is not None:
-                        packet = compressor.compress_sum(parts[0], grad, parts[1], ctx)
+                        packet = compressor.compress_sum(parts.memory, grad, parts.out, ctx, parts.beta, parts.gamma)
                     else:
                         packet = _compress(compressor, given, ctx, ready, divided, writable, target)
                 except NonFiniteError:

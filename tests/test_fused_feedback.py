@@ -1,13 +1,16 @@
-"""Issue 12's fused error feedback: φ = m + g formed by the compressor's first pass
+"""Issue 12's fused error feedback: φ = β·m + γ·g formed by the compressor's first pass
 (:meth:`gradpress.compressor.Compressor.compress_sum`) gives the bits of the sum, then ``compress``,
-and leaves φ in the buffer the memory's update reads, on every path of top-k's sampled selection."""
+and leaves φ in the buffer the memory's update reads, on every path of top-k's sampled selection and
+in signSGD's packing pass (SIGNUM's momentum)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import gradpress
-from gradpress.compressor import NonFiniteError
+from gradpress._numba import numba_disabled
+from gradpress.compressor import NonFiniteError, scaled_sum
+from gradpress.feedback import compress_with
 from gradpress.rng import Context
 
 
@@ -16,12 +19,12 @@ def _pair(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, generator=g) * 0.1, torch.randn(n, generator=g)
 
 
-def _both(spec: str, memory: torch.Tensor, grad: torch.Tensor):
+def _both(spec: str, memory: torch.Tensor, grad: torch.Tensor, beta: float = 1.0, gamma: float = 1.0):
     c = gradpress.make(spec)
     ctx = Context(3, 1, "w", 0)
     out = torch.full_like(memory, float("nan"))
-    fused = c.compress_sum(memory, grad, out, ctx)
-    expected_sum = memory + grad
+    fused = c.compress_sum(memory, grad, out, ctx, beta, gamma)
+    expected_sum = memory * beta + grad * gamma
     plain = c.compress(expected_sum, ctx)
     return fused, plain, out, expected_sum
 
@@ -94,4 +97,74 @@ def test_the_runtime_with_fused_feedback_equals_compensate_compress_update(spec)
             packet = c.compress(phi, Context(5, step, "w", r))
             memories[r].update_from("w", phi, packet, c, owned=phi is not grads[r]["w"])
             packets.append(packet)
+        assert torch.equal(averaged["w"], c.aggregate(packets)), step
+
+
+FACTORS = [(1.0, 1.0), (0.9, 1.0 - 0.9), (0.5, 1.0), (1.0, 0.3), (0.99, 2.5)]
+
+
+@pytest.mark.parametrize("beta, gamma", FACTORS)
+@pytest.mark.parametrize("numba", [True, False])
+def test_the_scaled_sum_has_torchs_bits(beta, gamma, numba):
+    memory, grad = _pair(100_003, 4)
+    out = torch.full_like(memory, float("nan"))
+    if numba:
+        scaled_sum(memory, grad, beta, gamma, out)
+    else:
+        with numba_disabled():
+            scaled_sum(memory, grad, beta, gamma, out)
+    assert torch.equal(out, memory * beta + grad * gamma)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 1000, 4096 + 65, 100_003])
+@pytest.mark.parametrize("beta, gamma", FACTORS)
+@pytest.mark.parametrize("spec", ["signsgd", "signum"])
+def test_signs_of_the_sum_formed_in_the_packing_pass_are_the_signs_of_the_sum(spec, beta, gamma, n):
+    memory, grad = _pair(n, n)
+    fused, plain, out, expected_sum = _both(spec, memory, grad, beta, gamma)
+    _same(fused, plain)
+    assert torch.equal(out, expected_sum)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "efsignsgd", "fp16"])
+def test_other_factors_fall_back_to_the_scaled_sum(spec):
+    memory, grad = _pair(100_003, 6)
+    fused, plain, out, expected_sum = _both(spec, memory, grad, 0.9, 0.5)
+    _same(fused, plain)
+    assert torch.equal(out, expected_sum)
+
+
+@pytest.mark.parametrize("where", [0, 4096 + 3, 100_002])  # first block, a later one, the tail
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_nonfinite_in_the_momentum_raises_with_the_sum_formed(where, bad):
+    memory, grad = _pair(100_003, 7)
+    grad[where] = bad
+    out = torch.empty_like(memory)
+    with pytest.raises(NonFiniteError, match="NaN/Inf"):
+        gradpress.make("signum").compress_sum(memory, grad, out, Context(), 0.9, 0.1)
+    torch.testing.assert_close(out, memory * 0.9 + grad * 0.1, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("spec, memory_spec", [("signum", "signum"), ("signum", "signum:momentum=0.5"),
+                                               ("topk:ratio=0.01", "residual:beta=0.9"),
+                                               ("efsignsgd", "residual:beta=0.5,gamma=2")])
+def test_the_runtime_with_scaled_feedback_equals_compensate_compress_update(spec, memory_spec):
+    """Three steps of 2 simulated workers with a memory whose φ = β·m + γ·g, against the memory's own
+    compensate / compress / update_from on each worker (and :func:`compress_with`, the runtime's order)."""
+    n, workers, steps = 70_000, 2, 3
+    sim = gradpress.Simulator(spec, workers, seed=5, feedback=memory_spec)
+    memories = [gradpress.make_feedback(memory_spec) for _ in range(workers)]
+    fused = [gradpress.make_feedback(memory_spec) for _ in range(workers)]
+    c = gradpress.make(spec)
+    for step in range(steps):
+        grads = [{"w": _pair(n, 10 * step + r)[1]} for r in range(workers)]
+        averaged = sim.step(grads)
+        packets = []
+        for r in range(workers):
+            phi = memories[r].compensate("w", grads[r]["w"])
+            packet = c.compress(phi, Context(5, step, "w", r))
+            memories[r].update_from("w", phi, packet, c, owned=phi is not grads[r]["w"])
+            packets.append(packet)
+            _same(compress_with(fused[r], c, "w", grads[r]["w"], Context(5, step, "w", r)), packet)
+            assert torch.equal(fused[r].memory("w"), memories[r].memory("w"))
         assert torch.equal(averaged["w"], c.aggregate(packets)), step

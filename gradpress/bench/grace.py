@@ -174,6 +174,7 @@ def load_grace(path: str | None, pairs: list[Pair]) -> dict[str, Any]:
 
 def _gradpress_call(pair: Pair, x: torch.Tensor) -> Callable[[], object]:
     import gradpress
+    from gradpress.feedback import compress_with
     from gradpress.rng import Context
 
     compressor = gradpress.make(pair.spec)
@@ -187,9 +188,7 @@ def _gradpress_call(pair: Pair, x: torch.Tensor) -> Callable[[], object]:
 
     def call_with_memory() -> object:
         ctx = Context(seed=0, step=next(steps), key="bench")
-        z = memory.compensate("bench", x)
-        packet = compressor.compress(z, ctx)
-        memory.update_from("bench", z, packet, compressor, owned=z is not x)  # as the runtime does
+        packet = compress_with(memory, compressor, "bench", x, ctx)  # as the runtime does
         return compressor.decompress(packet)
     return call_with_memory
 

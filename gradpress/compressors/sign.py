@@ -9,7 +9,7 @@ Bits are packed as :func:`gradpress.bits.pack_bits` lays them out: bit i = [x_i 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,11 +19,11 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from gradpress._numba import as_numpy, f64_from_bits, jit, select_bits64, sign_bits64, use_numba, wide_vectors
 from gradpress.bits import packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, register
+from gradpress.compressor import Compressor, check_finite, register, scaled_sum
 from gradpress.compressors.sparsify import float32_decompress
 from gradpress.compressors.onebit import (add_two_levels, as_float32, checked_fixed_point_scale, decode_two_levels,
                                           mean_of, pack_mask, to_fixed)
-from gradpress.feedback import KeyedMemory, feedback_registry
+from gradpress.feedback import KeyedMemory, SumParts, feedback_registry, spare_for
 from gradpress.packet import Packet
 from gradpress.registry import check_params_of, param
 from gradpress.rng import Context
@@ -62,6 +62,22 @@ class SignSGD(Compressor):
             signs, nonzero = pack_signs(x, self.spec)
             flag = torch.tensor([nonzero], dtype=torch.uint8, device=flat.device)
         return Packet({"signs": signs, "nonzero": flag}, flat.shape, flat.dtype)
+
+    def compress_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                     ctx: Context | None = None, beta: float = 1.0, gamma: float = 1.0) -> Packet:
+        """The signs of φ = β·m + γ·g with the sum formed in the packing pass (see
+        :meth:`Compressor.compress_sum`; SIGNUM's momentum z ← δ·z + (1 − δ)·g): per block, φ is written
+        to ``out`` and packed from L1, the same bits as the sum, then :meth:`compress`."""
+        if not (use_numba(out) and out.numel() and grad.dtype == torch.float32 == memory.dtype == out.dtype
+                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+            return super().compress_sum(memory, grad, out, ctx, beta, gamma)
+        x = out.view(-1)
+        signs = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
+        flag = torch.empty(1, dtype=torch.uint8)
+        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
+        if _pack_signs(x.numpy().view(np.uint32), signs.numpy(), flag.numpy(), addends) >= NON_FINITE:
+            check_finite(x, self.spec)
+        return Packet({"signs": signs, "nonzero": flag}, out.shape, torch.float32)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         one = float(packet["nonzero"].item())
@@ -207,10 +223,11 @@ def _sign_tail(bits, out):  # pragma: no cover - compiled
 
 
 @jit
-def _pack_signs(bits, out, nonzero):  # pragma: no cover - compiled
+def _pack_signs(bits, out, nonzero, addends=None):  # pragma: no cover - compiled
     """bit i = [x_i ≥ 0]: sign bit clear, or a zero of either sign (IEEE compares −0.0 ≥ 0 true), i.e.
     pattern ≤ 0x80000000; nonzero[0] = whether some x_i ≠ 0; returns the largest |x| as bits (0: all
-    zero; ≥ NON_FINITE: NaN/Inf)."""
+    zero; ≥ NON_FINITE: NaN/Inf). ``addends`` (m, g, β, γ) or None: x = fl32(fl32(m·β) + fl32(g·γ)) is
+    written first, block by block (fused error feedback; numba prunes the branch for None)."""
     wide_vectors()
     n = bits.size
     full = n - n % 64
@@ -218,13 +235,32 @@ def _pack_signs(bits, out, nonzero):  # pragma: no cover - compiled
     top = _U32(0)
     for start in range(0, full, BLOCK):
         stop = min(full, start + BLOCK)
-        for i in range(start, stop):
-            top = max(top, bits[_U64(i)] & _U32(0x7FFFFFFF))
+        if addends is not None:
+            top = max(top, _scaled_into(addends, bits, start, stop))
+        else:
+            for i in range(start, stop):
+                top = max(top, bits[_U64(i)] & _U32(0x7FFFFFFF))
         _sign_words(bits, start, stop, words)
+    if addends is not None:
+        top = max(top, _scaled_into(addends, bits, full, n))
     for i in range(full, n):
         top = max(top, bits[i] & _U32(0x7FFFFFFF))
     _sign_tail(bits, out)
     nonzero[0] = top != 0
+    return top
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scaled_into(addends, bits, start, stop):  # pragma: no cover - compiled
+    """x[i] = fl32(fl32(m_i·β) + fl32(g_i·γ)) for i in [start, stop), (m, g, β, γ) = ``addends``, into
+    float32 bit patterns ``bits``; returns their largest |x| as bits."""
+    m, g, beta, gamma = addends
+    top = _U32(0)
+    for i in range(start, stop):
+        j = _U64(i)
+        b = np.float32(m[j] * beta + g[j] * gamma).view(np.uint32)
+        bits[j] = b
+        top = max(top, b & _U32(0x7FFFFFFF))
     return top
 
 
@@ -304,22 +340,31 @@ class SignumMomentum(KeyedMemory):
 
     momentum: float = param(0.9, "[0, 1)")
     state_name = "momentum"
+    _spare: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_params_of(self)  # also when built directly, not from a spec
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        """z·δ + g·(1 − δ) in float32 (a new tensor): one numba pass on the CPU, the same bits as torch's
-        two products and sum (float32 operations in the same order, δ and 1 − δ rounded to float32)."""
+        """z·δ + g·(1 − δ) in float32: one numba pass on the CPU (in the key's spare buffer, the storage
+        of the z before last), the same bits as torch's two products and sum (float32 operations in the
+        same order, δ and 1 − δ rounded to float32: :func:`~gradpress.compressor.scaled_sum`)."""
         z = self._stored_for(key, grad)
         g = grad.float()
-        if z is not None and use_numba(g) and g.is_contiguous() and z.is_contiguous():
-            out = torch.empty(g.shape, dtype=torch.float32)
-            _momentum(as_numpy(z).reshape(-1), as_numpy(g).reshape(-1), np.float32(self.momentum),
-                      np.float32(1.0 - self.momentum), as_numpy(out).reshape(-1))
-            return out
-        fresh = g * (1.0 - self.momentum)
-        return fresh if z is None else z * self.momentum + fresh
+        if z is None:
+            return g * (1.0 - self.momentum)
+        spare = self._spare.pop(key, None)
+        if spare is None or spare.shape != z.shape or spare.device != z.device:
+            spare = torch.empty_like(z)
+        return scaled_sum(z, g, self.momentum, 1.0 - self.momentum, spare)
+
+    def sum_parts(self, key: str, grad: torch.Tensor) -> SumParts | None:
+        """(z, the key's spare buffer, δ, 1 − δ) for a float32 gradient beside a stored z on its device
+        (see :meth:`Feedback.sum_parts`): signSGD's packing pass forms the momentum."""
+        z = self._stored_for(key, grad)
+        if z is None or grad.dtype != torch.float32 or z.device != grad.device:
+            return None
+        return SumParts(z, spare_for(self._spare, key, z), self.momentum, 1.0 - self.momentum)
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         self._memory[key] = compensated.to(torch.float32, copy=True)
@@ -327,17 +372,11 @@ class SignumMomentum(KeyedMemory):
     def update_from(self, key: str, compensated: torch.Tensor, packet: Packet, compressor: Compressor,
                     owned: bool = False) -> None:
         """z is kept as it was compressed (what was sent plays no part): no decoding, and no copy of a
-        float32 z that :meth:`compensate` made (``owned``)."""
+        float32 z that :meth:`compensate` made (``owned``); the previous z becomes the key's spare buffer."""
+        previous = self._memory.get(key)
         if owned and compensated.dtype == torch.float32:
             self._memory[key] = compensated
         else:
             self.update(key, compensated, compensated)
-
-
-@jit
-def _momentum(z, g, momentum, rest, out):  # pragma: no cover - compiled
-    """out = fl32(fl32(z·δ) + fl32(g·(1 − δ))), with δ and 1 − δ given as float32."""
-    wide_vectors()
-    for i in range(out.size):
-        j = _U64(i)
-        out[j] = z[j] * momentum + g[j] * rest
+        if previous is not None and previous.data_ptr() != self._memory[key].data_ptr():
+            self._spare[key] = previous

@@ -141,16 +141,17 @@ class TopK(Sparse):
         return packet["indices"], packet["values"].float()
 
     def compress_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
-                     ctx: Context | None = None) -> Packet:
-        """Top-k of φ = m + g with the sum formed in the selection's candidate pass (see
+                     ctx: Context | None = None, beta: float = 1.0, gamma: float = 1.0) -> Packet:
+        """Top-k of φ = m + g (β = γ = 1; other factors: the default) with the sum formed in the selection's candidate pass (see
         :meth:`Compressor.compress_sum`): the threshold's sample and that pass read m and g, write φ
         to ``out`` and collect the positions at or above the threshold; the same bits as the sum, then
         :meth:`compress`."""
         n = out.numel()
         k = keep_count(n, self.ratio)
         if not (use_numba(out) and 65536 <= n and k < n and grad.dtype == torch.float32 == memory.dtype
+                and beta == 1.0 and gamma == 1.0
                 and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
-            return super().compress_sum(memory, grad, out, ctx)
+            return super().compress_sum(memory, grad, out, ctx, beta, gamma)
         flat = out.view(-1)
         indices = _topk_by_sampled_threshold(flat, k, self, (as_numpy(memory).reshape(-1),
                                                             as_numpy(grad).reshape(-1)))
