@@ -95,6 +95,19 @@ def f16_bits_of_f32(typingctx, value):  # pragma: no cover - compiled
     return types.uint16(types.float32), codegen
 
 
+@intrinsic
+def f32_of_f16_bits(typingctx, value):  # pragma: no cover - compiled
+    """The float32 value of IEEE half-precision bit pattern ``value`` (uint16), exact, as
+    ``Tensor.float()`` of a float16 tensor: LLVM's ``fpext`` (``vcvtph2ps``)."""
+    if value != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
 @njit(cache=True, nogil=True)
 def _top_exponent(bits, mask):  # pragma: no cover - compiled
     wide_vectors()

@@ -196,6 +196,17 @@ class Compressor:
         scaled_sum(memory, grad, beta, gamma, out)
         return self.compress(out, ctx)
 
+    def compress_residual_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                              ctx: Context | None = None, beta: float = 1.0,
+                              gamma: float = 1.0) -> tuple[Packet, bool]:
+        """:meth:`compress_sum`, for a memory whose update is :meth:`residual` of φ and the packet (the
+        ``residual`` memory, :attr:`~gradpress.feedback.Feedback.keeps_residual`): ``(packet, True)``
+        when ``out`` holds that residual e = φ − C⁻¹(C(φ)) afterwards in place of φ, the same bits
+        (an element-wise method forms it in its one pass: the memory's update has nothing left to do),
+        ``(packet, False)`` when it holds φ (the default: :meth:`compress_sum`). On an error ``out``
+        holds φ, as :meth:`compress_sum` leaves it."""
+        return self.compress_sum(memory, grad, out, ctx, beta, gamma), False
+
     def compress_divided(self, x: torch.Tensor, count: int, ctx: Context | None = None, *,
                          inplace: bool = False) -> Packet:
         """The packet of ``x / count`` for a :attr:`divides_first` method, formed in the pass that checks

@@ -44,10 +44,12 @@ class Feedback:
     an exchange that failed back as they were (references, no copies)."""
 
     name: ClassVar[str] = ""
-    residual_update: ClassVar[bool] = False
-    """Whether :meth:`update_from` only asks the compressor for its :meth:`~Compressor.residual` of the
-    compensated tensor (never reading that tensor otherwise): then the runtime may have a method that
-    :attr:`~Compressor.fuses_residual` form it during compression, in the compensated tensor's storage."""
+    #: the update keeps what compression dropped, :meth:`~gradpress.compressor.Compressor.residual` of φ
+    #: and its packet, and reads φ for nothing else: a compressor may then form it in its own pass, into
+    #: the buffer φ is formed in (:meth:`~gradpress.compressor.Compressor.compress_residual_sum`, handed to
+    #: :meth:`update_residual`), or, for a method with a preliminary exchange, which needs φ formed first,
+    #: into φ's own storage (:attr:`~gradpress.compressor.Compressor.fuses_residual`: THC)
+    keeps_residual: ClassVar[bool] = False
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """The tensor to compress in place of ``grad``."""
@@ -71,6 +73,11 @@ class Feedback:
         default it decompresses the packet; a memory that needs only the difference asks the
         compressor for it (:meth:`Compressor.residual`), which sparse methods form in O(k)."""
         self.update(key, compensated, compressor.decompress(packet))
+
+    def update_residual(self, key: str, residual: torch.Tensor) -> None:
+        """The update of a memory that :attr:`keeps_residual`, from the residual e = φ − C⁻¹(C(φ))
+        itself (float32, in the ``out`` buffer :meth:`sum_parts` gave, which it may keep)."""
+        raise TypeError(f"{self.name or type(self).__name__}: keeps no residual")
 
     @property
     def updates(self) -> bool:
@@ -129,13 +136,19 @@ def compress_with(feedback: Feedback, compressor: Compressor, key: str, grad: to
     (:meth:`gradpress.runtime.Pipeline._protocol`, less its NaN/Inf protocol): φ formed in the
     compressor's pass where :meth:`Feedback.sum_parts` allows it. Returns the packet."""
     parts = feedback.sum_parts(key, grad) if feedback.updates and not compressor.prepares else None
+    formed = False
     if parts is None:
         x = feedback.compensate(key, grad)
         packet = compressor.compress(x if x.dtype == grad.dtype else x.to(grad.dtype), ctx)
+    elif feedback.keeps_residual:
+        x = parts.out
+        packet, formed = compressor.compress_residual_sum(parts.memory, grad, x, ctx, parts.beta, parts.gamma)
     else:
         x = parts.out
         packet = compressor.compress_sum(parts.memory, grad, x, ctx, parts.beta, parts.gamma)
-    if feedback.updates:
+    if formed:
+        feedback.update_residual(key, x)
+    elif feedback.updates:
         feedback.update_from(key, x, packet, compressor, owned=x is not grad)
     return packet
 
@@ -203,7 +216,7 @@ class Residual(KeyedMemory):
 
     beta: float = param(1.0, "[0, 1]")
     gamma: float = param(1.0, "(0, inf)")
-    residual_update: ClassVar[bool] = True  # update_from stores compressor.residual(...) and nothing else
+    keeps_residual = True
     _spare: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -240,7 +253,10 @@ class Residual(KeyedMemory):
                     owned: bool = False) -> None:
         """m ← φ − C⁻¹(C(φ)), asked of the compressor (O(k) for sparse methods, in φ's storage when
         ``owned``); the previous memory becomes the key's spare buffer."""
-        residual = compressor.residual(compensated, packet, owned).view(compensated.shape)
+        self.update_residual(key, compressor.residual(compensated, packet, owned).view(compensated.shape))
+
+    def update_residual(self, key: str, residual: torch.Tensor) -> None:
+        """m ← e (kept as it is); the previous memory becomes the key's spare buffer."""
         previous = self._memory.get(key)
         self._memory[key] = residual
         if previous is not None and previous.data_ptr() != residual.data_ptr():

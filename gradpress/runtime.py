@@ -356,14 +356,17 @@ class Pipeline:
                 start = time.perf_counter()
             # the mean's division by n in the pass that checks the input (a bucket this may overwrite)
             divided = self.world_size if feedback.inert and strategy.divides_first else None
-            packets = []
-            # the residual formed during compression, in the compensated tensor's own storage (THC): only where
-            # that tensor is this memory's own (not the gradient) and is what is compressed (no cast)
-            fuse = feedback.updates and feedback.residual_update and compressor.fuses_residual
-            for given, x, grad, ctx, ready, parts in zip(inputs, xs, grads, ctxs, prepared, sums):
+            packets, formed = [], [False] * len(items)  # formed: out holds the residual, not φ
+            # a method with a preliminary exchange forms the residual in φ's own storage where φ is the
+            # memory's (not the gradient) and is what is compressed (no cast): THC
+            fuse = feedback.updates and feedback.keeps_residual and compressor.fuses_residual
+            for i, (given, x, ctx, ready, grad, parts) in enumerate(zip(inputs, xs, ctxs, prepared, grads, sums)):
                 target = x if fuse and given is x and x is not grad and x.dtype == torch.float32 else None
                 try:
-                    if parts is not None:
+                    if parts is not None and feedback.keeps_residual:
+                        packet, formed[i] = compressor.compress_residual_sum(parts.memory, grad, parts.out, ctx,
+                                                                             parts.beta, parts.gamma)
+                    elif parts is not None:
                         packet = compressor.compress_sum(parts.memory, grad, parts.out, ctx, parts.beta, parts.gamma)
                     else:
                         packet = _compress(compressor, given, ctx, ready, divided, writable, target)
@@ -374,8 +377,11 @@ class Pipeline:
                     packet = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
                 packets.append(packet)
             if feedback.updates and not faulty:
-                for (key, _), grad, x, packet in zip(items, grads, xs, packets):
-                    feedback.update_from(key, x, packet, compressor, owned=x is not grad)
+                for (key, _), grad, x, packet, done in zip(items, grads, xs, packets, formed):
+                    if done:
+                        feedback.update_residual(key, x)
+                    else:
+                        feedback.update_from(key, x, packet, compressor, owned=x is not grad)
             stats.add(step, compress_s=time.perf_counter() - start,
                       raw_bytes=sum(g.numel() * g.element_size() for g in grads),
                       packet_bytes=sum(p.nbytes for p in packets))

@@ -168,3 +168,116 @@ def test_the_runtime_with_scaled_feedback_equals_compensate_compress_update(spec
             _same(compress_with(fused[r], c, "w", grads[r]["w"], Context(5, step, "w", r)), packet)
             assert torch.equal(fused[r].memory("w"), memories[r].memory("w"))
         assert torch.equal(averaged["w"], c.aggregate(packets)), step
+
+
+# -- the residual formed in the compressor's pass (element-wise methods) ----------------------------------
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def _awkward(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """m, g whose sums hit the casts' corners: zeros of both signs, fp16 subnormals and underflow, values
+    near fp16's largest, bf16 rounding ties."""
+    memory, grad = _pair(n, seed)
+    corners = torch.tensor([0.0, -0.0, 1e-8, -3e-5, 6e-8, 2.9e-8, 65504.0, -65519.0, 1.0 + 2**-8, -(1.0 + 3 * 2**-8),
+                            1e-40, -1e-39, 1.0e38, 2**-24, 2**-25])
+    k = min(n, corners.numel())
+    grad[:k], memory[:k] = corners[:k], 0.0
+    return memory, grad
+
+
+@pytest.mark.parametrize("n", [1, 15, 1000, 100_003])
+@pytest.mark.parametrize("beta, gamma", FACTORS)
+@pytest.mark.parametrize("spec", ["fp16", "bf16"])
+def test_the_cast_and_its_residual_formed_in_one_pass_are_the_cast_then_the_residual(spec, beta, gamma, n):
+    memory, grad = _awkward(n, n)
+    if spec == "fp16":
+        grad[grad.abs() > 65000] = 1.0  # φ = 3e38 overflows fp16: that path has a test of its own
+    c = gradpress.make(spec)
+    out = torch.full_like(memory, float("nan"))
+    packet, formed = c.compress_residual_sum(memory, grad, out, Context(), beta, gamma)
+    phi = memory * beta + grad * gamma
+    plain = c.compress(phi)
+    assert formed
+    _same(packet, plain)
+    assert torch.equal(_bits(out), _bits(c.residual(phi, plain)))
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "efsignsgd", "signum", "qsgd"])
+def test_other_methods_leave_the_sum_formed(spec):
+    memory, grad = _pair(100_003, 8)
+    c = gradpress.make(spec)
+    out = torch.full_like(memory, float("nan"))
+    packet, formed = c.compress_residual_sum(memory, grad, out, Context(3, 1, "w", 0), 0.9, 1.0)
+    assert not formed and torch.equal(out, memory * 0.9 + grad)
+    _same(packet, c.compress(out, Context(3, 1, "w", 0)))
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16"])
+@pytest.mark.parametrize("where", [0, 4096 + 3, 100_002])
+@pytest.mark.parametrize("bad, error", [(float("nan"), NonFiniteError), (float("inf"), NonFiniteError),
+                                        (1e5, OverflowError)])
+def test_nonfinite_or_overflowing_sums_raise_with_the_sum_formed(spec, where, bad, error):
+    if spec == "bf16" and error is OverflowError:
+        bad = 3.4e38  # rounds beyond bf16's largest
+    memory, grad = _pair(100_003, 9)
+    grad[where], memory[where] = bad, 0.0
+    out = torch.empty_like(memory)
+    with pytest.raises(error):
+        gradpress.make(spec).compress_residual_sum(memory, grad, out, Context())
+    torch.testing.assert_close(out, memory + grad, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("spec, memory_spec", [("fp16", "residual"), ("bf16", "residual"),
+                                               ("bf16", "residual:beta=0.9,gamma=0.5"),
+                                               ("signum", "signum:momentum=0.8"), ("topk:ratio=0.02", "residual")])
+def test_the_runtime_fused_equals_the_runtime_unfused(spec, memory_spec, monkeypatch):
+    """Three steps of 2 simulated workers, and two tensors each, against the same runtime with fusion
+    off (every memory's :meth:`sum_parts` None: compensate, compress, update_from): the same means and
+    memories, bit for bit."""
+    n, workers, steps = 70_000, 2, 3
+    runs = []
+    for fused in (False, True):
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(gradpress.feedback.Residual, "sum_parts", lambda self, key, grad: None)
+                patch.setattr(gradpress.compressors.sign.SignumMomentum, "sum_parts", lambda self, key, grad: None)
+            sim = gradpress.Simulator(spec, workers, seed=5, feedback=memory_spec)
+            means = [sim.step([{"w": _pair(n, 10 * step + r)[1], "v": _pair(n, 10 * step + r + 5)[0]}
+                               for r in range(workers)]) for step in range(steps)]
+            runs.append((means, [p.feedback.state_dict() for p in sim.pipelines]))
+    (plain, plain_state), (fused, fused_state) = runs
+    for a, b in zip(plain, fused):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    for a, b in zip(plain_state, fused_state):
+        (name, memory), = a.items()
+        assert all(torch.equal(_bits(memory[k]), _bits(b[name][k])) for k in memory)
+
+
+@pytest.mark.parametrize("spec, bad, error", [("fp16", float("nan"), NonFiniteError),
+                                              ("fp16", 1e5, OverflowError), ("bf16", float("inf"), NonFiniteError)])
+def test_a_failed_step_leaves_the_memory_as_it_was(spec, bad, error):
+    """The residual is formed in the key's spare buffer, never in the memory: a step that raises leaves
+    the memory of the rank that raised as it was, also for the key compressed before the failing one.
+    NaN/Inf (flagged in-band, every rank raises) leave every rank's memory so, and the next steps go on
+    as if the failed one had never happened. (The simulator does not unwind the other ranks on an
+    ``OverflowError``: rank 0 has updated its memory then, fused or not.)"""
+    n, workers = 70_000, 2
+    sim, clean = (gradpress.Simulator(spec, workers, seed=5, feedback="residual") for _ in range(2))
+    first = [{"w": _pair(n, r)[1], "v": _pair(n, r + 7)[1]} for r in range(workers)]
+    sim.step(first), clean.step(first)
+    before = [{k: t.clone() for k, t in p.feedback.state_dict()["memory"].items()} for p in sim.pipelines]
+    failing = [{"w": _pair(n, 20 + r)[1], "v": _pair(n, 30 + r)[1]} for r in range(workers)]
+    failing[1]["v"][123] = bad
+    with pytest.raises(error):
+        sim.step(failing)
+    ranks = range(workers) if error is NonFiniteError else [1]
+    for rank in ranks:
+        for key, e in before[rank].items():
+            assert torch.equal(_bits(sim.pipelines[rank].feedback.memory(key)), _bits(e)), (rank, key)
+    if error is not NonFiniteError:
+        return
+    for step in range(2):
+        later = [{"w": _pair(n, 40 + 2 * step + r)[1], "v": _pair(n, 50 + r)[1]} for r in range(workers)]
+        got, expected = sim.step(later), clean.step(later)
+        assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -7,8 +7,9 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from gradpress._numba import f16_bits_of_f32, jit, use_numba, wide_vectors
-from gradpress.compressor import Compressor, check_finite, count_nonfinite, register
+from gradpress._numba import (as_numpy, bits_of_f32, f16_bits_of_f32, f32_from_bits, f32_of_f16_bits, jit, use_numba,
+                              wide_vectors)
+from gradpress.compressor import Compressor, check_finite, count_nonfinite, register, scaled_sum
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -97,6 +98,25 @@ class _CheckedCast(_Cast):
             self._refuse(x.reshape(-1), values)
         return Packet({"values": values}, shape, torch.float32)
 
+    def compress_residual_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                              ctx: Context | None = None, beta: float = 1.0,
+                              gamma: float = 1.0) -> tuple[Packet, bool]:
+        """The cast of φ = β·m + γ·g and its residual e = φ − float32(cast(φ)) in one numba pass (see
+        :meth:`Compressor.compress_residual_sum`): φ is never stored, ``out`` receives e, the bits of
+        :meth:`compress_sum` then :meth:`residual`. On NaN/Inf or overflow ``out`` holds φ when the
+        error is raised."""
+        if not (use_numba(out) and out.numel() and grad.dtype == torch.float32 == memory.dtype == out.dtype
+                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+            return super().compress_residual_sum(memory, grad, out, ctx, beta, gamma)
+        bits = torch.empty(out.numel(), dtype=torch.int16)
+        x = out.view(-1)
+        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
+        top = self._kernel(x.numpy(), bits.numpy(), addends)
+        values = bits.view(self.wire_dtype)
+        if top == self._all_ones:
+            self._refuse(scaled_sum(memory, grad, beta, gamma, out).view(-1), values)  # with φ in out
+        return Packet({"values": values}, out.shape, torch.float32), True
+
     def decompress(self, packet: Packet) -> torch.Tensor:
         """The wire values as the dtype compressed (the base class's, with its checks short-cut for a
         packet of this class's own float32 cast)."""
@@ -117,31 +137,46 @@ class _CheckedCast(_Cast):
 
 
 @jit
-def _to_f16(x, bits):  # pragma: no cover - compiled
-    """bits = fp16 bits of float32 x (``Tensor.to(torch.float16)``'s); the largest exponent field."""
+def _to_f16(x, bits, addends=None):  # pragma: no cover - compiled
+    """bits = fp16 bits of float32 x (``Tensor.to(torch.float16)``'s); the largest exponent field.
+    ``addends`` (m, g, β, γ) or None: x is not read but written: the value cast is φ = fl32(fl32(m·β) +
+    fl32(g·γ)), and x_i = φ_i − float32(half(φ_i)), what the cast dropped (fused error feedback; numba
+    prunes the branch for None)."""
     wide_vectors()
     out = bits.view(np.uint16)
     top = np.uint16(0)
     for i in range(x.size):
-        h = f16_bits_of_f32(x[i])
+        if addends is None:
+            h = f16_bits_of_f32(x[i])
+        else:
+            v = addends[0][i] * addends[2] + addends[1][i] * addends[3]
+            h = f16_bits_of_f32(v)
+            x[i] = v - f32_of_f16_bits(h)
         out[i] = h
         top = max(top, np.uint16(h & np.uint16(0x7C00)))
     return top
 
 
 @jit
-def _to_bf16(x, bits16):  # pragma: no cover - compiled
+def _to_bf16(x, bits16, addends=None):  # pragma: no cover - compiled
     """bits16 = bf16 bits of float32 x, as c10::BFloat16 rounds (to nearest even; NaN to 0x7FC0); the
-    largest exponent field."""
+    largest exponent field. ``addends`` (m, g, β, γ) or None: as :func:`_to_f16`'s, x_i receives
+    φ_i − float32(bf16(φ_i))."""
     wide_vectors()
     out = bits16.view(np.uint16)
     u = np.uint32
     bits = x.view(np.uint32)
     top = np.uint16(0)
     for i in range(bits.size):
-        b = bits[i]
+        if addends is None:
+            b = bits[i]
+        else:
+            v = addends[0][i] * addends[2] + addends[1][i] * addends[3]
+            b = bits_of_f32(v)
         rounded = np.uint16(u(b + u(0x7FFF) + u(u(b >> u(16)) & u(1))) >> u(16))
         h = np.uint16(0x7FC0) if u(b & u(0x7FFFFFFF)) > u(0x7F800000) else rounded
+        if addends is not None:
+            x[i] = v - f32_from_bits(u(h) << u(16))
         out[i] = h
         top = max(top, np.uint16(h & np.uint16(0x7F80)))
     return top
