@@ -148,6 +148,25 @@ class EFSignSGD(Compressor):
             magnitude = torch.tensor([mean_of(total, n, scale)], dtype=torch.float32, device=x.device)
         return Packet({"signs": signs, "scale": magnitude}, flat.shape, flat.dtype)
 
+    def compress_residual_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                              ctx: Context | None = None, beta: float = 1.0,
+                              gamma: float = 1.0) -> tuple[Packet, bool]:
+        """EF-signSGD of φ = β·m + γ·g and its residual e = φ − (‖φ‖₁/d)·sign(φ) written into ``out``
+        (see :meth:`Compressor.compress_residual_sum`): φ formed in the pass that finds the largest |φ|
+        (the fixed-point scale), the sign and L1 pass as :meth:`compress`'s, then e in place; the bits
+        of :meth:`compress_sum` then :meth:`residual`. On NaN/Inf ``out`` holds φ."""
+        if not (use_numba(out) and out.numel() and grad.dtype == torch.float32 == memory.dtype == out.dtype
+                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+            return super().compress_residual_sum(memory, grad, out, ctx, beta, gamma)
+        x = out.view(-1)
+        signs = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
+        magnitude = torch.empty(1, dtype=torch.float32)
+        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
+        if not _scaled_signs(x.numpy().view(np.uint32), signs.numpy(), magnitude.numpy(), addends):
+            check_finite(x, self.spec)
+        _minus_scaled_signs(x.numpy(), magnitude.numpy()[0])
+        return Packet({"signs": signs, "scale": magnitude}, out.shape, torch.float32), True
+
     def _decompress(self, packet: Packet) -> torch.Tensor:
         scale = float(packet["scale"].item())
         return decode_signs(packet["signs"], -scale, scale, packet.numel)
@@ -295,11 +314,15 @@ def _pack_signs_l1(bits, scale, out, mean):  # pragma: no cover - compiled
 
 
 @jit
-def _scaled_signs(bits, out, mean):  # pragma: no cover - compiled
+def _scaled_signs(bits, out, mean, addends=None):  # pragma: no cover - compiled
     """EF-signSGD's encoder in one call: the largest |x| (False at once if it is NaN/Inf), the fixed-point
     scale :func:`~gradpress.compressors.onebit.fixed_point_scale` gives for it (the same power of two,
-    from its bits), then :func:`_pack_signs_l1`."""
-    top = top_magnitude(bits)
+    from its bits), then :func:`_pack_signs_l1`. ``addends`` (m, g, β, γ) or None: x = fl32(fl32(m·β) +
+    fl32(g·γ)) is written in the pass that finds the largest (fused error feedback)."""
+    if addends is None:
+        top = top_magnitude(bits)
+    else:
+        top = _scaled_into(addends, bits, 0, bits.size)
     if top >= _U32(NON_FINITE):
         return False
     scale = 1.0
@@ -309,6 +332,19 @@ def _scaled_signs(bits, out, mean):  # pragma: no cover - compiled
         scale = f64_from_bits(np.uint64(62 - _bit_length(max(bits.size, 1)) - exponent + 1023) << np.uint64(52))
     _pack_signs_l1(bits, scale, out, mean)
     return True
+
+
+@jit
+def _minus_scaled_signs(x, scale):  # pragma: no cover - compiled
+    """x_i ← x_i − (scale if x_i ≥ 0 else −scale), in float32 (finite x): EF-signSGD's residual, the
+    decoded value chosen as its sign bit is ([x_i ≥ 0], −0.0 included)."""
+    wide_vectors()
+    high = np.float32(scale)
+    low = -high
+    for i in range(x.size):
+        j = _U64(i)
+        v = x[j]
+        x[j] = v - (high if v >= np.float32(0.0) else low)
 
 
 @njit(cache=True, nogil=True, inline="always")
