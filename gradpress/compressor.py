@@ -564,6 +564,21 @@ def _scaled_sum(m, g, beta, gamma, out):  # pragma: no cover - compiled
         out[j] = m[j] * beta + g[j] * gamma
 
 
+@njit(cache=True, nogil=True, inline="always")
+def scaled_into_bits(addends, bits, start, stop):  # pragma: no cover - compiled
+    """bits[i] = the float32 pattern of fl32(fl32(m_i·β) + fl32(g_i·γ)) for i in [start, stop), where
+    (m, g, β, γ) = ``addends`` (fused error feedback, in the first pass of a kernel); returns the largest
+    |pattern| (≥ 0x7F800000: NaN/Inf)."""
+    m, g, beta, gamma = addends
+    top = np.uint32(0)
+    for i in range(start, stop):
+        j = np.uint64(i)
+        b = bits_of_f32(m[j] * beta + g[j] * gamma)
+        bits[j] = b
+        top = max(top, b & np.uint32(0x7FFFFFFF))
+    return top
+
+
 def saturate(flat: torch.Tensor, dtype: torch.dtype, inplace: bool = True) -> torch.Tensor:
     """``flat`` (a float32 decode) clamped to ±``finfo(dtype).max``: decoded values beyond the range of
     the gradient's dtype become its largest finite value (±Inf too; NaN stays NaN). ``flat`` itself for

@@ -188,7 +188,7 @@ def _awkward(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("n", [1, 15, 1000, 100_003])
 @pytest.mark.parametrize("beta, gamma", FACTORS)
-@pytest.mark.parametrize("spec", ["fp16", "bf16", "efsignsgd"])
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "efsignsgd", "onebit", "onebit:tau=0.5"])
 def test_the_residual_formed_in_the_compressors_passes_is_compress_then_residual(spec, beta, gamma, n):
     memory, grad = _awkward(n, n)
     if spec != "bf16":
@@ -213,13 +213,13 @@ def test_other_methods_leave_the_sum_formed(spec):
     _same(packet, c.compress(out, Context(3, 1, "w", 0)))
 
 
-@pytest.mark.parametrize("spec", ["fp16", "bf16", "efsignsgd"])
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "efsignsgd", "onebit"])
 @pytest.mark.parametrize("where", [0, 4096 + 3, 100_002])
 @pytest.mark.parametrize("bad, error", [(float("nan"), NonFiniteError), (float("inf"), NonFiniteError),
                                         (1e5, OverflowError)])
 def test_nonfinite_or_overflowing_sums_raise_with_the_sum_formed(spec, where, bad, error):
-    if spec == "efsignsgd" and error is OverflowError:
-        pytest.skip("EF-signSGD's wire holds any finite φ")
+    if spec in ("efsignsgd", "onebit") and error is OverflowError:
+        pytest.skip("the wire holds any finite φ")
     if spec == "bf16" and error is OverflowError:
         bad = 3.4e38  # rounds beyond bf16's largest
     memory, grad = _pair(100_003, 9)
@@ -233,7 +233,8 @@ def test_nonfinite_or_overflowing_sums_raise_with_the_sum_formed(spec, where, ba
 @pytest.mark.parametrize("spec, memory_spec", [("fp16", "residual"), ("bf16", "residual"),
                                                ("bf16", "residual:beta=0.9,gamma=0.5"),
                                                ("signum", "signum:momentum=0.8"), ("topk:ratio=0.02", "residual"),
-                                               ("efsignsgd", "residual"), ("efsignsgd", "residual:beta=0.5")])
+                                               ("efsignsgd", "residual"), ("efsignsgd", "residual:beta=0.5"),
+                                               ("onebit", "residual"), ("onebit:tau=0.5", "residual:gamma=0.5")])
 def test_the_runtime_fused_equals_the_runtime_unfused(spec, memory_spec, monkeypatch):
     """Three steps of 2 simulated workers, and two tensors each, against the same runtime with fusion
     off (every memory's :meth:`sum_parts` None: compensate, compress, update_from): the same means and
@@ -259,6 +260,7 @@ def test_the_runtime_fused_equals_the_runtime_unfused(spec, memory_spec, monkeyp
 
 @pytest.mark.parametrize("spec, bad, error", [("fp16", float("nan"), NonFiniteError),
                                               ("efsignsgd", float("inf"), NonFiniteError),
+                                              ("onebit", float("nan"), NonFiniteError),
                                               ("fp16", 1e5, OverflowError), ("bf16", float("inf"), NonFiniteError)])
 def test_a_failed_step_leaves_the_memory_as_it_was(spec, bad, error):
     """The residual is formed in the key's spare buffer, never in the memory: a step that raises leaves

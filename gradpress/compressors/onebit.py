@@ -24,7 +24,7 @@ from numba import njit
 
 from gradpress._numba import as_numpy, jit, select_bits64, use_numba, wide_vectors
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, register
+from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context
@@ -105,12 +105,29 @@ def mean_of(total: int, count: int, scale: float) -> float:
 
 
 @jit
-def _max_magnitude_bits(bits):  # pragma: no cover - compiled
-    """Largest float32 magnitude's bit pattern (uint32; NaN/Inf patterns are above every finite one)."""
+def _max_magnitude_bits(bits, addends=None):  # pragma: no cover - compiled
+    """Largest float32 magnitude's bit pattern (uint32; NaN/Inf patterns are above every finite one).
+    ``addends`` (m, g, β, γ) or None: bits are not read but written, x = fl32(fl32(m·β) + fl32(g·γ))
+    (fused error feedback: :func:`~gradpress.compressor.scaled_into_bits`)."""
+    if addends is not None:
+        return scaled_into_bits(addends, bits, 0, bits.size)
     top = np.uint32(0)
     for i in range(bits.size):
         top = max(top, bits[i] & np.uint32(0x7FFFFFFF))
     return top
+
+
+@jit
+def minus_levels(x, tau, low, high):  # pragma: no cover - compiled
+    """x_i ← x_i − (high if x_i ≥ τ else low) in float32 (finite x; τ, low, high as float32): the
+    residual of a two-level quantizer whose bit i is [x_i ≥ τ] (1-bit SGD; EF-signSGD with τ = 0, where
+    −0.0 ≥ 0 as its sign bit says)."""
+    wide_vectors()
+    tau, low, high = np.float32(tau), np.float32(low), np.float32(high)
+    for i in range(x.size):
+        j = np.uint64(i)
+        v = x[j]
+        x[j] = v - (high if v >= tau else low)
 
 
 @jit
@@ -148,8 +165,13 @@ class OneBit(Compressor):
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         x = as_float32(flat)
+        packet = self._encode(x, checked_fixed_point_scale(x, self.spec))
+        packet.shape, packet.dtype = flat.shape, flat.dtype
+        return packet
+
+    def _encode(self, x: torch.Tensor, scale: float) -> Packet:
+        """The packet of float32 ``x`` (finite), given its fixed-point scale."""
         n = x.numel()
-        scale = checked_fixed_point_scale(x, self.spec)
         tau = np.float32(self.tau)
         if use_numba(x):
             bits = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
@@ -162,7 +184,29 @@ class OneBit(Compressor):
             bits = pack_mask(high)
         means = [mean_of(low_sum, n - high_count, scale), mean_of(high_sum, high_count, scale)]
         return Packet({"bits": bits, "means": torch.tensor(means, dtype=torch.float32, device=x.device)},
-                      flat.shape, flat.dtype)
+                      x.shape, torch.float32)
+
+    def compress_residual_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                              ctx: Context | None = None, beta: float = 1.0,
+                              gamma: float = 1.0) -> tuple[Packet, bool]:
+        """1-bit SGD of φ = β·m + γ·g and its residual e = φ − Q⁻¹(Q(φ)) written into ``out`` (see
+        :meth:`Compressor.compress_residual_sum`): φ formed in the pass that finds the largest |φ| (the
+        fixed-point scale), the encoding pass as :meth:`compress`'s, then e in place: no full-size
+        temporary, the bits of :meth:`compress_sum` then :meth:`residual`. On NaN/Inf ``out`` holds φ."""
+        if not (use_numba(out) and out.numel() and grad.dtype == torch.float32 == memory.dtype == out.dtype
+                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+            return super().compress_residual_sum(memory, grad, out, ctx, beta, gamma)
+        x = as_numpy(out).reshape(-1)
+        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
+        largest = float(np.array([_max_magnitude_bits(x.view(np.uint32), addends)], dtype=np.uint32)
+                        .view(np.float32)[0])
+        if not math.isfinite(largest):
+            check_finite(out, self.spec)
+        packet = self._encode(out.view(-1), fixed_point_scale(largest, x.size))
+        low, high = packet["means"].numpy()
+        minus_levels(x, np.float32(self.tau), low, high)
+        packet.shape = out.shape
+        return packet, True
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         return decode_two_levels(packet["bits"], packet["means"], packet.numel)

@@ -19,10 +19,10 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from gradpress._numba import as_numpy, f64_from_bits, jit, select_bits64, sign_bits64, use_numba, wide_vectors
 from gradpress.bits import packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, register, scaled_sum
+from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum
 from gradpress.compressors.sparsify import float32_decompress
 from gradpress.compressors.onebit import (add_two_levels, as_float32, checked_fixed_point_scale, decode_two_levels,
-                                          mean_of, pack_mask, to_fixed)
+                                          mean_of, minus_levels, pack_mask, to_fixed)
 from gradpress.feedback import KeyedMemory, SumParts, feedback_registry, spare_for
 from gradpress.packet import Packet
 from gradpress.registry import check_params_of, param
@@ -164,7 +164,8 @@ class EFSignSGD(Compressor):
         addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
         if not _scaled_signs(x.numpy().view(np.uint32), signs.numpy(), magnitude.numpy(), addends):
             check_finite(x, self.spec)
-        _minus_scaled_signs(x.numpy(), magnitude.numpy()[0])
+        scale = magnitude.numpy()[0]
+        minus_levels(x.numpy(), np.float32(0.0), -scale, scale)  # bit i is [φ_i ≥ 0]
         return Packet({"signs": signs, "scale": magnitude}, out.shape, torch.float32), True
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
@@ -255,31 +256,17 @@ def _pack_signs(bits, out, nonzero, addends=None):  # pragma: no cover - compile
     for start in range(0, full, BLOCK):
         stop = min(full, start + BLOCK)
         if addends is not None:
-            top = max(top, _scaled_into(addends, bits, start, stop))
+            top = max(top, scaled_into_bits(addends, bits, start, stop))
         else:
             for i in range(start, stop):
                 top = max(top, bits[_U64(i)] & _U32(0x7FFFFFFF))
         _sign_words(bits, start, stop, words)
     if addends is not None:
-        top = max(top, _scaled_into(addends, bits, full, n))
+        top = max(top, scaled_into_bits(addends, bits, full, n))
     for i in range(full, n):
         top = max(top, bits[i] & _U32(0x7FFFFFFF))
     _sign_tail(bits, out)
     nonzero[0] = top != 0
-    return top
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _scaled_into(addends, bits, start, stop):  # pragma: no cover - compiled
-    """x[i] = fl32(fl32(m_i·β) + fl32(g_i·γ)) for i in [start, stop), (m, g, β, γ) = ``addends``, into
-    float32 bit patterns ``bits``; returns their largest |x| as bits."""
-    m, g, beta, gamma = addends
-    top = _U32(0)
-    for i in range(start, stop):
-        j = _U64(i)
-        b = np.float32(m[j] * beta + g[j] * gamma).view(np.uint32)
-        bits[j] = b
-        top = max(top, b & _U32(0x7FFFFFFF))
     return top
 
 
@@ -322,7 +309,7 @@ def _scaled_signs(bits, out, mean, addends=None):  # pragma: no cover - compiled
     if addends is None:
         top = top_magnitude(bits)
     else:
-        top = _scaled_into(addends, bits, 0, bits.size)
+        top = scaled_into_bits(addends, bits, 0, bits.size)
     if top >= _U32(NON_FINITE):
         return False
     scale = 1.0
@@ -332,19 +319,6 @@ def _scaled_signs(bits, out, mean, addends=None):  # pragma: no cover - compiled
         scale = f64_from_bits(np.uint64(62 - _bit_length(max(bits.size, 1)) - exponent + 1023) << np.uint64(52))
     _pack_signs_l1(bits, scale, out, mean)
     return True
-
-
-@jit
-def _minus_scaled_signs(x, scale):  # pragma: no cover - compiled
-    """x_i ← x_i − (scale if x_i ≥ 0 else −scale), in float32 (finite x): EF-signSGD's residual, the
-    decoded value chosen as its sign bit is ([x_i ≥ 0], −0.0 included)."""
-    wide_vectors()
-    high = np.float32(scale)
-    low = -high
-    for i in range(x.size):
-        j = _U64(i)
-        v = x[j]
-        x[j] = v - (high if v >= np.float32(0.0) else low)
 
 
 @njit(cache=True, nogil=True, inline="always")
