@@ -234,7 +234,8 @@ def test_nonfinite_or_overflowing_sums_raise_with_the_sum_formed(spec, where, ba
                                                ("bf16", "residual:beta=0.9,gamma=0.5"),
                                                ("signum", "signum:momentum=0.8"), ("topk:ratio=0.02", "residual"),
                                                ("efsignsgd", "residual"), ("efsignsgd", "residual:beta=0.5"),
-                                               ("onebit", "residual"), ("onebit:tau=0.5", "residual:gamma=0.5")])
+                                               ("onebit", "residual"), ("onebit:tau=0.5", "residual:gamma=0.5"),
+                                               ("threshold:v=1", "residual"), ("threshold", "residual:beta=0.9")])
 def test_the_runtime_fused_equals_the_runtime_unfused(spec, memory_spec, monkeypatch):
     """Three steps of 2 simulated workers, and two tensors each, against the same runtime with fusion
     off (every memory's :meth:`sum_parts` None: compensate, compress, update_from): the same means and
@@ -287,3 +288,25 @@ def test_a_failed_step_leaves_the_memory_as_it_was(spec, bad, error):
         later = [{"w": _pair(n, 40 + 2 * step + r)[1], "v": _pair(n, 50 + r)[1]} for r in range(workers)]
         got, expected = sim.step(later), clean.step(later)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+# -- threshold-v: the sum formed in the selecting pass ----------------------------------------------------
+@pytest.mark.parametrize("n", [1, 1000, 4096 + 70, 100_003])
+@pytest.mark.parametrize("beta, gamma", [(1.0, 1.0), (0.9, 0.5)])
+@pytest.mark.parametrize("spec", ["threshold", "threshold:v=1", "threshold:v=2.5", "threshold:v=0"])
+def test_threshold_of_the_sum_formed_in_its_pass_is_threshold_of_the_sum(spec, beta, gamma, n):
+    memory, grad = _pair(n, n + 1)
+    grad[::7] = 0.0
+    fused, plain, out, expected_sum = _both(spec, memory, grad, beta, gamma)
+    _same(fused, plain)
+    assert torch.equal(out, expected_sum)
+
+
+@pytest.mark.parametrize("where", [0, 4096 + 3, 100_002])
+def test_nonfinite_in_the_thresholds_sum_raises_with_the_sum_formed(where):
+    memory, grad = _pair(100_003, 11)
+    grad[where] = float("nan")
+    out = torch.empty_like(memory)
+    with pytest.raises(NonFiniteError, match="NaN/Inf"):
+        gradpress.make("threshold:v=0.5").compress_sum(memory, grad, out, Context())
+    torch.testing.assert_close(out, memory + grad, rtol=0, atol=0, equal_nan=True)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gradpress._numba import abs_above64, as_numpy, compress_above16, jit, mix32, use_numba, wide_vectors
-from gradpress.compressor import Compressor, check_finite, register
+from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum
 from gradpress.compressors.onebit import as_float32
 from gradpress.compressors.sparsify import Sparse, named
 from gradpress.packet import Packet
@@ -49,6 +49,20 @@ class Threshold(Sparse):
     def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
         return packet["indices"], packet["values"].float()
 
+    def compress_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                     ctx: Context | None = None, beta: float = 1.0, gamma: float = 1.0) -> Packet:
+        """Threshold-v of φ = β·m + γ·g with the sum formed in the selecting pass (see
+        :meth:`Compressor.compress_sum`): per block, φ is written to ``out`` (keeping the largest |φ|)
+        and its elements above v gathered from L1; the same bits as the sum, then :meth:`compress`. The
+        residual memory's update then touches only the k sent (:meth:`Sparse.residual`)."""
+        if not (use_numba(out) and grad.dtype == torch.float32 == memory.dtype == out.dtype
+                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+            return super().compress_sum(memory, grad, out, ctx, beta, gamma)
+        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
+        packet = packet_above(out.view(-1), self.v, self, addends=addends)
+        packet.shape = out.shape
+        return packet
+
 
 def sparse_packet(flat: torch.Tensor, indices: torch.Tensor) -> Packet:
     """Values at ``indices`` (in the input dtype) and the indices as int32."""
@@ -56,16 +70,20 @@ def sparse_packet(flat: torch.Tensor, indices: torch.Tensor) -> Packet:
 
 
 def packet_above(flat: torch.Tensor, threshold: float, where: str | Compressor = "threshold", expected: int | None = None,
-                 checked: bool = False) -> Packet:
+                 checked: bool = False, addends: tuple | None = None) -> Packet:
     """:func:`sparse_packet` of the elements with |x| > threshold, values and int32 indices gathered in
     the pass that finds them (numba: 16 values at a time, compressed in registers), which also keeps
     the largest |x|: NaN/Inf in ``flat`` raise :class:`~gradpress.compressor.NonFiniteError` (as
     ``where``'s), so the caller needs no check pass (``checked``: the caller's own pass has found x
     finite). ``expected``: about how many will be kept (DGC's estimate): buffers of twice that, and a
     second pass with whole-size ones if more are found. Buffers are trimmed to the count found unless
-    that keeps most."""
+    that keeps most. ``addends`` (m, g, β, γ), or None: ``flat`` (float32) is to become
+    fl32(fl32(m·β) + fl32(g·γ)), formed in the first pass (fused error feedback), whatever happens."""
     x = as_float32(flat)
     if not use_numba(x) or x.numel() > torch.iinfo(torch.int32).max - 64:
+        if addends is not None:
+            m, g, beta, gamma = addends
+            scaled_sum(torch.from_numpy(m), torch.from_numpy(g), float(beta), float(gamma), x)
         if not checked:
             check_finite(x, named(where))
         return sparse_packet(flat, select_above(flat, threshold))
@@ -73,7 +91,9 @@ def packet_above(flat: torch.Tensor, threshold: float, where: str | Compressor =
     for capacity in ((2 * expected + 1024, n) if expected is not None and 2 * expected + 1024 < n else (n,)):
         values = torch.empty(capacity + 64, dtype=torch.float32)
         indices = torch.empty(capacity + 64, dtype=torch.int32)
-        count, top = _gather_above(as_numpy(x), np.float32(threshold), values.numpy(), indices.numpy(), not checked)
+        count, top = _gather_above(as_numpy(x), np.float32(threshold), values.numpy(), indices.numpy(),
+                                   not checked or addends is not None, addends)
+        addends = None  # formed, in full: a second try reads x
         if top >= NON_FINITE:
             check_finite(x, named(where))
         if count >= 0:
@@ -198,13 +218,16 @@ def sample_threshold(magnitudes: torch.Tensor, fraction: float) -> float:
 
 
 @jit
-def _gather_above(x, threshold, values, indices, check):  # pragma: no cover - compiled
+def _gather_above(x, threshold, values, indices, check, addends=None):  # pragma: no cover - compiled
     """(count, largest |x| as bits): values[:count] and indices[:count] are the elements with
     |x| > threshold and their positions, ascending (the buffers hold 64 slots more than their
     capacity: a word of 64 values is written 16 at a time, 16 wide, before the count is checked);
     count −1 if more than the capacity are found (the largest |x| is still the whole tensor's). Block
     by block: the largest magnitude (vectorized), then per word of 64 a mask of |x| > threshold (a
-    sparse selection skips most words on it) and the word's values 16 at a time, compressed."""
+    sparse selection skips most words on it) and the word's values 16 at a time, compressed.
+    ``addends`` (m, g, β, γ) or None (numba prunes the branch): x = fl32(fl32(m·β) + fl32(g·γ)) is
+    written in the max pass of each block, in full even when the buffers overflow (``check`` must be
+    true)."""
     wide_vectors()
     n = x.size
     capacity = values.size - 64
@@ -214,7 +237,9 @@ def _gather_above(x, threshold, values, indices, check):  # pragma: no cover - c
     full = n - n % 64
     for start in range(0, full, BLOCK):
         stop = min(full, start + BLOCK)
-        if check:
+        if addends is not None:
+            top = max(top, scaled_into_bits(addends, bits, start, stop))
+        elif check:
             for i in range(start, stop):
                 top = max(top, bits[np.uint64(i)] & np.uint32(0x7FFFFFFF))
         if count < 0:
@@ -229,6 +254,8 @@ def _gather_above(x, threshold, values, indices, check):  # pragma: no cover - c
             if count > capacity:
                 count = -1
                 break
+    if addends is not None:
+        top = max(top, scaled_into_bits(addends, bits, full, n))
     for i in range(full, n):
         top = max(top, bits[i] & np.uint32(0x7FFFFFFF))
         if count >= 0 and abs(x[i]) > threshold:
