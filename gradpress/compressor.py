@@ -564,6 +564,17 @@ def _scaled_sum(m, g, beta, gamma, out):  # pragma: no cover - compiled
         out[j] = m[j] * beta + g[j] * gamma
 
 
+def sum_addends(memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, beta: float = 1.0,
+                gamma: float = 1.0) -> tuple | None:
+    """The ``addends`` (m, g, β, γ) a kernel takes to form φ = β·m + γ·g in its first pass (numpy views,
+    β and γ as float32), or None where the kernels don't apply (then :meth:`Compressor.compress_sum`'s
+    default): contiguous float32 CPU tensors, non-empty."""
+    if not (use_numba(out) and out.numel() and memory.dtype == grad.dtype == out.dtype == torch.float32
+            and memory.is_contiguous() and grad.is_contiguous() and out.is_contiguous()):
+        return None
+    return as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma)
+
+
 @njit(cache=True, nogil=True, inline="always")
 def scaled_into_bits(addends, bits, start, stop):  # pragma: no cover - compiled
     """bits[i] = the float32 pattern of fl32(fl32(m_i·β) + fl32(g_i·γ)) for i in [start, stop), where

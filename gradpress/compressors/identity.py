@@ -7,9 +7,9 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from gradpress._numba import (as_numpy, bits_of_f32, f16_bits_of_f32, f32_from_bits, f32_of_f16_bits, jit, use_numba,
+from gradpress._numba import (bits_of_f32, f16_bits_of_f32, f32_from_bits, f32_of_f16_bits, jit, use_numba,
                               wide_vectors)
-from gradpress.compressor import Compressor, check_finite, count_nonfinite, register, scaled_sum
+from gradpress.compressor import Compressor, check_finite, count_nonfinite, register, scaled_sum, sum_addends
 from gradpress.packet import Packet
 from gradpress.rng import Context
 
@@ -105,12 +105,11 @@ class _CheckedCast(_Cast):
         :meth:`Compressor.compress_residual_sum`): φ is never stored, ``out`` receives e, the bits of
         :meth:`compress_sum` then :meth:`residual`. On NaN/Inf or overflow ``out`` holds φ when the
         error is raised."""
-        if not (use_numba(out) and out.numel() and grad.dtype == torch.float32 == memory.dtype == out.dtype
-                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+        addends = sum_addends(memory, grad, out, beta, gamma)
+        if addends is None:
             return super().compress_residual_sum(memory, grad, out, ctx, beta, gamma)
         bits = torch.empty(out.numel(), dtype=torch.int16)
         x = out.view(-1)
-        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
         top = self._kernel(x.numpy(), bits.numpy(), addends)
         values = bits.view(self.wire_dtype)
         if top == self._all_ones:

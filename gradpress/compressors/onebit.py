@@ -24,7 +24,7 @@ from numba import njit
 
 from gradpress._numba import as_numpy, jit, select_bits64, use_numba, wide_vectors
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits
+from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, sum_addends
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context
@@ -193,11 +193,10 @@ class OneBit(Compressor):
         :meth:`Compressor.compress_residual_sum`): φ formed in the pass that finds the largest |φ| (the
         fixed-point scale), the encoding pass as :meth:`compress`'s, then e in place: no full-size
         temporary, the bits of :meth:`compress_sum` then :meth:`residual`. On NaN/Inf ``out`` holds φ."""
-        if not (use_numba(out) and out.numel() and grad.dtype == torch.float32 == memory.dtype == out.dtype
-                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+        addends = sum_addends(memory, grad, out, beta, gamma)
+        if addends is None:
             return super().compress_residual_sum(memory, grad, out, ctx, beta, gamma)
         x = as_numpy(out).reshape(-1)
-        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
         largest = float(np.array([_max_magnitude_bits(x.view(np.uint32), addends)], dtype=np.uint32)
                         .view(np.float32)[0])
         if not math.isfinite(largest):

@@ -19,7 +19,7 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from gradpress._numba import as_numpy, f64_from_bits, jit, select_bits64, sign_bits64, use_numba, wide_vectors
 from gradpress.bits import packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum
+from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
 from gradpress.compressors.sparsify import float32_decompress
 from gradpress.compressors.onebit import (add_two_levels, as_float32, checked_fixed_point_scale, decode_two_levels,
                                           mean_of, minus_levels, pack_mask, to_fixed)
@@ -68,13 +68,12 @@ class SignSGD(Compressor):
         """The signs of φ = β·m + γ·g with the sum formed in the packing pass (see
         :meth:`Compressor.compress_sum`; SIGNUM's momentum z ← δ·z + (1 − δ)·g): per block, φ is written
         to ``out`` and packed from L1, the same bits as the sum, then :meth:`compress`."""
-        if not (use_numba(out) and out.numel() and grad.dtype == torch.float32 == memory.dtype == out.dtype
-                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+        addends = sum_addends(memory, grad, out, beta, gamma)
+        if addends is None:
             return super().compress_sum(memory, grad, out, ctx, beta, gamma)
         x = out.view(-1)
         signs = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
         flag = torch.empty(1, dtype=torch.uint8)
-        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
         if _pack_signs(x.numpy().view(np.uint32), signs.numpy(), flag.numpy(), addends) >= NON_FINITE:
             check_finite(x, self.spec)
         return Packet({"signs": signs, "nonzero": flag}, out.shape, torch.float32)
@@ -155,13 +154,12 @@ class EFSignSGD(Compressor):
         (see :meth:`Compressor.compress_residual_sum`): φ formed in the pass that finds the largest |φ|
         (the fixed-point scale), the sign and L1 pass as :meth:`compress`'s, then e in place; the bits
         of :meth:`compress_sum` then :meth:`residual`. On NaN/Inf ``out`` holds φ."""
-        if not (use_numba(out) and out.numel() and grad.dtype == torch.float32 == memory.dtype == out.dtype
-                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+        addends = sum_addends(memory, grad, out, beta, gamma)
+        if addends is None:
             return super().compress_residual_sum(memory, grad, out, ctx, beta, gamma)
         x = out.view(-1)
         signs = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
         magnitude = torch.empty(1, dtype=torch.float32)
-        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
         if not _scaled_signs(x.numpy().view(np.uint32), signs.numpy(), magnitude.numpy(), addends):
             check_finite(x, self.spec)
         scale = magnitude.numpy()[0]

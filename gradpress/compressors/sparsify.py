@@ -142,10 +142,10 @@ class TopK(Sparse):
 
     def compress_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
                      ctx: Context | None = None, beta: float = 1.0, gamma: float = 1.0) -> Packet:
-        """Top-k of φ = m + g (β = γ = 1; other factors: the default) with the sum formed in the selection's candidate pass (see
+        """Top-k of φ = m + g with the sum formed in the selection's candidate pass (see
         :meth:`Compressor.compress_sum`): the threshold's sample and that pass read m and g, write φ
         to ``out`` and collect the positions at or above the threshold; the same bits as the sum, then
-        :meth:`compress`."""
+        :meth:`compress`. Other factors β, γ than 1 take the default."""
         n = out.numel()
         k = keep_count(n, self.ratio)
         if not (use_numba(out) and 65536 <= n and k < n and grad.dtype == torch.float32 == memory.dtype

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gradpress._numba import abs_above64, as_numpy, compress_above16, jit, mix32, use_numba, wide_vectors
-from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum
+from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
 from gradpress.compressors.onebit import as_float32
 from gradpress.compressors.sparsify import Sparse, named
 from gradpress.packet import Packet
@@ -55,10 +55,9 @@ class Threshold(Sparse):
         :meth:`Compressor.compress_sum`): per block, φ is written to ``out`` (keeping the largest |φ|)
         and its elements above v gathered from L1; the same bits as the sum, then :meth:`compress`. The
         residual memory's update then touches only the k sent (:meth:`Sparse.residual`)."""
-        if not (use_numba(out) and grad.dtype == torch.float32 == memory.dtype == out.dtype
-                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+        addends = sum_addends(memory, grad, out, beta, gamma)
+        if addends is None:
             return super().compress_sum(memory, grad, out, ctx, beta, gamma)
-        addends = (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma))
         packet = packet_above(out.view(-1), self.v, self, addends=addends)
         packet.shape = out.shape
         return packet
