@@ -282,22 +282,27 @@ def decode(tags, payload, eps, out_bits):  # pragma: no cover - compiled
     while i + LANES <= n and position + 4 * LANES <= payload.size:
         position += np.int64(_decode16(tags, i, payload, position, eps, out_bits))
         i += LANES
-    rest_tags = np.empty(LANES // 4, dtype=np.uint8)
-    scratch = np.empty(4 * LANES, dtype=np.uint8)
     rest = np.empty(LANES, dtype=np.uint32)
     while i < n:
         count = min(LANES, n - i)
-        rest_tags[:] = 0
-        rest_tags[:(count + 3) // 4] = tags[i // 4:(i + count + 3) // 4]
-        for k in range(count, LANES):  # unused slots of the last tag byte: tag 0
-            rest_tags[k // 4] &= np.uint8(~(3 << (2 * (k % 4))) & 0xFF)
-        available = max(0, min(4 * LANES, payload.size - position))
-        scratch[:] = 0
-        scratch[:available] = payload[position:position + available]
-        position += np.int64(_decode16(rest_tags, 0, scratch, 0, eps, rest))
+        position = _decode_padded(tags, i, count, payload, position, eps, rest)
         out_bits[i:i + count] = rest[:count]
         i += LANES
     return position
+
+
+@jit
+def _decode_padded(tags, i, count, payload, position, eps, rest):  # pragma: no cover - compiled
+    """The ``count`` ≤ 16 elements from ``i`` into ``rest``, from zero-padded copies of their tags and of
+    the payload from ``position`` (no read past either's end); returns the position after them."""
+    rest_tags = np.zeros(LANES // 4, dtype=np.uint8)
+    rest_tags[:(count + 3) // 4] = tags[i // 4:(i + count + 3) // 4]
+    for k in range(count, LANES):  # unused slots of the last tag byte: tag 0
+        rest_tags[k // 4] &= np.uint8(~(3 << (2 * (k % 4))) & 0xFF)
+    available = max(0, min(4 * LANES, payload.size - position))
+    scratch = np.zeros(4 * LANES, dtype=np.uint8)
+    scratch[:available] = payload[position:position + available]
+    return position + np.int64(_decode16(rest_tags, 0, scratch, 0, eps, rest))
 
 
 @jit
@@ -309,20 +314,11 @@ def decode_add(tags, payload, eps, total):  # pragma: no cover - compiled
     while i + LANES <= n and position + 4 * LANES <= payload.size:
         position += np.int64(_decode16_add(tags, i, payload, position, eps, total))
         i += LANES
-    rest_tags = np.empty(LANES // 4, dtype=np.uint8)
-    scratch = np.empty(4 * LANES, dtype=np.uint8)
     rest = np.empty(LANES, dtype=np.uint32)
     values = rest.view(np.float32)
     while i < n:
         count = min(LANES, n - i)
-        rest_tags[:] = 0
-        rest_tags[:(count + 3) // 4] = tags[i // 4:(i + count + 3) // 4]
-        for k in range(count, LANES):  # unused slots of the last tag byte: tag 0
-            rest_tags[k // 4] &= np.uint8(~(3 << (2 * (k % 4))) & 0xFF)
-        available = max(0, min(4 * LANES, payload.size - position))
-        scratch[:] = 0
-        scratch[:available] = payload[position:position + available]
-        position += np.int64(_decode16(rest_tags, 0, scratch, 0, eps, rest))
+        position = _decode_padded(tags, i, count, payload, position, eps, rest)
         for k in range(count):
             total[i + k] += values[k]
         i += LANES
