@@ -388,8 +388,8 @@ _STREAMED = 1 << 21  # values (8 MiB): sums at least this large are written past
 
 def add_into(memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``torch.add(memory, grad, out=out)``, the same bits (error feedback's φ = m + g); float32 CPU
-    tensors larger than the caches in one numba pass whose stores bypass them (measured on the 13 MB gradient of ``mlp-wide``: 1.4 ms
-    against torch's 1.7, the norm that reads the sum next included)."""
+    tensors larger than the caches in one numba pass whose stores bypass them (measured on the 13 MB
+    gradient of ``mlp-wide``: 1.4 ms against torch's 1.7, the norm that reads the sum next included)."""
     if (out.numel() >= _STREAMED and memory.dtype == grad.dtype == out.dtype == torch.float32
             and memory.shape == grad.shape == out.shape and use_numba(memory) and use_numba(grad)
             and memory.is_contiguous() and grad.is_contiguous() and out.is_contiguous()):
@@ -409,3 +409,43 @@ def _add_streamed(a, b, out):  # pragma: no cover - compiled
         V.store_stream(op, k, V.add(V.load(ap, k), V.load(bp, k)))
     for k in range(whole, n):
         out[k] = a[k] + b[k]
+
+
+# -- an all-gather's sum, fused into the decoders (Compressor.accumulate_into) --------------------------------
+#: how a decode-add kernel folds a decoded value into the float32 total: ``ADD`` total += v; ``STORE`` (the
+#: first packet) total = v + 0.0, the bits of 0.0 + v (a −0.0 stored as +0.0) without reading the total;
+#: ``FINISH`` (the last packet) total = (total + v) / count, ``FINISH_POW2`` the same for a power-of-two
+#: count as a product with its reciprocal (both the correctly rounded quotient). Kernels take the mode and
+#: the count as arguments and dispatch on the mode once, outside their loops, to code compiled for it
+#: (:func:`fold` with a constant mode: its other branches and the exponent max compile away).
+ADD, STORE, FINISH, FINISH_POW2 = 0, 1, 2, 3
+fused = njit(cache=True, nogil=True, error_model="numpy")  # numpy's division: no zero check per element
+
+
+def fold_mode(store: bool, count: int) -> int:
+    """The kernel mode of one step (``count`` > 0: the last packet, divided by ``count``)."""
+    if store:
+        return STORE
+    if count:
+        return FINISH_POW2 if count & (count - 1) == 0 else FINISH
+    return ADD
+
+
+@njit(cache=True, inline="always")
+def fold(old, value, mode, count, reciprocal):  # pragma: no cover - compiled
+    """The total's new value (see :data:`ADD`); ``count`` and ``reciprocal`` float32."""
+    if mode == STORE:
+        return value + np.float32(0.0)
+    if mode == FINISH:
+        return (old + value) / count
+    if mode == FINISH_POW2:
+        return (old + value) * reciprocal
+    return old + value
+
+
+@njit(cache=True, inline="always")
+def fold_top(top, mode, value):  # pragma: no cover - compiled
+    """``top`` raised to ``value``'s exponent field in the finishing modes (all ones: a NaN or Inf)."""
+    if mode >= FINISH:
+        return max(top, np.int32(bits_of_f32(value) & np.uint32(0x7F800000)))
+    return top

@@ -256,16 +256,17 @@ class Compressor:
         if first.numel == 0:
             return self.decompress(first)
         if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == first.numel:
-            total = out.view(-1).zero_()
+            total = out.view(-1)
         else:
-            total = torch.zeros(first.numel, dtype=torch.float32, device=first.device)
-        for packet in packets:
-            self.accumulate(total, packet)
-        if divide_counting_nonfinite(total, len(packets)):  # finite decodes whose float32 sum overflowed?
+            total = torch.empty(first.numel, dtype=torch.float32, device=first.device)
+        n = len(packets)
+        for i, packet in enumerate(packets):  # the first stored, the last added and divided by n
+            nonfinite = self.accumulate_into(total, packet, store=i == 0, count=n if i == n - 1 else 0)
+        if nonfinite:  # finite decodes whose float32 sum overflowed?
             wide = torch.zeros(first.numel, dtype=torch.float64, device=first.device)
             for packet in packets:  # the mean in float64 (rare: only near float32's largest values)
                 wide += self._decompress(packet).double()
-            total.copy_(wide.div_(len(packets)))
+            total.copy_(wide.div_(n))
         if self.saturates and first.dtype != torch.float32:
             saturate(total, first.dtype)
         return total.to(first.dtype).view(first.shape)
@@ -276,6 +277,19 @@ class Compressor:
         element-wise quantizers (natural, the dithering family, 8-bit, 1-bit, EF-sign, INCEPTIONN,
         SketchML) to decode into ``total`` in one pass on the CPU, without a decoded temporary."""
         total += self._decompress(packet).float()
+
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+        """One step of :meth:`aggregate`'s sum on a flat float32 ``total``: ``total += decompress(packet)``,
+        or (``store``, the first packet) ``total = 0.0 + decompress(packet)`` whatever ``total`` held, then
+        (``count`` > 0, the last packet) ``total /= count``, the same bits as those steps one by one; returns
+        how many of the results are NaN/Inf when ``count`` (else 0). This default zeroes, accumulates and
+        divides in passes of their own; the fused decoders (natural, the dithering family, 8-bit, 1-bit)
+        take :func:`gradpress._numba.fold_mode` and do it all in the decode's one pass
+        (:func:`finish_fold` reads their result)."""
+        if store:
+            total.zero_()
+        self.accumulate(total, packet)
+        return divide_counting_nonfinite(total, count) if count else 0
 
     def residual(self, x: torch.Tensor, packet: Packet, owned: bool = False) -> torch.Tensor:
         """``x − decompress(packet)`` in float32, what compression dropped (GRACE Eq. 5's memory update),
@@ -637,6 +651,15 @@ def any_nonfinite(flat: torch.Tensor) -> bool:
         mask = _EXPONENT_MASKS[flat.dtype]
         return int(_top_exponent(bits, mask)) == mask
     return not bool(torch.isfinite(flat).all())
+
+
+def finish_fold(total: torch.Tensor, top: int, store: bool, count: int) -> int:
+    """What :meth:`Compressor.accumulate_into` returns after a fused decoder ran with
+    ``fold_mode(store, count)`` and returned ``top`` (the largest exponent field it stored when finishing):
+    how many results are NaN/Inf. A single packet (``store`` and ``count``) was only stored: divided here."""
+    if store:
+        return divide_counting_nonfinite(total, count) if count else 0
+    return count_nonfinite(total) if count and top == _EXPONENT_MASKS[torch.float32] else 0
 
 
 def divide_counting_nonfinite(flat: torch.Tensor, count: int, out: torch.Tensor | None = None) -> int:

@@ -39,8 +39,8 @@ import torch
 from numba import njit
 
 from gradpress._numba import (GOLDEN, as_numpy, bits_of_f32, f32_from_bits, jit, mix32, mix32_from, mul32,
-                              use_numba, wide_vectors)
-from gradpress.compressor import Compressor, check_finite, register
+                              use_numba, wide_vectors, ADD, FINISH, FINISH_POW2, STORE, fold, fold_mode, fold_top, fused)
+from gradpress.compressor import Compressor, check_finite, finish_fold, register
 from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch, seed32
 
@@ -222,14 +222,32 @@ def _decode_numba(codes, top, out):  # pragma: no cover - compiled
         out[np.uint64(i)] = _decode_one(U(codes[np.uint64(i)]), bottom, scale)
 
 
-@jit
-def _decode_add_numba(codes, top, total):  # pragma: no cover - compiled
-    """``total += decode(codes)`` in one pass (an all-gather's sum: no decoded temporary per worker)."""
-    wide_vectors()
+@njit(inline="always")
+def _decode_fold(codes, top, total, mode, count, reciprocal):  # pragma: no cover - compiled
+    """:func:`gradpress._numba.fold` of each decoded value into ``total`` (``mode`` a constant)."""
     bottom = U(top % WINDOW)
     scale = np.float32(2.0**top)
+    largest = np.int32(0)
     for i in range(codes.size):
-        total[np.uint64(i)] += _decode_one(U(codes[np.uint64(i)]), bottom, scale)
+        s = fold(total[np.uint64(i)], _decode_one(U(codes[np.uint64(i)]), bottom, scale), mode, count, reciprocal)
+        total[np.uint64(i)] = s
+        largest = fold_top(largest, mode, s)
+    return largest
+
+
+@fused
+def _decode_add_numba(codes, top, total, mode, count):  # pragma: no cover - compiled
+    """``total += decode(codes)`` in one pass (an all-gather's sum: no decoded temporary per worker), or
+    another :data:`gradpress._numba.ADD` mode; the largest exponent field stored when finishing."""
+    wide_vectors()
+    c, r = np.float32(count), np.float32(1.0 / max(count, 1))
+    if mode == STORE:
+        return _decode_fold(codes, top, total, STORE, c, r)
+    if mode == FINISH:
+        return _decode_fold(codes, top, total, FINISH, c, r)
+    if mode == FINISH_POW2:
+        return _decode_fold(codes, top, total, FINISH_POW2, c, r)
+    return _decode_fold(codes, top, total, ADD, c, r)
 
 
 # -- the torch implementation --------------------------------------------------------------------------------
@@ -350,9 +368,18 @@ class Natural(Compressor):
         """``total += decompress(packet)``, decoded and added in one pass (the same bits)."""
         codes = packet["codes"]
         if use_numba(codes) and use_numba(total):
-            _decode_add_numba(as_numpy(codes), int(packet["top"][0]), as_numpy(total))
+            _decode_add_numba(as_numpy(codes), int(packet["top"][0]), as_numpy(total), ADD, 0)
         else:
             super().accumulate(total, packet)
+
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+        """:meth:`Compressor.accumulate_into` in the decode's one pass on the CPU."""
+        codes = packet["codes"]
+        if use_numba(codes) and use_numba(total):
+            top = _decode_add_numba(as_numpy(codes), int(packet["top"][0]), as_numpy(total),
+                                    fold_mode(store, count), count)
+            return finish_fold(total, top, store, count)
+        return super().accumulate_into(total, packet, store, count)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         codes = packet["codes"]
