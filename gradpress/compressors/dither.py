@@ -47,9 +47,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gradpress._numba import as_numpy, jit, use_numba, wide_vectors
+from gradpress._numba import ADD, as_numpy, fold_mode, jit, use_numba, wide_vectors
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, register
+from gradpress.compressor import Compressor, check_finite, finish_fold, register
 from gradpress.compressors.dither_kernels import (CHUNK, U, _bucket_norms_numba, _decode_add_numba, _decode_numba,
                                                   _encode_numba)
 from gradpress.compressors.natural import Natural
@@ -293,9 +293,21 @@ class Dithering:
         if use_numba(codes) and use_numba(total):
             size, _ = self.buckets(packet.numel)
             _decode_add_numba(as_numpy(codes), as_numpy(self._norms(packet).contiguous()), size, self.levels,
-                              self.partition == "natural", self.code_bits, as_numpy(total))
+                              self.partition == "natural", self.code_bits, as_numpy(total), ADD, 0)
         else:
             total += self.decompress(packet)
+
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool, count: int) -> int | None:
+        """:meth:`Compressor.accumulate_into` in the decode's one pass on the CPU; None where that does
+        not apply (the caller then takes the default)."""
+        codes = packet["codes"]
+        if not (use_numba(codes) and use_numba(total)):
+            return None
+        size, _ = self.buckets(packet.numel)
+        top = _decode_add_numba(as_numpy(codes), as_numpy(self._norms(packet).contiguous()), size, self.levels,
+                                self.partition == "natural", self.code_bits, as_numpy(total),
+                                fold_mode(store, count), count)
+        return finish_fold(total, top, store, count)
 
     def _threshold(self, x: torch.Tensor) -> float:
         """TernGrad's clipping threshold c·σ (σ: :func:`standard_deviation` of the tensor's values)."""
@@ -388,6 +400,11 @@ class _Dithered(Compressor):
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
         """``total += decompress(packet)``, decoded and added in one pass on the CPU (the same bits)."""
         self.mechanism.accumulate(total, packet)
+
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+        """:meth:`Compressor.accumulate_into` in the decode's one pass on the CPU."""
+        done = self.mechanism.accumulate_into(total, packet, store, count)
+        return super().accumulate_into(total, packet, store, count) if done is None else done
 
 
 def _bucket(value: int | None) -> int:

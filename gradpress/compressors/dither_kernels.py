@@ -16,7 +16,8 @@ import numpy as np
 from numba import njit
 
 from gradpress._numba import (GOLDEN, bits_of_f32, bits_of_f64, f32_from_bits, f64_from_bits, jit, mix32,
-                              mix32_from, mul32, wide_vectors)
+                              mix32_from, mul32, wide_vectors, ADD, FINISH, FINISH_POW2, STORE, fold, fold_top,
+                              fused)
 from gradpress.bits import pack_groups, unpack_groups
 
 U = np.uint32
@@ -308,10 +309,16 @@ def _encode_numba(x, power, cap, bucket, levels, natural, seed, tie_seed, code_b
     return True
 
 
+DECODE = -1  # _decode_segment's mode that stores the decoded values as they are (decompress)
+
+
 @inline
-def _decode_segment(codes, base, start, stop, scale, levels, natural, add, out):  # pragma: no cover - compiled
+def _decode_segment(codes, base, start, stop, scale, levels, natural, mode, count, reciprocal,
+                    out):  # pragma: no cover - compiled
     """±fl32(scale · k) (standard, scale = fl32(ν/s)) or ±ν·2^(k-s) (natural, scale = ν) per code, stored
-    into ``out`` or (``add``) added to it in float32."""
+    into ``out`` (``mode`` :data:`DECODE`) or folded into it in float32 (:func:`gradpress._numba.fold`);
+    the largest exponent field stored when finishing."""
+    largest = np.int32(0)
     for i in range(start, stop):
         c = U(codes[np.uint64(i - base)])
         k = U(c >> U(1))
@@ -321,19 +328,25 @@ def _decode_segment(codes, base, start, stop, scale, levels, natural, add, out):
         else:  # float32(k), exactly, in 32-bit lanes (2^23 + k has k as its mantissa)
             magnitude = scale * (f32_from_bits(U(k | U(0x4B000000))) - np.float32(2.0**23))
             value = -magnitude if c & U(1) else magnitude
-        if add:
-            out[np.uint64(i)] += value
-        else:
+        if mode == DECODE:
             out[np.uint64(i)] = value
+        else:
+            v = fold(out[np.uint64(i)], value, mode, count, reciprocal)
+            out[np.uint64(i)] = v
+            largest = fold_top(largest, mode, v)
+    return largest
 
 
 @inline
-def _decode_blocks(packed, norms, bucket, levels, natural, code_bits, add, out):  # pragma: no cover - compiled
+def _decode_blocks(packed, norms, bucket, levels, natural, code_bits, mode, count,
+                   out):  # pragma: no cover - compiled
     """Unpack and decode block by block, bucket segment by bucket segment (:func:`_decode_segment`)."""
     n = out.size
     codes = np.empty(DECODE_BLOCK // 8, dtype=np.uint64)
     codes8 = codes.view(np.uint8)
     scales = norms if natural else np.empty(norms.size, dtype=np.float32)
+    c, r = np.float32(count), np.float32(1.0 / max(count, 1))
+    largest = np.int32(0)
     if not natural:
         for b in range(norms.size):  # fl32(ν/s), as the torch path has it
             scales[b] = np.float32(np.float64(norms[b]) / levels)
@@ -345,22 +358,32 @@ def _decode_blocks(packed, norms, bucket, levels, natural, code_bits, add, out):
             end = min(stop, (b + 1) * bucket)
             # each call with constant flags, so that _decode_segment's other branches compile away
             if natural:
-                _decode_segment(codes8, start, i, end, scales[b], levels, True, add, out)
+                top = _decode_segment(codes8, start, i, end, scales[b], levels, True, mode, c, r, out)
             else:
-                _decode_segment(codes8, start, i, end, scales[b], levels, False, add, out)
+                top = _decode_segment(codes8, start, i, end, scales[b], levels, False, mode, c, r, out)
+            largest = max(largest, top)
             i, b = end, b + 1
+    return largest
 
 
 @jit
 def _decode_numba(packed, norms, bucket, levels, natural, code_bits, out):  # pragma: no cover - compiled
     """``out`` = the decoded values (:func:`_decode_blocks`)."""
     wide_vectors()
-    _decode_blocks(packed, norms, bucket, levels, natural, code_bits, False, out)
+    _decode_blocks(packed, norms, bucket, levels, natural, code_bits, DECODE, 0, out)
 
 
-@jit
-def _decode_add_numba(packed, norms, bucket, levels, natural, code_bits, total):  # pragma: no cover - compiled
+@fused
+def _decode_add_numba(packed, norms, bucket, levels, natural, code_bits, total, mode,
+                      count):  # pragma: no cover - compiled
     """``total += decode(packed)`` in float32, in one pass (an all-gather's sum: no decoded temporary per
-    worker; the same bits as adding :func:`_decode_numba`'s output)."""
+    worker; the same bits as adding :func:`_decode_numba`'s output), or another
+    :data:`gradpress._numba.ADD` mode; the largest exponent field stored when finishing."""
     wide_vectors()
-    _decode_blocks(packed, norms, bucket, levels, natural, code_bits, True, total)
+    if mode == STORE:
+        return _decode_blocks(packed, norms, bucket, levels, natural, code_bits, STORE, count, total)
+    if mode == FINISH:
+        return _decode_blocks(packed, norms, bucket, levels, natural, code_bits, FINISH, count, total)
+    if mode == FINISH_POW2:
+        return _decode_blocks(packed, norms, bucket, levels, natural, code_bits, FINISH_POW2, count, total)
+    return _decode_blocks(packed, norms, bucket, levels, natural, code_bits, ADD, count, total)
