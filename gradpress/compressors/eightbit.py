@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import as_numpy, gather16, jit, use_numba
-from gradpress.compressor import Compressor, register
+from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused, gather16,
+                              jit, use_numba)
+from gradpress.compressor import Compressor, finish_fold, register
 from gradpress.compressors.onebit import as_float32, checked_max_magnitude
 from gradpress.packet import Packet
 from gradpress.rng import Context
@@ -89,6 +90,13 @@ class EightBit(Compressor):
         if not (use_numba(packet["codes"]) and lookup_add(TABLE * packet["scale"], packet["codes"], total)):
             super().accumulate(total, packet)
 
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+        """:meth:`Compressor.accumulate_into` in the lookup's one pass on the CPU."""
+        done = None
+        if use_numba(packet["codes"]):
+            done = lookup_fold(TABLE * packet["scale"], packet["codes"], total, store, count)
+        return super().accumulate_into(total, packet, store, count) if done is None else done
+
 
 def _encode(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     """Codes sign·128 + #{edges < |x|} (uint8)."""
@@ -118,8 +126,19 @@ def lookup_add(values: torch.Tensor, codes: torch.Tensor, total: torch.Tensor) -
     path does not apply (the caller then adds the decode)."""
     if not (use_numba(codes) and use_numba(total)):
         return False
-    _lookup_add(as_numpy(values.float().contiguous()), as_numpy(codes), as_numpy(total))
+    _lookup_add(as_numpy(values.float().contiguous()), as_numpy(codes), as_numpy(total), ADD, 0)
     return True
+
+
+def lookup_fold(values: torch.Tensor, codes: torch.Tensor, total: torch.Tensor, store: bool,
+                count: int) -> int | None:
+    """:meth:`Compressor.accumulate_into` of the decode ``values[codes]`` in one numba pass (what it
+    returns); None, with nothing done, where the numba path does not apply."""
+    if not (use_numba(codes) and use_numba(total)):
+        return None
+    top = _lookup_add(as_numpy(values.float().contiguous()), as_numpy(codes), as_numpy(total),
+                      fold_mode(store, count), count)
+    return finish_fold(total, top, store, count)
 
 
 # -- cell tables (shared with sketchml.py) ------------------------------------------------------------
@@ -216,17 +235,38 @@ def _lookup(values, codes, out):  # pragma: no cover - compiled
         out[i] = values[codes[i]]
 
 
-@jit
-def _lookup_add(values, codes, total):  # pragma: no cover - compiled
-    """total += values[codes], BLOCK values at a time: gathered 16 at a time into a scratch block, then
-    added (one vectorized loop)."""
+@njit(cache=True, inline="always")
+def _lookup_fold_loop(values, codes, total, mode, count, reciprocal):  # pragma: no cover - compiled
+    """:func:`gradpress._numba.fold` of values[codes] into ``total``, BLOCK values at a time: gathered 16
+    at a time into a scratch block, then folded (one vectorized loop); the largest exponent field stored
+    when finishing."""
     n = codes.size
     scratch = np.empty(BLOCK, dtype=np.float32)
+    largest = np.int32(0)
     for start in range(0, n - n % BLOCK, BLOCK):
         block = codes[start:start + BLOCK]
         for k in range(0, BLOCK, 16):
             gather16(values, block, scratch, k)
         for k in range(BLOCK):  # (unsigned indices: no wraparound check, so the loop vectorizes)
-            total[np.uint64(start + k)] += scratch[np.uint64(k)]
+            v = fold(total[np.uint64(start + k)], scratch[np.uint64(k)], mode, count, reciprocal)
+            total[np.uint64(start + k)] = v
+            largest = fold_top(largest, mode, v)
     for i in range(n - n % BLOCK, n):
-        total[i] += values[codes[i]]
+        v = fold(total[i], values[codes[i]], mode, count, reciprocal)
+        total[i] = v
+        largest = fold_top(largest, mode, v)
+    return largest
+
+
+@fused
+def _lookup_add(values, codes, total, mode, count):  # pragma: no cover - compiled
+    """total += values[codes] (or another :data:`gradpress._numba.ADD` mode: a constant in each call of
+    :func:`_lookup_fold_loop`)."""
+    c, r = np.float32(count), np.float32(1.0 / max(count, 1))
+    if mode == STORE:
+        return _lookup_fold_loop(values, codes, total, STORE, c, r)
+    if mode == FINISH:
+        return _lookup_fold_loop(values, codes, total, FINISH, c, r)
+    if mode == FINISH_POW2:
+        return _lookup_fold_loop(values, codes, total, FINISH_POW2, c, r)
+    return _lookup_fold_loop(values, codes, total, ADD, c, r)
