@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import as_numpy, jit, select_bits64, use_numba, wide_vectors
+from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused, jit,
+                              select_bits64, use_numba, wide_vectors)
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, sum_addends
+from gradpress.compressor import Compressor, check_finite, finish_fold, register, scaled_into_bits, sum_addends
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context
@@ -216,6 +217,14 @@ class OneBit(Compressor):
         if not (use_numba(bits) and add_two_levels(bits, float(means[0]), float(means[1]), total)):
             super().accumulate(total, packet)
 
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+        """:meth:`Compressor.accumulate_into` in the decode's one pass on the CPU."""
+        bits, means = packet["bits"], packet["means"]
+        done = None
+        if use_numba(bits):
+            done = fold_two_levels(bits, float(means[0]), float(means[1]), total, store, count)
+        return super().accumulate_into(total, packet, store, count) if done is None else done
+
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """A boolean mask as packed bits (the :func:`gradpress.bits.pack_bits` layout)."""
@@ -238,25 +247,58 @@ def add_two_levels(bits: torch.Tensor, low: float, high: float, total: torch.Ten
     False, with nothing done, where the numba path does not apply (the caller then adds the decode)."""
     if not (use_numba(bits) and use_numba(total)):
         return False
-    _add_two_levels(as_numpy(bits), np.float32(low), np.float32(high), as_numpy(total))
+    _add_two_levels(as_numpy(bits), np.float32(low), np.float32(high), as_numpy(total), ADD, 0)
     return True
 
 
-@jit
-def _add_two_levels(packed, low, high, total):  # pragma: no cover - compiled
-    """total_i += high if bit i is set, else low (float32): 64 values per word of bits, one vector select
-    into a 64-value scratch, then one vectorized add."""
-    wide_vectors()
+def fold_two_levels(bits: torch.Tensor, low: float, high: float, total: torch.Tensor, store: bool,
+                    count: int) -> int | None:
+    """:meth:`Compressor.accumulate_into` of ``decode_two_levels(bits, [low, high])`` in one numba pass
+    (what it returns); None, with nothing done, where the numba path does not apply."""
+    if not (use_numba(bits) and use_numba(total)):
+        return None
+    top = _add_two_levels(as_numpy(bits), np.float32(low), np.float32(high), as_numpy(total),
+                          fold_mode(store, count), count)
+    return finish_fold(total, top, store, count)
+
+
+@njit(cache=True, inline="always")
+def _fold_two_levels(packed, low, high, total, mode, count, reciprocal):  # pragma: no cover - compiled
+    """:func:`gradpress._numba.fold` of (high if bit i is set, else low) into total_i (float32): 64 values
+    per word of bits, one vector select into a 64-value scratch, then one vectorized fold; the largest
+    exponent field stored when finishing."""
     n = total.size
     full = n - n % 64
     words = packed[:full // 8].view(np.uint64)
     scratch = np.empty(64, dtype=np.float32)
+    largest = np.int32(0)
     for w in range(full // 64):
         select_bits64(words[np.uint64(w)], low, high, scratch, 0)
         for k in range(64):
-            total[np.uint64(64 * w + k)] += scratch[np.uint64(k)]
+            v = fold(total[np.uint64(64 * w + k)], scratch[np.uint64(k)], mode, count, reciprocal)
+            total[np.uint64(64 * w + k)] = v
+            largest = fold_top(largest, mode, v)
     for i in range(full, n):
-        total[i] += high if (packed[i // 8] >> np.uint8(i % 8)) & np.uint8(1) else low
+        v = fold(total[i], high if (packed[i // 8] >> np.uint8(i % 8)) & np.uint8(1) else low, mode, count,
+                 reciprocal)
+        total[i] = v
+        largest = fold_top(largest, mode, v)
+    return largest
+
+
+@fused
+def _add_two_levels(packed, low, high, total, mode, count):  # pragma: no cover - compiled
+    """total_i += high if bit i is set, else low (or another :data:`gradpress._numba.ADD` mode: a constant
+    in each call of :func:`_fold_two_levels`)."""
+    wide_vectors()
+    c, r = np.float32(count), np.float32(1.0 / max(count, 1))
+    if mode == STORE:
+        return _fold_two_levels(packed, low, high, total, STORE, c, r)
+    if mode == FINISH:
+        return _fold_two_levels(packed, low, high, total, FINISH, c, r)
+    if mode == FINISH_POW2:
+        return _fold_two_levels(packed, low, high, total, FINISH_POW2, c, r)
+    return _fold_two_levels(packed, low, high, total, ADD, c, r)
 
 
 @jit
