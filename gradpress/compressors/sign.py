@@ -22,7 +22,7 @@ from gradpress.bits import packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
 from gradpress.compressors.sparsify import float32_decompress
 from gradpress.compressors.onebit import (add_two_levels, as_float32, checked_fixed_point_scale, decode_two_levels,
-                                          mean_of, minus_levels, pack_mask, to_fixed)
+                                          fold_two_levels, mean_of, minus_levels, pack_mask, to_fixed)
 from gradpress.feedback import KeyedMemory, SumParts, feedback_registry, spare_for
 from gradpress.packet import Packet
 from gradpress.registry import check_params_of, param
@@ -175,6 +175,14 @@ class EFSignSGD(Compressor):
         scale = float(packet["scale"].item())
         if not add_two_levels(packet["signs"], -scale, scale, total):
             super().accumulate(total, packet)
+
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+        """:meth:`Compressor.accumulate_into` in the decode's one pass on the CPU."""
+        done = None
+        if use_numba(packet["signs"]):
+            scale = float(packet["scale"].item())
+            done = fold_two_levels(packet["signs"], -scale, scale, total, store, count)
+        return super().accumulate_into(total, packet, store, count) if done is None else done
 
     def decompress(self, packet: Packet) -> torch.Tensor:
         return float32_decompress(self, packet)
