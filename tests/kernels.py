@@ -70,4 +70,26 @@ def accumulate_both_paths(compressor: str | gradpress.Compressor, xs: list[torch
             for p in packets:
                 c.accumulate(total, p)
         assert torch.equal(bits(total), bits(dense)), (c.spec, "torch" if torch_only else "numba")
+    accumulate_into_both_paths(c, packets, start)
     return dense
+
+
+def accumulate_into_both_paths(c: gradpress.Compressor, packets: list[Packet], start: torch.Tensor) -> None:
+    """:meth:`~gradpress.Compressor.accumulate_into` on both paths, every mode, the same bits as the
+    steps one by one (what :meth:`~gradpress.Compressor.aggregate` did before the fused modes): ``store``
+    is ``0.0 + decode`` (a decoded −0.0 stored as +0.0) whatever the total held, ``count`` then divides
+    by it (1, a power of two, and not), and the NaN/Inf count it returns is that of the result."""
+    for p in packets:
+        decoded = c._decompress(p).float().reshape(-1)
+        for store in (False, True):
+            summed = (torch.zeros_like(start) if store else start.clone()).add_(decoded)
+            for count in (0, 1, 2, 3):
+                expected = summed.div(count) if count else summed
+                bad = int((~expected.isfinite()).sum()) if count else 0
+                for torch_only in (False, True):
+                    total = start.clone()
+                    with path(torch_only):
+                        got = c.accumulate_into(total, p, store=store, count=count)
+                    where = (c.spec, store, count, "torch" if torch_only else "numba")
+                    assert torch.equal(bits(total), bits(expected)), where
+                    assert got == bad, where

@@ -21,7 +21,7 @@ from gradpress.compressors.dither import standard_deviation
 from gradpress.compressors.sparsify import random_subset, scatter, topk_indices
 from gradpress.compressors.threshold import _strata_positions, packet_above, stratified_threshold
 from gradpress.rng import Context
-from kernels import PATHS, accumulate_both_paths, both_paths, path
+from kernels import PATHS, accumulate_both_paths, bits, both_paths, path
 
 
 # -- random-k: the hashed subset -------------------------------------------------------------------------
@@ -336,3 +336,40 @@ def test_bench_grace_runs_against_a_stand_in(tmp_path, capsys):
 def test_decode_add_equals_torch_and_the_dense_sum(spec, n, dtype):
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(s)).mul_(10.0**s).to(dtype) for s in range(3)]
     accumulate_both_paths(spec, xs)
+
+
+@pytest.mark.parametrize("spec", ["natural", "qsgd", "terngrad", "dither:partition=natural", "eightbit", "onebit",
+                                  "efsignsgd", "sketchml", "topk:ratio=0.5"])
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [5, 8193])
+def test_aggregate_folds_the_mean_into_the_decode(spec, workers, n):
+    """aggregate (first packet stored, last added and divided in the decode's pass) gives the bits of
+    zeroing a float32 total, adding every decode and dividing by the count; a sum that overflows float32
+    where the decodes are finite falls back to the float64 mean (those bits too); a decode of −0.0 stored
+    first reads +0.0, as 0.0 + (−0.0) does. Into an ``out`` that held anything, on both paths."""
+    c = gradpress.make(spec)
+    g = torch.Generator().manual_seed(n + workers)
+    for scale in (1.0, 1.0e30):
+        xs = [torch.rand(n, generator=g).mul_(2).sub_(1).mul_(scale) for _ in range(workers)]  # |x| ≤ scale
+        for x in xs:
+            x[::3] = -0.0
+        if scale > 1:
+            for x in xs:
+                x[1:3] = 1.69e38  # every decode finite, their float32 sum not (natural: 2^127 each)
+        packets = [c.compress(x, Context(seed=1, step=0, key="agg", rank=r)) for r, x in enumerate(xs)]
+        decoded = [c._decompress(p).float().reshape(-1) for p in packets]
+        total = torch.zeros(n)
+        for d in decoded:
+            total += d
+        expected = total.div(workers)
+        if not bool(expected.isfinite().all()):
+            wide = torch.zeros(n, dtype=torch.float64)
+            for d in decoded:
+                wide += d.double()
+            expected = wide.div_(workers).float()
+        for torch_only in (False, True):
+            out = torch.full((n,), -7.0)
+            with path(torch_only):
+                got = c.aggregate(packets, out=out)
+                fresh = c.aggregate(packets)
+            assert torch.equal(bits(got), bits(expected)) and torch.equal(bits(fresh), bits(expected)), torch_only
