@@ -247,7 +247,9 @@ class Compressor:
     def aggregate(self, packets: list[Packet], out: torch.Tensor | None = None) -> torch.Tensor:
         """Combine every worker's packet into the averaged gradient (all-gather strategy).
 
-        The mean of the decoded packets, accumulated in float32; methods with their own rule (e.g. a
+        The mean of the decoded packets, accumulated in float32 (:meth:`accumulate_into`: the first
+        packet stored into the total, the last added and divided by their count, so that a fused decoder
+        makes no pass of its own for the zeros or the division); methods with their own rule (e.g. a
         majority vote) override this. ``out``: a tensor of the packets' shape that may be overwritten
         (the gradient being averaged); a contiguous float32 one receives the mean in place of a new
         tensor (the runtime hands over received copies, never views of ``out``).
