@@ -411,7 +411,7 @@ def _add_streamed(a, b, out):  # pragma: no cover - compiled
         out[k] = a[k] + b[k]
 
 
-# -- an all-gather's sum, fused into the decoders (Compressor.accumulate_into) --------------------------------
+# -- an all-gather's sum, fused into the decoders (Compressor.accumulate_into) ----------------------------
 #: how a decode-add kernel folds a decoded value into the float32 total: ``ADD`` total += v; ``STORE`` (the
 #: first packet) total = v + 0.0, the bits of 0.0 + v (a −0.0 stored as +0.0) without reading the total;
 #: ``FINISH`` (the last packet) total = (total + v) / count, ``FINISH_POW2`` the same for a power-of-two

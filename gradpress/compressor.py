@@ -280,7 +280,8 @@ class Compressor:
         SketchML) to decode into ``total`` in one pass on the CPU, without a decoded temporary."""
         total += self._decompress(packet).float()
 
-    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False,
+                        count: int = 0) -> int:
         """One step of :meth:`aggregate`'s sum on a flat float32 ``total``: ``total += decompress(packet)``,
         or (``store``, the first packet) ``total = 0.0 + decompress(packet)`` whatever ``total`` held, then
         (``count`` > 0, the last packet) ``total /= count``, the same bits as those steps one by one; returns

@@ -338,8 +338,8 @@ def test_decode_add_equals_torch_and_the_dense_sum(spec, n, dtype):
     accumulate_both_paths(spec, xs)
 
 
-@pytest.mark.parametrize("spec", ["natural", "qsgd", "terngrad", "dither:partition=natural", "eightbit", "onebit",
-                                  "efsignsgd", "sketchml", "topk:ratio=0.5"])
+@pytest.mark.parametrize("spec", ["natural", "qsgd", "terngrad", "dither:partition=natural", "eightbit",
+                                  "onebit", "efsignsgd", "sketchml", "topk:ratio=0.5"])
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
 @pytest.mark.parametrize("n", [5, 8193])
 def test_aggregate_folds_the_mean_into_the_decode(spec, workers, n):
@@ -372,4 +372,5 @@ def test_aggregate_folds_the_mean_into_the_decode(spec, workers, n):
             with path(torch_only):
                 got = c.aggregate(packets, out=out)
                 fresh = c.aggregate(packets)
-            assert torch.equal(bits(got), bits(expected)) and torch.equal(bits(fresh), bits(expected)), torch_only
+            assert torch.equal(bits(got), bits(expected)), torch_only
+            assert torch.equal(bits(fresh), bits(expected)), torch_only

@@ -304,9 +304,9 @@ class Dithering:
         if not (use_numba(codes) and use_numba(total)):
             return None
         size, _ = self.buckets(packet.numel)
-        top = _decode_add_numba(as_numpy(codes), as_numpy(self._norms(packet).contiguous()), size, self.levels,
-                                self.partition == "natural", self.code_bits, as_numpy(total),
-                                fold_mode(store, count), count)
+        norms = as_numpy(self._norms(packet).contiguous())
+        top = _decode_add_numba(as_numpy(codes), norms, size, self.levels, self.partition == "natural",
+                                self.code_bits, as_numpy(total), fold_mode(store, count), count)
         return finish_fold(total, top, store, count)
 
     def _threshold(self, x: torch.Tensor) -> float:
@@ -401,7 +401,8 @@ class _Dithered(Compressor):
         """``total += decompress(packet)``, decoded and added in one pass on the CPU (the same bits)."""
         self.mechanism.accumulate(total, packet)
 
-    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False,
+                        count: int = 0) -> int:
         """:meth:`Compressor.accumulate_into` in the decode's one pass on the CPU."""
         done = self.mechanism.accumulate_into(total, packet, store, count)
         return super().accumulate_into(total, packet, store, count) if done is None else done

@@ -15,9 +15,9 @@ import math
 import numpy as np
 from numba import njit
 
-from gradpress._numba import (GOLDEN, bits_of_f32, bits_of_f64, f32_from_bits, f64_from_bits, jit, mix32,
-                              mix32_from, mul32, wide_vectors, ADD, FINISH, FINISH_POW2, STORE, fold, fold_top,
-                              fused)
+from gradpress._numba import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, bits_of_f32, bits_of_f64,
+                              f32_from_bits, f64_from_bits, fold, fold_top, fused, jit, mix32, mix32_from,
+                              mul32, wide_vectors)
 from gradpress.bits import pack_groups, unpack_groups
 
 U = np.uint32

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused, gather16,
-                              jit, use_numba)
+from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
+                              gather16, jit, use_numba)
 from gradpress.compressor import Compressor, finish_fold, register
 from gradpress.compressors.onebit import as_float32, checked_max_magnitude
 from gradpress.packet import Packet
@@ -90,7 +90,8 @@ class EightBit(Compressor):
         if not (use_numba(packet["codes"]) and lookup_add(TABLE * packet["scale"], packet["codes"], total)):
             super().accumulate(total, packet)
 
-    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False,
+                        count: int = 0) -> int:
         """:meth:`Compressor.accumulate_into` in the lookup's one pass on the CPU."""
         done = None
         if use_numba(packet["codes"]):

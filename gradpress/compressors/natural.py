@@ -38,8 +38,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import (GOLDEN, as_numpy, bits_of_f32, f32_from_bits, jit, mix32, mix32_from, mul32,
-                              use_numba, wide_vectors, ADD, FINISH, FINISH_POW2, STORE, fold, fold_mode, fold_top, fused)
+from gradpress._numba import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, as_numpy, bits_of_f32, f32_from_bits,
+                              fold, fold_mode, fold_top, fused, jit, mix32, mix32_from, mul32, use_numba,
+                              wide_vectors)
 from gradpress.compressor import Compressor, check_finite, finish_fold, register
 from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch, seed32
@@ -229,7 +230,8 @@ def _decode_fold(codes, top, total, mode, count, reciprocal):  # pragma: no cove
     scale = np.float32(2.0**top)
     largest = np.int32(0)
     for i in range(codes.size):
-        s = fold(total[np.uint64(i)], _decode_one(U(codes[np.uint64(i)]), bottom, scale), mode, count, reciprocal)
+        value = _decode_one(U(codes[np.uint64(i)]), bottom, scale)
+        s = fold(total[np.uint64(i)], value, mode, count, reciprocal)
         total[np.uint64(i)] = s
         largest = fold_top(largest, mode, s)
     return largest
@@ -372,7 +374,8 @@ class Natural(Compressor):
         else:
             super().accumulate(total, packet)
 
-    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False,
+                        count: int = 0) -> int:
         """:meth:`Compressor.accumulate_into` in the decode's one pass on the CPU."""
         codes = packet["codes"]
         if use_numba(codes) and use_numba(total):

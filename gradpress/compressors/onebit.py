@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused, jit,
-                              select_bits64, use_numba, wide_vectors)
+from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
+                              jit, select_bits64, use_numba, wide_vectors)
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, finish_fold, register, scaled_into_bits, sum_addends
 from gradpress.packet import Packet
@@ -217,7 +217,8 @@ class OneBit(Compressor):
         if not (use_numba(bits) and add_two_levels(bits, float(means[0]), float(means[1]), total)):
             super().accumulate(total, packet)
 
-    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False,
+                        count: int = 0) -> int:
         """:meth:`Compressor.accumulate_into` in the decode's one pass on the CPU."""
         bits, means = packet["bits"], packet["means"]
         done = None

@@ -176,7 +176,8 @@ class EFSignSGD(Compressor):
         if not add_two_levels(packet["signs"], -scale, scale, total):
             super().accumulate(total, packet)
 
-    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False, count: int = 0) -> int:
+    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False,
+                        count: int = 0) -> int:
         """:meth:`Compressor.accumulate_into` in the decode's one pass on the CPU."""
         done = None
         if use_numba(packet["signs"]):
