@@ -337,7 +337,7 @@ class Pipeline:
         # φ = β·m + γ·g formed by the compressor's first pass where the memory and the method allow it
         sums = ([feedback.sum_parts(key, grad) for key, grad in zip(keys, grads)]
                 if feedback.updates and not compressor.prepares else [None] * len(items))
-        xs = [feedback.compensate(key, grad) if parts is None else parts[1]
+        xs = [feedback.compensate(key, grad) if parts is None else parts.out
               for (key, _), grad, parts in zip(items, grads, sums)]
         inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads)]
         faulty, carried = False, False
