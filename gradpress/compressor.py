@@ -363,7 +363,9 @@ class Compressor:
             if packet.meta["divided"] != count:
                 raise ValueError(f"{self.spec}: the summands were divided by {packet.meta['divided']} before "
                                  f"the exchange, but the sum is of {count} workers")
-            if any_nonfinite(flat.view(-1)):
+            # two halves of finite values add to at most the format's largest exactly (x / 2 is exact, but
+            # for subnormals), so rounding cannot overflow: only a mean over three or more is checked
+            if count > 2 and any_nonfinite(flat.view(-1)):
                 raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed: the aggregate "
                                     f"holds {count_nonfinite(flat.view(-1))} Inf/NaN value(s) out of "
                                     f"{flat.numel()} (a worker's NaN/Inf gradient is flagged before it is sent)")

@@ -113,7 +113,7 @@ class GradpressState:
             raise TypeError("gradpress compresses dense gradients; this bucket holds a sparse one")
         grads = bucket.gradients()
         items = [(self._key(p), g) for p, g in zip(bucket.parameters(), grads)]
-        devices = [buffer.device] if buffer.device.type != "cpu" else None
+        devices = None if buffer.is_cpu else [buffer.device]
         agreement = pipeline.agreement(items)
         if agreement is not None:  # the first time these gradients are exchanged (blocking, once)
             driver.run(agreement.protocol, agreement.step, control=True)

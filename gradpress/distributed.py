@@ -74,6 +74,14 @@ class ProcessGroupExecutor:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        # an all-reduce is issued on the group itself, with its options made once: what dist.all_reduce
+        # does for a real tensor, less ~7 µs of Python per call (one call per DDP bucket)
+        self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self._allreduce_options = {}
+        for name, op in self._ops.items():
+            options = dist.AllreduceOptions()
+            options.reduceOp, options.asyncOp = op, True
+            self._allreduce_options[name] = options
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def issue(self, round_: Round, sent: Callable[[int, int], None], done: Callable[[float], None]) -> Handle:
@@ -99,7 +107,9 @@ class ProcessGroupExecutor:
         if isinstance(request, AllReduce):
             if n == 1:
                 return None, lambda: t
-            return dist.all_reduce(t, op=self._ops[request.op], group=group, async_op=True), lambda: t
+            if t.is_complex():
+                return dist.all_reduce(t, op=self._ops[request.op], group=group, async_op=True), lambda: t
+            return self._pg.allreduce([t], self._allreduce_options[request.op]), lambda: t
         if isinstance(request, ReduceScatter):
             if n == 1:
                 return None, lambda: t[0].clone()

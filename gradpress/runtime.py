@@ -330,7 +330,6 @@ class Pipeline:
         compressor, stats, step = strategy.compressor, self.stats, max(steps)
         ctxs = [Context(self.options.seed, s, key, self.rank) for (key, _), s in zip(items, steps)]
         grads = [grad.detach() for _, grad in items]
-        names = _names(members if members is not None else [key for key, _ in items])
         keys = [key for key, _ in items]
         before = feedback.snapshot(keys) if feedback.updates else None
         start = time.perf_counter()
@@ -393,7 +392,7 @@ class Pipeline:
                 feedback.restore(before)
             if not isinstance(error, NonFiniteError):
                 raise
-            named = NonFiniteError(f"gradients {names}: {error}")
+            named = NonFiniteError(f"gradients {_names(members if members is not None else keys)}: {error}")
             named.ranks = error.ranks
             raise named from None
 

@@ -243,6 +243,11 @@ def test_nonfinite_found_in_the_aggregate_of_uncompressed_sums(mode):
     top = [{"w": torch.full((5,), 65504.0, dtype=torch.float16)} for _ in range(3)]  # fp16's largest
     with pytest.raises(OverflowError, match="overflowed"):  # divided first or not, 3·65504/3 rounds to Inf
         gradpress.simulate("none", top, mode=mode)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):  # two halves of the largest: no overflow
+        largest = torch.finfo(dtype).max
+        pair = [{"w": torch.tensor([largest, -largest, largest], dtype=dtype)} for _ in range(2)]
+        mean = gradpress.simulate("none", pair, mode=mode)["w"]
+        assert torch.equal(mean, pair[0]["w"]), dtype  # the sum of the checked halves is checked no further
     clean = grads(3, shapes=((1000,),))
     expected = fold_sum([w["t0"] / 3 for w in clean])
     assert torch.equal(gradpress.simulate("none", clean, mode=mode)["t0"], expected)

@@ -37,7 +37,7 @@ def exchange(s: Strategy, packets, writable, timer, faulty) -> Protocol:
         raise_flagged(flagged_ranks(sums[0][-n:]))
         sums[0] = sums[0][:-n]
     else:
-        raise_flagged(flagged_ranks(sums[carrier][:n].isnan()))
+        raise_flagged(flagged_ranks(sums[carrier][:n], "nan"))
     per_item = unflatten(sums, members, summands)
     with timer():
         return [s.compressor.decode_sum(p, summed, s.world_size) for p, summed in zip(packets, per_item)]
