@@ -28,7 +28,7 @@ jit = njit(cache=True, nogil=True)
 
 def use_numba(t: torch.Tensor) -> bool:
     """Whether the numba kernel should handle tensor ``t``."""
-    return _enabled and t.device.type == "cpu"
+    return _enabled and t.is_cpu
 
 
 @contextlib.contextmanager

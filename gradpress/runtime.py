@@ -228,7 +228,7 @@ class Pipeline:
     def agreement(self, items: Sequence[tuple[str, torch.Tensor]]) -> Group | None:
         """The ranks' agreement on these items (see :mod:`gradpress.agreement`) the first time this set
         of keys, shapes and dtypes is exchanged; None after that."""
-        signature = tuple((key, tuple(t.shape), t.dtype, t.device.type) for key, t in items)
+        signature = tuple((key, t.shape, t.dtype, t.get_device()) for key, t in items)  # (-1: the CPU)
         if signature in self._agreed:
             return None
         self._agreed.add(signature)
