@@ -257,6 +257,27 @@ def sign_bits64(typingctx, bits, start):  # pragma: no cover - compiled
     return types.uint64(bits, start), codegen
 
 
+@intrinsic
+def sign_flags64(typingctx, bits, start):  # pragma: no cover - compiled
+    """(signs, non-finite, non-zero): three words for the float32 patterns ``bits[start:start + 64]``,
+    from one load. Bit j of each: the sign bit of :func:`sign_bits64` ([x ≥ 0]); |x| is Inf or NaN
+    (|pattern| ≥ 0x7F800000); x ≠ 0. A kernel or-s the last two over a tensor for its checks."""
+    if not (_is(bits, types.uint32) and isinstance(start, types.Integer)):
+        return None
+    words = types.UniTuple(types.uint64, 3)
+
+    def codegen(context, builder, signature, args):
+        vector = ir.VectorType(ir.IntType(32), 64)
+        values = builder.load(_vector_pointer(context, builder, signature.args[0], args[0], args[1], vector), align=4)
+        magnitudes = builder.and_(values, ir.Constant(vector, [0x7FFFFFFF] * 64))
+        masks = [builder.icmp_unsigned("<=", values, ir.Constant(vector, [0x80000000] * 64)),
+                 builder.icmp_unsigned(">=", magnitudes, ir.Constant(vector, [0x7F800000] * 64)),
+                 builder.icmp_unsigned("!=", magnitudes, ir.Constant(vector, [0] * 64))]
+        return context.make_tuple(builder, words, [builder.bitcast(m, ir.IntType(64)) for m in masks])
+
+    return words(bits, start), codegen
+
+
 def _abs_compare64(ordered: bool, op: str):  # noqa: ANN202
     """An intrinsic (x, start, threshold) -> uint64 whose bit j (j < 64) compares |x[start + j]| (float32)
     with ``threshold``: ``fcmp`` ordered (NaN: 0) or unordered (NaN: 1) with ``op``."""

@@ -17,7 +17,8 @@ from numba import njit
 
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from gradpress._numba import as_numpy, f64_from_bits, jit, select_bits64, sign_bits64, use_numba, wide_vectors
+from gradpress._numba import (as_numpy, f64_from_bits, jit, select_bits64, sign_bits64, sign_flags64, use_numba,
+                              wide_vectors)
 from gradpress.bits import packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
 from gradpress.compressors.sparsify import float32_decompress
@@ -252,24 +253,33 @@ def _sign_tail(bits, out):  # pragma: no cover - compiled
 @jit
 def _pack_signs(bits, out, nonzero, addends=None):  # pragma: no cover - compiled
     """bit i = [x_i ≥ 0]: sign bit clear, or a zero of either sign (IEEE compares −0.0 ≥ 0 true), i.e.
-    pattern ≤ 0x80000000; nonzero[0] = whether some x_i ≠ 0; returns the largest |x| as bits (0: all
-    zero; ≥ NON_FINITE: NaN/Inf). ``addends`` (m, g, β, γ) or None: x = fl32(fl32(m·β) + fl32(g·γ)) is
-    written first, block by block (fused error feedback; numba prunes the branch for None)."""
+    pattern ≤ 0x80000000; nonzero[0] = whether some x_i ≠ 0. Returns 0 when every x_i is zero, at least
+    NON_FINITE when some x_i is NaN/Inf, a value in between otherwise. ``addends`` (m, g, β, γ) or None:
+    x = fl32(fl32(m·β) + fl32(g·γ)) is written first, block by block (fused error feedback; numba prunes
+    the branch for None), and the value returned is the largest |x| as a bit pattern.
+
+    Without addends each word of 64 values is loaded once, for its sign bits and both flags
+    (:func:`~gradpress._numba.sign_flags64`): a running maximum of the magnitudes, as the addends' pass
+    keeps, took 1.1× the time."""
     wide_vectors()
     n = bits.size
     full = n - n % 64
     words = out[:full // 8].view(np.uint64)
     top = _U32(0)
-    for start in range(0, full, BLOCK):
-        stop = min(full, start + BLOCK)
-        if addends is not None:
-            top = max(top, scaled_into_bits(addends, bits, start, stop))
-        else:
-            for i in range(start, stop):
-                top = max(top, bits[_U64(i)] & _U32(0x7FFFFFFF))
-        _sign_words(bits, start, stop, words)
     if addends is not None:
+        for start in range(0, full, BLOCK):
+            stop = min(full, start + BLOCK)
+            top = max(top, scaled_into_bits(addends, bits, start, stop))
+            _sign_words(bits, start, stop, words)
         top = max(top, scaled_into_bits(addends, bits, full, n))
+    else:
+        bad, some = _U64(0), _U64(0)
+        for w in range(full // 64):
+            signs, nonfinite, nonzeros = sign_flags64(bits, w * 64)
+            words[_U64(w)] = signs
+            bad |= nonfinite
+            some |= nonzeros
+        top = _U32(NON_FINITE) if bad else _U32(1) if some else _U32(0)
     for i in range(full, n):
         top = max(top, bits[i] & _U32(0x7FFFFFFF))
     _sign_tail(bits, out)
