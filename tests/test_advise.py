@@ -270,6 +270,31 @@ def test_checked_against_measured_runs():
     assert [c.measured_rank for c in sorted(ranked, key=lambda c: c.measured_s)] == [1, 2, 3]
 
 
+def test_repeated_runs_of_a_method_are_checked_as_their_mean():
+    """compare run several times (``--check DIR1 DIR2 …``): each method is one row, its measured step the
+    mean of its runs' with the fastest and slowest beside it, ranked by that mean; noop's compute too."""
+    prof = profile()
+    costs = [method("tiny", prof, 0.001, 8 * MS), method("half", prof, 0.5, 1 * MS, exchange="allreduce")]
+    advice = A.Advice("m", "random", 2, 1e-4, ["100mbit"], prof, costs, {}, {})
+    # "half" wins one of three runs by drift, "tiny" wins on the mean
+    runs = [measured_run("tiny", 0.100), measured_run("half", 0.104), measured_run("noop", 0.08),
+            measured_run("tiny", 0.106), measured_run("half", 0.103), measured_run("noop", 0.09),
+            measured_run("tiny", 0.095), measured_run("half", 0.110), measured_run("noop", 0.10)]
+    checks = {c.spec: c for c in A.check_against(advice, runs)}
+    assert set(checks) == {"tiny", "half", "noop"}
+    tiny, half = checks["tiny"], checks["half"]
+    assert (tiny.runs, tiny.measured_low, tiny.measured_high) == (3, 0.095, 0.106)
+    assert tiny.measured_s == pytest.approx(0.301 / 3) and half.measured_s == pytest.approx(0.317 / 3)
+    assert (tiny.measured_rank, half.measured_rank) == (1, 2)
+    expected = A.predict(A.scaled(prof, 0.09), costs[0], n=2, bandwidth="100mbit", latency=1e-4).total
+    assert tiny.with_noop_s == pytest.approx(expected)  # the mean noop step, 90 ms
+    from rich.console import Console
+
+    console = Console(record=True, width=400)
+    console.print(A.render_checks([tiny, half]))
+    assert "100.3 (95.0–106.0, 3 runs)" in console.export_text()
+
+
 def test_the_check_prices_each_runs_link_with_rates_fitted_from_the_other_runs():
     """Runs through the testbed's token bucket whose collectives ran at 0.6 (all-gather) and 0.95
     (all-reduce) of the link's rate: each run is predicted with α and the rates fitted from the others

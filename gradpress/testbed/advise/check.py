@@ -2,6 +2,7 @@
 link rate (see :mod:`gradpress.testbed.advise`)."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -14,8 +15,10 @@ from gradpress.testbed.advise.ranking import predict
 
 @dataclass(frozen=True)
 class Checked:
-    """A measured run (``gradpress compare``) beside the prediction for its method, n and link rate.
-    ``noop`` is checked against the profile's compute (forward + backward + optimizer)."""
+    """A measured method (``gradpress compare``: one run, or the mean of its repeated runs) beside the
+    prediction for its method, n and link rate. ``noop`` is checked against the profile's compute
+    (forward + backward + optimizer). ``measured_low``/``measured_high``: the fastest and slowest of the
+    ``runs`` runs' mean steps."""
 
     spec: str
     workers: int
@@ -28,6 +31,9 @@ class Checked:
     burst: float = 0.0
     efficiency: dict[str, float] = field(default_factory=dict)
     latency: float | None = None
+    runs: int = 1
+    measured_low: float | None = None
+    measured_high: float | None = None
 
     @property
     def relative_error(self) -> float:
@@ -47,60 +53,68 @@ def scaled(profile: ComputeProfile, compute_s: float) -> ComputeProfile:
 
 
 def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) -> list[Checked]:
-    """Every run of ``runs`` (:class:`~gradpress.testbed.results.Run`) over an emulated link whose method
+    """Every method of ``runs`` (:class:`~gradpress.testbed.results.Run`) run over an emulated link that
     the advice priced (and ``noop``), predicted at the run's n and rate; ranks by samples/s among the
-    checked runs (``torch-allreduce`` included). Where a ``noop`` run of the same n and link is among them,
-    ``with_noop_s`` is the prediction with the profile's compute scaled to that run's step (``sim cost``'s
-    compute): it separates the communication and compression model from a machine that computed at
-    another speed while ``compare`` ran.
+    checked methods (``torch-allreduce`` included). Runs of one method at one n and link (``compare``
+    repeated, e.g. ``--check DIR1 DIR2 DIR3``) are one row: the mean of their mean steps, with the
+    fastest and slowest, so that methods closer than the machine's drift between runs can still be
+    ordered by their means. Where ``noop`` runs of the same n and link are among them, ``with_noop_s``
+    is the prediction with the profile's compute scaled to their mean step (``sim cost``'s compute): it
+    separates the communication and compression model from a machine that computed at another speed
+    while ``compare`` ran.
 
     The links are the runs' own (:mod:`~gradpress.testbed.costmodel`'s two link terms): the token bucket
     the run recorded (:func:`gradpress.testbed.sim.cost.burst_of`; the testbed's tbf for runs from before
     it was recorded), unless ``advise --burst`` gave one; and, with ``fit_link``, the latency α and each
-    strategy's rate beyond the bucket fitted from the *other* checked runs of the same n and link
-    (:func:`link_from_runs`), so no run's own step enters its prediction (``advise --latency`` where
-    no other run communicated); ``advise --efficiency`` overrides the fitted rates per strategy."""
+    strategy's rate beyond the bucket fitted from the runs of the *other* methods on the same n and link
+    (:func:`link_from_runs`), so no run of a method enters its prediction (``advise --latency`` where no
+    other method communicated); ``advise --efficiency`` overrides the fitted rates per strategy."""
     from gradpress.testbed.sim.cost import burst_of
 
     by_spec = {c.spec: c for c in advice.costs}
     base = baseline_cost(advice.profile)
-    noop = {(run.workers, run.bandwidth): run.mean_step_s for run in runs if run.compressor == "noop"}
 
     def cost_of(spec: str) -> MethodCost | None:
         return base if spec == BASELINE else by_spec.get(spec)
 
-    rows = []
+    methods: dict[tuple[str, int, str], list[Any]] = {}
     for run in runs:
-        priced = run.compressor in by_spec or run.compressor in (BASELINE, "noop")
-        if run.bandwidth is None or not priced:
-            continue
-        compute = noop.get((run.workers, run.bandwidth))
-        burst = advice.burst or burst_of(run)
+        if run.bandwidth is not None and (run.compressor in by_spec or run.compressor in (BASELINE, "noop")):
+            methods.setdefault((run.compressor, run.workers, run.bandwidth), []).append(run)
+    noop = {(workers, bandwidth): statistics.fmean(r.mean_step_s for r in repeats)
+            for (spec, workers, bandwidth), repeats in methods.items() if spec == "noop"}
+
+    rows = []
+    for (spec, workers, bandwidth), repeats in methods.items():
+        steps = [r.mean_step_s for r in repeats]
+        measured = statistics.fmean(steps)
+        compute = noop.get((workers, bandwidth))
+        burst = advice.burst or burst_of(repeats[0])
         rates: dict[str, float] = {}
         latency = advice.latency
-        if run.compressor == "noop":
+        if spec == "noop":
             predicted, with_noop = advice.profile.compute_s, None
         else:
-            cost = cost_of(run.compressor)
-            same_link = (run.workers, run.bandwidth)
-            others = [r for r in runs if r is not run and (r.workers, r.bandwidth) == same_link
+            others = [(r, cost_of(r.compressor)) for r in runs
+                      if r.compressor != spec and (r.workers, r.bandwidth) == (workers, bandwidth)
                       and cost_of(r.compressor) is not None]
-            measured = [(r, cost_of(r.compressor)) for r in others]
-            fitted = link_from_runs(advice.profile, measured, burst=burst) if fit_link else None
+            fitted = link_from_runs(advice.profile, others, burst=burst) if fit_link else None
             if fitted is not None:
                 latency, rates = fitted
             rates.update(advice.efficiency)
-            common = {"n": run.workers, "bandwidth": run.bandwidth, "latency": latency, "burst": burst,
+            common = {"n": workers, "bandwidth": bandwidth, "latency": latency, "burst": burst,
                       "efficiency": rates}
-            predicted = predict(advice.profile, cost, **common).total
+            predicted = predict(advice.profile, cost_of(spec), **common).total
             with_noop = (None if compute is None
-                         else predict(scaled(advice.profile, compute), cost, **common).total)
-        rows.append((run.compressor, run.workers, run.bandwidth, predicted, run.mean_step_s, with_noop, burst,
-                     rates, latency))
-    ranked = [r for r in rows if r[0] != "noop"]
-    by_prediction = {r[:3]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[3]), start=1)}
-    by_measurement = {r[:3]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[4]), start=1)}
-    return [Checked(*r[:5], by_prediction.get(r[:3]), by_measurement.get(r[:3]), *r[5:]) for r in rows]
+                         else predict(scaled(advice.profile, compute), cost_of(spec), **common).total)
+        rows.append(((spec, workers, bandwidth), predicted, measured, with_noop, burst, rates, latency,
+                     len(steps), min(steps), max(steps)))
+    ranked = [r for r in rows if r[0][0] != "noop"]
+    by_prediction = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[1]), start=1)}
+    by_measurement = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[2]), start=1)}
+    return [Checked(*key, predicted, measured, by_prediction.get(key), by_measurement.get(key), with_noop, burst,
+                    rates, latency, count, low, high)
+            for key, predicted, measured, with_noop, burst, rates, latency, count, low, high in rows]
 
 
 def link_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost]], *,
@@ -135,8 +149,8 @@ def link_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost
 def render_checks(checks: Sequence[Checked]) -> Any:
     from rich.table import Table
 
-    table = Table(title="predicted against measured (compare's mean steady-state step; ranks by samples/s "
-                        "among these runs; noop: the profile's compute)")
+    table = Table(title="predicted against measured (compare's mean steady-state step, the mean over repeated "
+                        "runs; ranks by samples/s among these methods; noop: the profile's compute)")
     noop = any(c.with_noop_s is not None for c in checks)
     columns = ["method", "n", "link", "bucket", "α ms, rates (others' fit)", "predicted ms", "measured ms",
                "error", "rank pred.", "rank meas."]
@@ -150,10 +164,17 @@ def render_checks(checks: Sequence[Checked]) -> Any:
                            *(f"{k} {v:.2f}" for k, v in sorted(c.efficiency.items()))])
         cells = [c.spec, str(c.workers), c.bandwidth, f"{c.burst / 1024:.0f} KiB" if c.burst else "none",
                  rates if c.spec != "noop" else "", f"{c.predicted_s * 1e3:.1f}",
-                 f"{c.measured_s * 1e3:.1f}", f"{c.relative_error:+.1%}", str(c.predicted_rank or ""),
+                 _measured(c), f"{c.relative_error:+.1%}", str(c.predicted_rank or ""),
                  str(c.measured_rank or "")]
         if noop:
             cells += ["", ""] if c.with_noop_s is None else [f"{c.with_noop_s * 1e3:.1f}",
                                                              f"{c.with_noop_error:+.1%}"]
         table.add_row(*cells)
     return table
+
+
+def _measured(c: Checked) -> str:
+    """The measured mean step in ms, with the fastest and slowest run's where there were several."""
+    if c.runs < 2 or c.measured_low is None or c.measured_high is None:
+        return f"{c.measured_s * 1e3:.1f}"
+    return f"{c.measured_s * 1e3:.1f} ({c.measured_low * 1e3:.1f}–{c.measured_high * 1e3:.1f}, {c.runs} runs)"
