@@ -76,7 +76,7 @@ class ProcessGroupExecutor:
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         # an all-reduce is issued on the group itself, with its options made once: what dist.all_reduce
         # does for a real tensor, less ~7 µs of Python per call (one call per DDP bucket)
-        self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self._pg = group if group is not None else dist.group.WORLD
         self._allreduce_options = {}
         for name, op in self._ops.items():
             options = dist.AllreduceOptions()
