@@ -76,7 +76,6 @@ class ProcessGroupExecutor:
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         # an all-reduce is issued on the group itself, with its options made once: what dist.all_reduce
         # does for a real tensor, less ~7 µs of Python per call (one call per DDP bucket)
-        self._pg = group if group is not None else dist.group.WORLD
         self._allreduce_options = {}
         for name, op in self._ops.items():
             options = dist.AllreduceOptions()
@@ -109,7 +108,8 @@ class ProcessGroupExecutor:
                 return None, lambda: t
             if t.is_complex():
                 return dist.all_reduce(t, op=self._ops[request.op], group=group, async_op=True), lambda: t
-            return self._pg.allreduce([t], self._allreduce_options[request.op]), lambda: t
+            pg = group if group is not None else dist.group.WORLD  # (the default group now, as dist's calls)
+            return pg.allreduce([t], self._allreduce_options[request.op]), lambda: t
         if isinstance(request, ReduceScatter):
             if n == 1:
                 return None, lambda: t[0].clone()
