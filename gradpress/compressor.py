@@ -233,6 +233,24 @@ class Compressor:
         packet.meta["divided"] = count
         return packet
 
+    def _divided_mean(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
+        """:meth:`decode_sum` of the sum of :meth:`compress_divided`'s packets: already the mean (in the
+        gradient's own dtype, as DDP's), checked for an overflow of the sum."""
+        if packet.meta["divided"] != count:
+            raise ValueError(f"{self.spec}: the summands were divided by {packet.meta['divided']} before "
+                             f"the exchange, but the sum is of {count} workers")
+        mean = self._decompress(packet.with_wire(summed))
+        # two halves of finite values add to at most the format's largest exactly (x / 2 is exact, but for
+        # subnormals), so rounding cannot overflow: only a mean over three or more is checked
+        if count > 2 and any_nonfinite(mean.reshape(-1)):
+            flat = mean.reshape(-1)
+            raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed: the aggregate holds "
+                                f"{count_nonfinite(flat)} Inf/NaN value(s) out of {flat.numel()} (a worker's "
+                                "NaN/Inf gradient is flagged before it is sent)")
+        if mean.dtype != packet.dtype:
+            mean = mean.to(packet.dtype)
+        return mean if mean.shape == packet.shape else mean.view(packet.shape)
+
     def decompress(self, packet: Packet) -> torch.Tensor:
         """The tensor a packet stands for, with the shape and dtype that were compressed."""
         if packet.numel == 0:
@@ -358,18 +376,10 @@ class Compressor:
         """
         if packet.numel == 0:
             return self.decompress(packet)
-        flat = self._decompress(packet.with_wire(summed)).float()
         if "divided" in packet.meta:  # the mean already: each worker sent x / count
-            if packet.meta["divided"] != count:
-                raise ValueError(f"{self.spec}: the summands were divided by {packet.meta['divided']} before "
-                                 f"the exchange, but the sum is of {count} workers")
-            # two halves of finite values add to at most the format's largest exactly (x / 2 is exact, but
-            # for subnormals), so rounding cannot overflow: only a mean over three or more is checked
-            if count > 2 and any_nonfinite(flat.view(-1)):
-                raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed: the aggregate "
-                                    f"holds {count_nonfinite(flat.view(-1))} Inf/NaN value(s) out of "
-                                    f"{flat.numel()} (a worker's NaN/Inf gradient is flagged before it is sent)")
-        elif self.propagates_nonfinite:
+            return self._divided_mean(packet, summed, count)
+        flat = self._decompress(packet.with_wire(summed)).float()
+        if self.propagates_nonfinite:
             bad = divide_counting_nonfinite(flat, count)
             if bad:
                 raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed: the aggregate "

@@ -20,8 +20,12 @@ if TYPE_CHECKING:
 def exchange(s: Strategy, packets, writable, timer, faulty) -> Protocol:
     """GRACE Algorithm 1 lines 7-9: g = Q⁻¹(Allreduce(g̃)) / n."""
     summands = [s.summands(p) for p in packets]
-    members = by_dtype(summands)
-    flats = [concat([summands[i][j] for i, j in group], writable) for group in members]
+    if len(summands) == 1 and len(summands[0]) == 1:  # one tensor (a DDP bucket exchanged as one): no grouping
+        members = [[(0, 0)]]
+        flats = [concat(summands[0], writable)]
+    else:
+        members = by_dtype(summands)
+        flats = [concat([summands[i][j] for i, j in group], writable) for group in members]
     n = s.world_size
     carrier = next((g for g, f in enumerate(flats) if f.is_floating_point() and f.numel() >= n), None)
     if faulty is None:
