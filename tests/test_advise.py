@@ -293,6 +293,12 @@ def test_repeated_runs_of_a_method_are_checked_as_their_mean():
     console = Console(record=True, width=400)
     console.print(A.render_checks([tiny, half]))
     assert "100.3 (95.0–106.0, 3 runs)" in console.export_text()
+    # what the method adds beyond the run's own compute, ranked apart from the compute's drift
+    drifting = [measured_run("tiny", 0.110, comm_s=0.010), measured_run("half", 0.105, comm_s=0.015)]
+    checks = {c.spec: c for c in A.check_against(advice, drifting)}
+    assert (checks["tiny"].measured_rank, checks["half"].measured_rank) == (2, 1)
+    assert checks["tiny"].overhead_s == pytest.approx(0.010) and checks["half"].overhead_s == pytest.approx(0.015)
+    assert (checks["tiny"].overhead_rank, checks["half"].overhead_rank) == (1, 2)
 
 
 def test_the_check_prices_each_runs_link_with_rates_fitted_from_the_other_runs():

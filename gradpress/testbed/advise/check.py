@@ -18,7 +18,9 @@ class Checked:
     """A measured method (``gradpress compare``: one run, or the mean of its repeated runs) beside the
     prediction for its method, n and link rate. ``noop`` is checked against the profile's compute
     (forward + backward + optimizer). ``measured_low``/``measured_high``: the fastest and slowest of the
-    ``runs`` runs' mean steps."""
+    ``runs`` runs' mean steps. ``overhead_s``: the mean step less the run's own mean compute (what the
+    method adds: exposed communication, compression), ``overhead_rank`` its rank among the methods: where
+    the compute drifts between runs by more than the methods differ, this orders what the methods change."""
 
     spec: str
     workers: int
@@ -34,6 +36,8 @@ class Checked:
     runs: int = 1
     measured_low: float | None = None
     measured_high: float | None = None
+    overhead_s: float | None = None
+    overhead_rank: int | None = None
 
     @property
     def relative_error(self) -> float:
@@ -107,14 +111,16 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
             predicted = predict(advice.profile, cost_of(spec), **common).total
             with_noop = (None if compute is None
                          else predict(scaled(advice.profile, compute), cost_of(spec), **common).total)
+        overhead = None if spec == "noop" else statistics.fmean(r.mean_step_s - r.mean_compute_s for r in repeats)
         rows.append(((spec, workers, bandwidth), predicted, measured, with_noop, burst, rates, latency,
-                     len(steps), min(steps), max(steps)))
+                     len(steps), min(steps), max(steps), overhead))
     ranked = [r for r in rows if r[0][0] != "noop"]
     by_prediction = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[1]), start=1)}
     by_measurement = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[2]), start=1)}
+    by_overhead = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[10]), start=1)}
     return [Checked(*key, predicted, measured, by_prediction.get(key), by_measurement.get(key), with_noop, burst,
-                    rates, latency, count, low, high)
-            for key, predicted, measured, with_noop, burst, rates, latency, count, low, high in rows]
+                    rates, latency, count, low, high, overhead, by_overhead.get(key))
+            for key, predicted, measured, with_noop, burst, rates, latency, count, low, high, overhead in rows]
 
 
 def link_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost]], *,
@@ -153,7 +159,7 @@ def render_checks(checks: Sequence[Checked]) -> Any:
                         "runs; ranks by samples/s among these methods; noop: the profile's compute)")
     noop = any(c.with_noop_s is not None for c in checks)
     columns = ["method", "n", "link", "bucket", "α ms, rates (others' fit)", "predicted ms", "measured ms",
-               "error", "rank pred.", "rank meas."]
+               "error", "rank pred.", "rank meas.", "meas. step − compute ms (rank)"]
     if noop:
         columns += ["pred. with noop's compute", "error"]
     for column in columns:
@@ -165,7 +171,8 @@ def render_checks(checks: Sequence[Checked]) -> Any:
         cells = [c.spec, str(c.workers), c.bandwidth, f"{c.burst / 1024:.0f} KiB" if c.burst else "none",
                  rates if c.spec != "noop" else "", f"{c.predicted_s * 1e3:.1f}",
                  _measured(c), f"{c.relative_error:+.1%}", str(c.predicted_rank or ""),
-                 str(c.measured_rank or "")]
+                 str(c.measured_rank or ""),
+                 "" if c.overhead_s is None else f"{c.overhead_s * 1e3:.1f} ({c.overhead_rank})"]
         if noop:
             cells += ["", ""] if c.with_noop_s is None else [f"{c.with_noop_s * 1e3:.1f}",
                                                              f"{c.with_noop_error:+.1%}"]
