@@ -15,12 +15,13 @@ from gradpress.testbed.advise.ranking import predict
 
 @dataclass(frozen=True)
 class Checked:
-    """A measured method (``gradpress compare``: one run, or the mean of its repeated runs) beside the
+    """A measured method (``gradpress compare``: one run, or the median of its repeated runs) beside the
     prediction for its method, n and link rate. ``noop`` is checked against the profile's compute
     (forward + backward + optimizer). ``measured_low``/``measured_high``: the fastest and slowest of the
-    ``runs`` runs' mean steps. ``overhead_s``: the mean step less the run's own mean compute (what the
-    method adds: exposed communication, compression), ``overhead_rank`` its rank among the methods: where
-    the compute drifts between runs by more than the methods differ, this orders what the methods change."""
+    ``runs`` runs' mean steps. ``overhead_s``: a run's mean step less its own mean compute (what the method
+    adds: exposed communication, compression; the median over the runs), ``overhead_rank`` its rank among the
+    methods: where the compute drifts between runs by more than the methods differ, this orders what the
+    methods change."""
 
     spec: str
     workers: int
@@ -60,10 +61,11 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     """Every method of ``runs`` (:class:`~gradpress.testbed.results.Run`) run over an emulated link that
     the advice priced (and ``noop``), predicted at the run's n and rate; ranks by samples/s among the
     checked methods (``torch-allreduce`` included). Runs of one method at one n and link (``compare``
-    repeated, e.g. ``--check DIR1 DIR2 DIR3``) are one row: the mean of their mean steps, with the
-    fastest and slowest, so that methods closer than the machine's drift between runs can still be
-    ordered by their means. Where ``noop`` runs of the same n and link are among them, ``with_noop_s``
-    is the prediction with the profile's compute scaled to their mean step (``sim cost``'s compute): it
+    repeated, e.g. ``--check DIR1 DIR2 DIR3``) are one row: the median of their mean steps (as the
+    benchmarks take the median of repeated runs: a run slowed throughout by other load on the machine
+    moves it least), with the fastest and slowest. Where ``noop`` runs of the same n and link are among
+    them, ``with_noop_s`` is the prediction with the profile's compute scaled to their median step
+    (``sim cost``'s compute): it
     separates the communication and compression model from a machine that computed at another speed
     while ``compare`` ran.
 
@@ -85,13 +87,13 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     for run in runs:
         if run.bandwidth is not None and (run.compressor in by_spec or run.compressor in (BASELINE, "noop")):
             methods.setdefault((run.compressor, run.workers, run.bandwidth), []).append(run)
-    noop = {(workers, bandwidth): statistics.fmean(r.mean_step_s for r in repeats)
+    noop = {(workers, bandwidth): statistics.median(r.mean_step_s for r in repeats)
             for (spec, workers, bandwidth), repeats in methods.items() if spec == "noop"}
 
     rows = []
     for (spec, workers, bandwidth), repeats in methods.items():
         steps = [r.mean_step_s for r in repeats]
-        measured = statistics.fmean(steps)
+        measured = statistics.median(steps)
         compute = noop.get((workers, bandwidth))
         burst = advice.burst or burst_of(repeats[0])
         rates: dict[str, float] = {}
@@ -111,7 +113,7 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
             predicted = predict(advice.profile, cost_of(spec), **common).total
             with_noop = (None if compute is None
                          else predict(scaled(advice.profile, compute), cost_of(spec), **common).total)
-        overhead = None if spec == "noop" else statistics.fmean(r.mean_step_s - r.mean_compute_s for r in repeats)
+        overhead = None if spec == "noop" else statistics.median(r.mean_step_s - r.mean_compute_s for r in repeats)
         rows.append(((spec, workers, bandwidth), predicted, measured, with_noop, burst, rates, latency,
                      len(steps), min(steps), max(steps), overhead))
     ranked = [r for r in rows if r[0][0] != "noop"]
@@ -155,7 +157,7 @@ def link_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost
 def render_checks(checks: Sequence[Checked]) -> Any:
     from rich.table import Table
 
-    table = Table(title="predicted against measured (compare's mean steady-state step, the mean over repeated "
+    table = Table(title="predicted against measured (compare's mean steady-state step, the median over repeated "
                         "runs; ranks by samples/s among these methods; noop: the profile's compute)")
     noop = any(c.with_noop_s is not None for c in checks)
     columns = ["method", "n", "link", "bucket", "α ms, rates (others' fit)", "predicted ms", "measured ms",
@@ -181,7 +183,7 @@ def render_checks(checks: Sequence[Checked]) -> Any:
 
 
 def _measured(c: Checked) -> str:
-    """The measured mean step in ms, with the fastest and slowest run's where there were several."""
+    """The measured step in ms (the median run's), with the fastest and slowest run's where there were several."""
     if c.runs < 2 or c.measured_low is None or c.measured_high is None:
         return f"{c.measured_s * 1e3:.1f}"
     return f"{c.measured_s * 1e3:.1f} ({c.measured_low * 1e3:.1f}–{c.measured_high * 1e3:.1f}, {c.runs} runs)"

@@ -129,7 +129,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--check", nargs="+", metavar="PATH",
                    help="compare output directories or results.json: their runs' measured steps beside the "
-                        "prediction at their n and link rate (a method run several times: the mean of its runs)")
+                        "prediction at their n and link rate (a method run several times: the median of its runs)")
     p.add_argument("--json", type=cli.output_file, help="write the profile, costs and rankings here")
     p.add_argument("--plot", type=cli.output_file, help="write the speed-up against link speed here (PNG)")
     p.set_defaults(func=_main)
@@ -282,7 +282,7 @@ def _print_checks(console: Any, checks: list[Checked]) -> None:
                       f"mean {statistics.fmean(errors):.1%}")
     top = [c for c in checks if c.predicted_rank == 1]
     if top:
-        runs = f" (the mean of {top[0].runs} runs)" if top[0].runs > 1 else ""
+        runs = f" (the median of {top[0].runs} runs)" if top[0].runs > 1 else ""
         console.print(f"top pick {top[0].spec}: measured rank {top[0].measured_rank} by samples/s{runs}; "
                       f"rank {top[0].overhead_rank} by the measured step less its own compute")
     scaled = sorted((c for c in checks if c.with_noop_s is not None), key=lambda c: c.with_noop_s)
