@@ -262,8 +262,11 @@ def test_checked_against_measured_runs():
     slower = A.scaled(prof, 2 * prof.compute_s)
     assert slower.compute_s == pytest.approx(2 * prof.compute_s)
     assert [b.ready_s for b in slower.buckets] == pytest.approx([2 * b.ready_s for b in prof.buckets])
+    # and the method's compression and decoding likewise: the whole machine ran at half the speed
+    assert [b.compress_s for b in A.scaled_cost(costs[0], 2.0).buckets] == pytest.approx(
+        [2 * b.compress_s for b in costs[0].buckets])
     assert checks["tiny"].with_noop_s == pytest.approx(
-        A.predict(slower, costs[0], n=2, bandwidth="100mbit", latency=1e-4).total)
+        A.predict(slower, A.scaled_cost(costs[0], 2.0), n=2, bandwidth="100mbit", latency=1e-4).total)
     assert checks["noop"].with_noop_s is None
     ranked = [c for c in checks.values() if c.spec != "noop"]
     assert [c.spec for c in sorted(ranked, key=lambda c: c.predicted_rank)] == ["tiny", "half", A.BASELINE]
@@ -286,7 +289,8 @@ def test_repeated_runs_of_a_method_are_checked_as_their_median():
     assert (tiny.runs, tiny.measured_low, tiny.measured_high) == (3, 0.095, 0.130)
     assert tiny.measured_s == pytest.approx(0.100) and half.measured_s == pytest.approx(0.104)
     assert (tiny.measured_rank, half.measured_rank) == (1, 2)
-    expected = A.predict(A.scaled(prof, 0.09), costs[0], n=2, bandwidth="100mbit", latency=1e-4).total
+    expected = A.predict(A.scaled(prof, 0.09), A.scaled_cost(costs[0], 0.09 / prof.compute_s), n=2,
+                         bandwidth="100mbit", latency=1e-4).total
     assert tiny.with_noop_s == pytest.approx(expected)  # the median noop step, 90 ms
     from rich.console import Console
 

@@ -72,7 +72,8 @@ from __future__ import annotations
 
 from gradpress.testbed.advise.advice import (DEMO, RATIO_VARIANTS, Advice, Progress, advise, candidates,
                                              default_candidates)
-from gradpress.testbed.advise.check import Checked, check_against, link_from_runs, render_checks, scaled
+from gradpress.testbed.advise.check import (Checked, check_against, link_from_runs, render_checks, scaled,
+                                           scaled_cost)
 from gradpress.testbed.advise.command import DEFAULT_BANDWIDTHS, add_parser, workload_of
 from gradpress.testbed.advise.costs import (BASELINE, BucketCost, MethodCost, Transfer, baseline_cost,
                                             link_phases, measure_method, transfers_of)

@@ -57,6 +57,13 @@ def scaled(profile: ComputeProfile, compute_s: float) -> ComputeProfile:
                    buckets=tuple(replace(b, ready_s=b.ready_s * k) for b in profile.buckets))
 
 
+def scaled_cost(cost: MethodCost, factor: float) -> MethodCost:
+    """``cost`` with each bucket's compression and decoding seconds times ``factor`` (its bytes and
+    collectives as they are): the method's CPU work on a machine running ``factor`` times slower."""
+    return replace(cost, buckets=tuple(replace(b, compress_s=b.compress_s * factor,
+                                               decompress_s=b.decompress_s * factor) for b in cost.buckets))
+
+
 def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) -> list[Checked]:
     """Every method of ``runs`` (:class:`~gradpress.testbed.results.Run`) run over an emulated link that
     the advice priced (and ``noop``), predicted at the run's n and rate; ranks by samples/s among the
@@ -65,9 +72,9 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     benchmarks take the median of repeated runs: a run slowed throughout by other load on the machine
     moves it least), with the fastest and slowest. Where ``noop`` runs of the same n and link are among
     them, ``with_noop_s`` is the prediction with the profile's compute scaled to their median step
-    (``sim cost``'s compute): it
-    separates the communication and compression model from a machine that computed at another speed
-    while ``compare`` ran.
+    (``sim cost``'s compute), and each method's compression and decoding by the same factor: it separates
+    the model from a machine that ran its CPU work at another speed while ``compare`` ran (another load;
+    its workers sharing the cores, where ``advise`` measured each part alone on an idle one).
 
     The links are the runs' own (:mod:`~gradpress.testbed.costmodel`'s two link terms): the token bucket
     the run recorded (:func:`gradpress.testbed.sim.cost.burst_of`; the testbed's tbf for runs from before
@@ -111,8 +118,9 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
             common = {"n": workers, "bandwidth": bandwidth, "latency": latency, "burst": burst,
                       "efficiency": rates}
             predicted = predict(advice.profile, cost_of(spec), **common).total
-            with_noop = (None if compute is None
-                         else predict(scaled(advice.profile, compute), cost_of(spec), **common).total)
+            slower = None if compute is None else compute / advice.profile.compute_s
+            with_noop = (None if slower is None else
+                         predict(scaled(advice.profile, compute), scaled_cost(cost_of(spec), slower), **common).total)
         overhead = None if spec == "noop" else statistics.median(r.mean_step_s - r.mean_compute_s for r in repeats)
         rows.append(((spec, workers, bandwidth), predicted, measured, with_noop, burst, rates, latency,
                      len(steps), min(steps), max(steps), overhead))
