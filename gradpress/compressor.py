@@ -286,7 +286,7 @@ class Compressor:
             wide = torch.zeros(first.numel, dtype=torch.float64, device=first.device)
             for packet in packets:  # the mean in float64 (rare: only near float32's largest values)
                 wide += self._decompress(packet).double()
-            total.copy_(wide.div_(n))
+            total.copy_(divide(wide, n, out=wide))
         if self.saturates and first.dtype != torch.float32:
             saturate(total, first.dtype)
         return total.to(first.dtype).view(first.shape)
@@ -386,7 +386,7 @@ class Compressor:
                                     f"holds {bad} Inf/NaN value(s) out of {flat.numel()} (a worker's NaN/Inf "
                                     "gradient is flagged before it is sent)")
         else:
-            flat.div_(count)
+            divide(flat, count, out=flat)
         if self.saturates and packet.dtype != torch.float32:
             saturate(flat, packet.dtype)
         return flat.to(packet.dtype).view(packet.shape)
@@ -549,7 +549,7 @@ class Compose(Compressor):
         inner = self.second.expected_nbytes(kept, dtype)
         if inner is None:
             return None
-        value_bytes = kept * torch.empty((), dtype=dtype).element_size()
+        value_bytes = kept * dtype.itemsize
         return whole - value_bytes + inner
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
@@ -677,6 +677,29 @@ def finish_fold(total: torch.Tensor, top: int, store: bool, count: int) -> int:
     return count_nonfinite(total) if count and top == _EXPONENT_MASKS[torch.float32] else 0
 
 
+def divide(t: torch.Tensor, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t / count``, correctly rounded on every device (into ``out``, which may be ``t``): the same bits
+    on a GPU as on the CPU. CUDA divides by a Python number as a product with its reciprocal, which is
+    off by one unit in the last place now and then; by a 0-dim tensor on the device it divides. A
+    power-of-two ``count``: the product is exact, and a number is passed as it is."""
+    divisor: float | torch.Tensor = count
+    if t.is_cuda and count & (count - 1):
+        divisor = _device_number(float(count), t.device)
+    return torch.div(t, divisor, out=out)
+
+
+_DEVICE_NUMBERS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def _device_number(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 tensor holding ``value`` on ``device``, made once (a fill kernel, no copy)."""
+    key = (value, device)
+    number = _DEVICE_NUMBERS.get(key)
+    if number is None:
+        number = _DEVICE_NUMBERS[key] = torch.full((), value, dtype=torch.float32, device=device)
+    return number
+
+
 def divide_counting_nonfinite(flat: torch.Tensor, count: int, out: torch.Tensor | None = None) -> int:
     """``flat /= count`` in place (the same bits as ``flat.div_(count)``) for a 1-D contiguous float
     tensor, or into ``out`` (a tensor like it), returning how many results are NaN/Inf: one pass for the
@@ -690,7 +713,7 @@ def divide_counting_nonfinite(flat: torch.Tensor, count: int, out: torch.Tensor 
         top = _divide_top_exponent(as_numpy(flat), None if out is None else as_numpy(out), np.float32(count),
                                    np.float32(1 / count), exact)
     else:
-        torch.div(flat, count, out=flat if out is None else out)
+        divide(flat, count, out=flat if out is None else out)
         top = None
     result = flat if out is None else out
     if top is None:

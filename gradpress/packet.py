@@ -113,17 +113,17 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device, size: int | None
 
 def unpack(buffer: torch.Tensor, layout: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
     """Views of ``buffer`` as the tensors :func:`pack` put there (``layout``: dtype and shape of each)."""
-    elements = [torch.empty((), dtype=dtype).element_size() for dtype, _ in layout]
+    elements = [dtype.itemsize for dtype, _ in layout]
     nbytes = [math.prod(shape) * e for (_, shape), e in zip(layout, elements)]
     offsets, _ = _offsets(nbytes, elements)
     return [buffer[o:o + b].view(dtype).view(shape) if b else buffer.new_empty(shape, dtype=dtype)
             for (dtype, shape), o, b in zip(layout, offsets, nbytes)]  # (an empty row's offset may be unaligned)
 
 
-def packed_sizes(numels: torch.Tensor, element_sizes: Sequence[int]) -> torch.Tensor:
-    """Bytes :func:`pack` needs for each row of ``numels`` (one row per rank, one column per tensor)."""
-    return torch.tensor([_offsets([n * e for n, e in zip(row, element_sizes)], element_sizes)[1]
-                         for row in numels.tolist()], dtype=torch.int64)
+def packed_sizes(numels: Sequence[Sequence[int]], element_sizes: Sequence[int]) -> list[int]:
+    """Bytes :func:`pack` needs for each row of ``numels`` (one row per rank, one column per tensor;
+    numbers on the host, read once from the exchanged header)."""
+    return [_offsets([n * e for n, e in zip(row, element_sizes)], element_sizes)[1] for row in numels]
 
 
 def received_layout(numels: Sequence[int], local: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ...]]]:

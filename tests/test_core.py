@@ -200,8 +200,12 @@ def test_bench_ops_writes_records(tmp_path, capsys):
         ("topk:ratio=0.1", 1000), ("topk:ratio=0.1", 4096), ("randomk:ratio=0.1,scale=true", 1000),
         ("randomk:ratio=0.1,scale=true", 4096), ("none", 1000), ("none", 4096)]
     fields = {"name", "spec", "numel", "bits_per_element", "nmse", "nmse_avg_n", "workers",
-              "compress_ms", "decompress_ms", "copy_ms"}
+              "compress_ms", "decompress_ms", "copy_ms", "device", "compress_syncs", "decompress_syncs",
+              "compress_host_ops", "decompress_host_ops"}
     assert all(set(r) == fields for r in records)
+    # the host audit is of GPU runs: on the CPU there is nothing to audit
+    assert all(r["device"] == "cpu" and r["compress_syncs"] is None and r["compress_host_ops"] is None
+               for r in records)
     none = records[-1]
     assert none["bits_per_element"] == 32 and none["nmse"] == 0 and none["workers"] == 3
     topk = records[1]

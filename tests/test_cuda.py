@@ -16,8 +16,11 @@ What the design promises across devices, and what is checked:
   (``DEVICE_RANDOM``: random-k indices, THC's Hadamard signs, PowerSGD's initial Q, DGC's and
   SketchML's samples, adaptive's draw): CUDA's generator gives other numbers than the CPU's for the
   same seed, so the error against the exact mean is compared instead of the values.
+* Nothing made on the host (GPU only): a step of every method makes no tensor on the CPU; what the
+  host reads of the device (a norm for a scale, a header's sizes, fault flags) arrives by a copy.
 * The DDP hook with NCCL at world size 1 (and 2 where there are two GPUs): the hook runs, the averaged
-  gradients equal ``Simulator`` fed with the same local gradients on the same device, bit for bit.
+  gradients equal ``Simulator`` fed with the same local gradients on the same device, bit for bit,
+  and its steps make no tensor on the CPU either.
 
 ``GRADPRESS_CUDA_TESTS_ON_CPU=1`` runs the device comparisons with CPU tensors through the numba
 kernels (the device the test is written for then being the CPU) against the torch path: a dry run of
@@ -151,6 +154,24 @@ def test_strategy_on_device_matches_cpu(label, spec, options):
     _compare(spec, _run(spec, DEVICE, **options), cpu)
 
 
+def _made_on_host(fn) -> list[str]:
+    """The operators of ``fn()`` that made a tensor on the CPU, less the copies of device values to the
+    host that the method reads (``_to_copy``)."""
+    from gradpress.bench.ops import host_traffic
+
+    return [op for op in host_traffic(fn)[1] if op != "_to_copy"]
+
+
+@pytest.mark.skipif(DEVICE is None or DEVICE.type != "cuda", reason="needs a CUDA GPU (host and device "
+                    "are one on the CPU)")
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_step_on_device_makes_nothing_on_the_host(spec):
+    sim = gradpress.Simulator(spec, WORKERS, seed=0)
+    grads = [[{k: t.to(DEVICE) for k, t in mine.items()} for mine in _grads(step)] for step in range(2)]
+    sim.step(grads[0])  # the first step agrees the keys and warms up
+    assert _made_on_host(lambda: sim.step(grads[1])) == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("spec", ["none", "topk:ratio=0.1", "qsgd", "natural", "thc_uniform",
                                   "powersgd:rank=2"])
@@ -203,7 +224,11 @@ def _nccl_worker(rank: int, world_size: int, specs: list[str], device_type: str 
             dist.all_gather_object(everyone, {k: t.cpu() for k, t in local.items()})
             expected = sim.step([{k: t.to(device) for k, t in mine.items()} for mine in everyone])
             ddp.zero_grad()
-            ddp(x).square().mean().backward()
+            made_on_host = []
+            if device.type == "cuda" and step == 2:  # (warm: the ranks agreed the keys on the first step)
+                made_on_host = _made_on_host(lambda: ddp(x).square().mean().backward())
+            else:
+                ddp(x).square().mean().backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             mismatched += [f"step {step} {name}" for name, p in model.named_parameters()
@@ -212,7 +237,9 @@ def _nccl_worker(rank: int, world_size: int, specs: list[str], device_type: str 
                 for (name, p), q in zip(model.named_parameters(), twin.parameters()):
                     p -= 0.1 * p.grad
                     q.copy_(p)
-        found[spec] = {"sent_bytes": state.stats()["total"]["sent_bytes"], "mismatched": mismatched,
+            mismatched += [f"step {step}: made on the host: {made_on_host}"] if made_on_host else []
+        total = state.stats()["total"]
+        found[spec] = {"raw_bytes": total["raw_bytes"], "sent_bytes": total["sent_bytes"], "mismatched": mismatched,
                        "error": repr(state.error) if state.error is not None else None,
                        "parameters": {n: p.detach().cpu() for n, p in model.named_parameters()}}
         del ddp
@@ -223,7 +250,8 @@ def _check_nccl(results: list[dict[str, Any]]) -> None:
     for rank, found in enumerate(results):
         for spec, figures in found.items():
             assert figures["error"] is None, f"rank {rank}, {spec}: {figures['error']}"
-            assert figures["sent_bytes"] > 0, f"rank {rank}, {spec}: the hook did not run"
+            assert figures["raw_bytes"] > 0, f"rank {rank}, {spec}: the hook did not run"
+            assert figures["sent_bytes"] > 0 or len(results) == 1, f"rank {rank}, {spec}: nothing sent"
             assert figures["mismatched"] == [], \
                 f"rank {rank}, {spec}: differs from Simulator: {figures['mismatched']}"
             other = results[0][spec]["parameters"]

@@ -59,9 +59,10 @@ Worker = Callable[[int, int, dict[str, Any]], Any]
 
 
 def spawn(worker: Worker, workers: int, args: dict[str, Any], timeout: float | None = None,
-          may_die: frozenset[int] = frozenset(), threads: int = 1) -> list[Any]:
-    """``worker(rank, workers, args)`` in ``workers`` fresh CPU processes (``spawn``; ``threads`` torch
-    threads each) that share one Gloo group, joined through a FileStore (no port to race for), with
+          may_die: frozenset[int] = frozenset(), threads: int = 1, backend: str = "gloo") -> list[Any]:
+    """``worker(rank, workers, args)`` in ``workers`` fresh processes (``spawn``; ``threads`` torch
+    threads each) that share one process group (Gloo; ``backend="nccl"``: NCCL, rank r on GPU r),
+    joined through a FileStore (no port to race for), with
     ``timeout`` as the group's timeout too. Each rank's return value, by rank: None for a rank of
     ``may_die`` that returned nothing (a benchmark that kills it); processes still running after
     ``timeout`` seconds are killed, and a rank that failed otherwise raises ``RuntimeError``.
@@ -71,7 +72,7 @@ def spawn(worker: Worker, workers: int, args: dict[str, Any], timeout: float | N
     with tempfile.TemporaryDirectory() as tmp:
         store, out = str(Path(tmp) / "store"), str(Path(tmp) / "result")
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_entry, args=(worker, r, workers, store, f"{out}{r}", args, timeout, threads))
+        procs = [ctx.Process(target=_entry, args=(worker, r, workers, store, f"{out}{r}", args, timeout, threads, backend))
                  for r in range(workers)]
         for p in procs:
             p.start()
@@ -96,13 +97,15 @@ def spawn(worker: Worker, workers: int, args: dict[str, Any], timeout: float | N
 
 
 def _entry(worker: Worker, rank: int, workers: int, store: str, out: str, args: dict[str, Any],
-           timeout: float | None, threads: int) -> None:
+           timeout: float | None, threads: int, backend: str = "gloo") -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=workers,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=workers,
                             timeout=datetime.timedelta(seconds=timeout or 300))
     result = worker(rank, workers, args)
     torch.save(result, out)

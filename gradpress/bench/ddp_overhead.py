@@ -12,6 +12,9 @@ median step time and its ratio to the built-in one (issue 3's target for ``none`
 ``--model`` picks a preset MLP (``mlp-4m``: 4 × 1024, 4.2 M parameters, the default; ``mlp-1m``:
 4 × 512, 1.05 M parameters, where Python's fixed cost per bucket weighs more); ``--width``/``--depth``
 give any other square MLP.
+
+``--device cuda`` runs the workers on GPUs with NCCL (rank r on GPU r; one worker per GPU), each step
+timed to its completion (``torch.cuda.synchronize``).
 """
 from __future__ import annotations
 
@@ -43,13 +46,16 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[float
 
     import gradpress
 
+    device = torch.device("cuda", rank) if args["device"] == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     base = _model(args["width"], args["depth"])
     variants: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     for name in ["ddp", "torch-hook", *args["specs"]]:
         model = _model(args["width"], args["depth"])
         model.load_state_dict(base.state_dict())
-        ddp = nn.parallel.DistributedDataParallel(model)
+        model.to(device)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
         if name == "torch-hook":  # the same all-reduce through a Python hook, for reference
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -58,12 +64,13 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[float
             gradpress.register(ddp, name)
         variants[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4))
     g = torch.Generator().manual_seed(rank)
-    batch = torch.randn(args["batch"], args["width"], generator=g)
+    batch = torch.randn(args["batch"], args["width"], generator=g).to(device)
 
     def step(ddp: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=False)
         ddp(batch).square().mean().backward()
         optimizer.step()
+        sync()
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     for name, (ddp, optimizer) in variants.items():  # warm-up: DDP's bucket rebuild, numba, allocator
@@ -72,6 +79,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[float
     for _ in range(args["rounds"]):
         for name, (ddp, optimizer) in variants.items():
             dist.barrier()
+            sync()
             for _ in range(args["steps"]):
                 start = time.perf_counter()
                 step(ddp, optimizer)
@@ -80,10 +88,11 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[float
 
 
 def run(specs: list[str], workers: int = 2, width: int = 1024, depth: int = 4, batch: int = 32,
-        rounds: int = 5, steps: int = 5, threads: int = 1) -> dict[str, dict[str, float]]:
+        rounds: int = 5, steps: int = 5, threads: int = 1, device: str = "cpu") -> dict[str, dict[str, float]]:
     """Median step time (seconds, rank 0) per variant and its ratio to DDP's built-in all-reduce."""
-    args = dict(specs=specs, width=width, depth=depth, batch=batch, rounds=rounds, steps=steps, threads=threads)
-    times = spawn(_worker, workers, args, threads=threads)[0]
+    args = dict(specs=specs, width=width, depth=depth, batch=batch, rounds=rounds, steps=steps, threads=threads,
+                device=device)
+    times = spawn(_worker, workers, args, threads=threads, backend="nccl" if device == "cuda" else "gloo")[0]
     baseline = statistics.median(times["ddp"])
     return {name: {"median_s": statistics.median(t), "ratio": statistics.median(t) / baseline}
             for name, t in times.items()}
@@ -103,6 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=cli.positive_int, default=5)
     parser.add_argument("--steps", type=cli.positive_int, default=5, help="timed steps per variant per round")
     parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads per worker")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: Gloo workers; cuda: NCCL workers, one per GPU")
     parser.add_argument("--json", type=cli.output_file, help="write the figures to this file")
 
 
@@ -115,9 +126,14 @@ def main(args: argparse.Namespace) -> int:
     width, depth = MODELS[args.model] if args.model is not None else MODELS["mlp-4m"]
     args.width = args.width if args.width is not None else width
     args.depth = args.depth if args.depth is not None else depth
-    result = run(specs, args.workers, args.width, args.depth, args.batch, args.rounds, args.steps, args.threads)
+    if args.device == "cuda" and torch.cuda.device_count() < args.workers:
+        raise cli.UsageError(f"--device cuda --workers {args.workers}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA GPU(s), one per worker needed")
+    result = run(specs, args.workers, args.width, args.depth, args.batch, args.rounds, args.steps, args.threads,
+                 args.device)
     params = args.depth * (args.width * args.width + args.width)
-    print(f"{args.workers} Gloo workers, MLP {args.depth}×{args.width} ({params / 1e6:.1f} M parameters), "
+    where = (f"NCCL workers on {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "Gloo workers")
+    print(f"{args.workers} {where}, MLP {args.depth}×{args.width} ({params / 1e6:.1f} M parameters), "
           f"batch {args.batch}, {args.threads} thread(s); median of {args.rounds}×{args.steps} steps")
     for name, figures in result.items():
         label = {"ddp": "DDP built-in all-reduce", "torch-hook": "torch's allreduce_hook (Python)"}.get(

@@ -7,6 +7,13 @@ independent private randomness (``compressor.aggregate``, so unbiased methods av
 and biased ones don't), and the median compress and decompress times beside the median time of a plain
 copy of the same tensor (``x.clone()``, which allocates its output as every compressor does), measured
 in the same run so ratios stay meaningful on a noisy machine.
+
+``--device cuda`` runs the same on a GPU (the torch implementations every method has beside its numba
+CPU kernels): each timed call is bracketed by ``torch.cuda.synchronize()``, so a time is the call's
+kernels run to completion, and two columns audit one call of each: its synchronizations with the host
+(Python reading a device value, e.g. ``.item()``, ``nonzero()``; caught with
+``torch.cuda.set_sync_debug_mode``) and the tensors its operators made on the CPU (caught with a
+``TorchDispatchMode``; the operators are named in ``--json``).
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import json
 import shutil
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -43,6 +51,11 @@ class OpsRecord:
     compress_ms: float
     decompress_ms: float
     copy_ms: float
+    device: str = "cpu"
+    compress_syncs: int | None = None  # host synchronizations per call (CUDA only)
+    decompress_syncs: int | None = None
+    compress_host_ops: list[str] | None = None  # operators that made a CPU tensor (CUDA only)
+    decompress_host_ops: list[str] | None = None
 
 
 def resolve_compressors(text: str) -> list[str]:
@@ -55,14 +68,44 @@ def resolve_compressors(text: str) -> list[str]:
     return specs
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm up (numba compile, allocator)
+def median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    """The median wall time of ``fn()`` over ``repeats`` calls after one warm-up (numba compile,
+    allocator); ``sync`` (``torch.cuda.synchronize`` on a GPU) runs before and inside each timing, so
+    a call's queued kernels count towards it."""
+    fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def host_traffic(fn: Callable[[], object]) -> tuple[int, list[str]]:
+    """What one call of ``fn()`` on GPU tensors does on the host: how many times it waits for the GPU
+    (one warning each under CUDA's sync debug mode) and the operators that made a CPU tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    host_ops: list[str] = []
+
+    class Audit(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_leaves(out)):
+                host_ops.append(str(func.overloadpacket.__name__))
+            return out
+
+    with warnings.catch_warnings(record=True) as caught, Audit():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught), host_ops
 
 
 def nmse(estimate: torch.Tensor, x: torch.Tensor) -> float:
@@ -70,12 +113,18 @@ def nmse(estimate: torch.Tensor, x: torch.Tensor) -> float:
     return float((estimate.double() - x64).square().sum() / x64.square().sum())
 
 
-def bench_one(spec: str, numel: int, workers: int, repeats: int, seed: int) -> OpsRecord:
+def bench_one(spec: str, numel: int, workers: int, repeats: int, seed: int,
+              device: torch.device | str = "cpu") -> OpsRecord:
+    device = torch.device(device)
     compressor = gradpress.make(spec)
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(device)
     ctx = Context(seed=seed, step=0, key="bench")
     packet = compressor.compress(x, ctx)
     packets = [compressor.compress(x, Context(seed=seed, step=0, key="bench", rank=r)) for r in range(workers)]
+    on_gpu = device.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    compress_audit = host_traffic(lambda: compressor.compress(x, ctx)) if on_gpu else (None, None)
+    decompress_audit = host_traffic(lambda: compressor.decompress(packet)) if on_gpu else (None, None)
     return OpsRecord(
         name=compressor.name or spec,
         spec=compressor.spec,
@@ -84,19 +133,22 @@ def bench_one(spec: str, numel: int, workers: int, repeats: int, seed: int) -> O
         nmse=nmse(compressor.decompress(packet), x),
         nmse_avg_n=nmse(compressor.aggregate(packets), x),
         workers=workers,
-        compress_ms=median_ms(lambda: compressor.compress(x, ctx), repeats),
-        decompress_ms=median_ms(lambda: compressor.decompress(packet), repeats),
-        copy_ms=median_ms(x.clone, repeats),
+        compress_ms=median_ms(lambda: compressor.compress(x, ctx), repeats, sync),
+        decompress_ms=median_ms(lambda: compressor.decompress(packet), repeats, sync),
+        copy_ms=median_ms(x.clone, repeats, sync),
+        device=str(device),
+        compress_syncs=compress_audit[0], compress_host_ops=compress_audit[1],
+        decompress_syncs=decompress_audit[0], decompress_host_ops=decompress_audit[1],
     )
 
 
 def run(specs: list[str], sizes: list[int], workers: int, repeats: int, seed: int,
-        progress: Callable[[str], None] = lambda _: None) -> list[OpsRecord]:
+        progress: Callable[[str], None] = lambda _: None, device: torch.device | str = "cpu") -> list[OpsRecord]:
     records = []
     for spec in specs:
         for numel in sizes:
             progress(f"{spec} @ {numel}")
-            records.append(bench_one(spec, numel, workers, repeats, seed))
+            records.append(bench_one(spec, numel, workers, repeats, seed, device))
     return records
 
 
@@ -104,13 +156,20 @@ def render(records: list[OpsRecord]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="gradpress bench ops (times: median ms; ratio = (compress + decompress) / copy)")
-    for column in ("spec", "numel", "bits/elem", "NMSE", "NMSE avg n", "compress", "decompress", "copy", "ratio"):
+    on_gpu = any(r.compress_syncs is not None for r in records)
+    device = records[0].device if records else "cpu"
+    table = Table(title=f"gradpress bench ops on {device} (times: median ms; ratio = (compress + decompress) / copy"
+                        + ("; syncs, CPU tensors: per compress / decompress)" if on_gpu else ")"))
+    columns = ["spec", "numel", "bits/elem", "NMSE", "NMSE avg n", "compress", "decompress", "copy", "ratio"]
+    for column in columns + (["syncs", "CPU tensors"] if on_gpu else []):
         table.add_column(column, justify="left" if column == "spec" else "right")
     for r in records:
-        table.add_row(r.spec, f"{r.numel:,}", f"{r.bits_per_element:.3f}", f"{r.nmse:.3g}",
-                      f"{r.nmse_avg_n:.3g} (n={r.workers})", f"{r.compress_ms:.2f}", f"{r.decompress_ms:.2f}",
-                      f"{r.copy_ms:.2f}", f"{(r.compress_ms + r.decompress_ms) / r.copy_ms:.1f}×")
+        row = [r.spec, f"{r.numel:,}", f"{r.bits_per_element:.3f}", f"{r.nmse:.3g}",
+               f"{r.nmse_avg_n:.3g} (n={r.workers})", f"{r.compress_ms:.3f}", f"{r.decompress_ms:.3f}",
+               f"{r.copy_ms:.3f}", f"{(r.compress_ms + r.decompress_ms) / r.copy_ms:.1f}×"]
+        audit = [f"{r.compress_syncs} / {r.decompress_syncs}",
+                 f"{len(r.compress_host_ops or [])} / {len(r.decompress_host_ops or [])}"] if on_gpu else []
+        table.add_row(*row, *audit)
     Console(width=shutil.get_terminal_size((150, 40)).columns).print(table)
 
 
@@ -122,6 +181,8 @@ def parse_size(text: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise cli.UsageError("--device cuda: CUDA is not available on this machine")
     specs = resolve_compressors(args.compressors)
     sizes = args.sizes  # a list: checked as it was parsed (cli.sizes)
     from rich.console import Console
@@ -129,7 +190,7 @@ def main(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with console.status("benchmarking") as status:
         records = run(specs, sizes, args.workers, args.repeats, args.seed,
-                      progress=lambda what: status.update(f"benchmarking {what}"))
+                      progress=lambda what: status.update(f"benchmarking {what}"), device=args.device)
     render(records)
     if args.json:
         path = Path(args.json)
@@ -154,6 +215,8 @@ def add_bench_parser(bench: argparse._SubParsersAction) -> None:
     ops.add_argument("--threads", type=cli.positive_int, default=1,
                      help="torch threads (default 1, as in the README's table)")
     ops.add_argument("--seed", type=cli.seed, default=0)
+    ops.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="where the tensor lives (cuda: the torch path on a GPU, timed to completion)")
     ops.add_argument("--json", type=cli.output_file, help="write one record per (compressor, size) to this file")
     ops.set_defaults(func=main)
 

@@ -85,7 +85,7 @@ class CLTK(Compressor):
         return chunk_kept(numel, self.chunk, self.per_chunk)
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        return self.kept_count(numel) * torch.empty((), dtype=dtype).element_size()
+        return self.kept_count(numel) * dtype.itemsize
 
     def indices(self, flat: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """The k selected positions of a 1-D tensor (ascending; int64 or ``dtype``)."""

@@ -27,7 +27,7 @@ class NoCompression(Compressor):
     divides_first = True  # as PyTorch's DDP: each worker sends g / n, one pass that also checks g
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        return numel * torch.empty((), dtype=dtype).element_size()
+        return numel * dtype.itemsize
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         return Packet({"values": flat}, flat.shape, flat.dtype)

@@ -85,14 +85,17 @@ def exponent_code(exponent: int | torch.Tensor) -> int | torch.Tensor:
     return (exponent + WINDOW - 1) % WINDOW + 1
 
 
-def decode_table(top: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The float32 value of each of the 256 code bytes under window top ``top``."""
-    exponents = torch.arange(top - WINDOW + 1, top + 1, dtype=torch.int64)
-    powers = torch.zeros(WINDOW + 1, dtype=torch.float32)
-    powers[exponent_code(exponents)] = torch.ldexp(torch.ones(WINDOW, dtype=torch.float64), exponents).float()
-    table = torch.cat([powers, -powers])
-    table[WINDOW + 1] = 0.0  # code 128 (a sign without a power) is never sent; it reads as zero
-    return table.to(device)
+def decode_table(top: int | torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The float32 value of each of the 256 code bytes under window top ``top`` (a number, or the
+    packet's header tensor, read on its device: no wait for the GPU, no tensor made on the host)."""
+    top = top.reshape(()).long() if isinstance(top, torch.Tensor) else top
+    exponents = torch.arange(WINDOW, dtype=torch.int64, device=device) + (top - WINDOW + 1)
+    powers = torch.zeros(WINDOW + 1, dtype=torch.float32, device=device)
+    powers[exponent_code(exponents)] = torch.ldexp(torch.ones(WINDOW, dtype=torch.float64, device=device),
+                                                   exponents).float()
+    table = torch.cat([powers, powers.neg()])
+    table[WINDOW + 1:WINDOW + 2].zero_()  # code 128 (a sign without a power) is never sent; it reads as zero
+    return table
 
 
 # -- numba kernels ------------------------------------------------------------------------------------------
@@ -360,8 +363,10 @@ class Natural(Compressor):
             top = window_top(float(np.array(largest, dtype=np.uint32).view(np.float32)), flat.dtype)
             _recode_blocks(bits, U(seed32(seed)), top - WINDOW + 1, self.deterministic, as_numpy(codes), least)
         else:
-            check_finite(flat, self.spec)
-            top = window_top(float(x.abs().max()), flat.dtype)
+            largest = float(x.abs().max())  # one read of the device: the window, and NaN/Inf show in it
+            if not math.isfinite(largest):
+                check_finite(flat, self.spec)
+            top = window_top(largest, flat.dtype)
             codes = _encode_torch(x, seed, top - WINDOW + 1, self.deterministic)
         header = torch.tensor([top], dtype=torch.int8, device=x.device)
         return Packet({"top": header, "codes": codes}, flat.shape, flat.dtype)
@@ -386,9 +391,8 @@ class Natural(Compressor):
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         codes = packet["codes"]
-        top = int(packet["top"][0])
         if use_numba(codes):
             out = torch.empty(codes.numel(), dtype=torch.float32)
-            _decode_numba(as_numpy(codes), top, as_numpy(out))
+            _decode_numba(as_numpy(codes), int(packet["top"][0]), as_numpy(out))
             return out
-        return decode_table(top, codes.device)[codes.long()]
+        return decode_table(packet["top"], codes.device)[codes.long()]

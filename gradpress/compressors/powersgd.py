@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from gradpress.compressor import (Compressor, NonFiniteError, Preliminary, check_finite, count_nonfinite, register,
-                                  saturate)
+from gradpress.compressor import (Compressor, NonFiniteError, Preliminary, check_finite, count_nonfinite, divide,
+                                  register, saturate)
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context
@@ -102,7 +102,7 @@ class PowerSGD(Compressor):
         """``Packet.nbytes`` for a tensor of ``shape``: (m + n)·r float32 factors, or the tensor itself."""
         dims = self.factors(shape)
         if dims is None:
-            return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            return math.prod(shape) * dtype.itemsize
         m, n, r = dims
         return (m + n) * r * 4
 
@@ -205,7 +205,8 @@ class PowerSGD(Compressor):
         step's warm start for this tensor (the same bits on every rank)."""
         if "values" in packet.tensors or packet.numel == 0:
             return super().decode_sum(packet, summed, count)
-        qt = summed[0].float().div_(count)
+        qt = summed[0].float()
+        divide(qt, count, out=qt)
         if not math.isfinite(float(qt.abs().max())):  # every worker's Q was finite: their sum overflowed
             raise OverflowError(f"{self.spec}: the sum of {count} workers' Q overflowed float32")
         if self.warm_start:

@@ -43,7 +43,7 @@ from numba.extending import intrinsic
 from gradpress._numba import (
     as_numpy, bits_of_f32, f32_from_bits, gather16, jit, mix32, use_numba, wide_vectors,
 )
-from gradpress.compressor import Compressor, check_finite, count_nonfinite, nonfinite_error, register
+from gradpress.compressor import Compressor, check_finite, count_nonfinite, divide, nonfinite_error, register
 from gradpress.compressors.sparsify import keep_count, select_largest, topk_indices
 from gradpress.packet import Packet
 from gradpress.registry import param
@@ -180,7 +180,7 @@ class BlockTopK(_Blocks):
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         size = self.block_size(numel)
         kept = self.kept_blocks(-(-numel // size))
-        return kept * (size * torch.empty((), dtype=dtype).element_size() + 4)
+        return kept * (size * dtype.itemsize + 4)
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         size = self.block_size(flat.numel(), _ROWS.get())
@@ -691,10 +691,10 @@ def query(
     ])
     mean = median_over_rows(estimates)
     if count != 1:
-        mean = mean / torch.tensor(count, dtype=torch.float32, device=mean.device)
+        mean = divide(mean, count)
     mean = mean.clamp(-largest, largest)
     if scale != 1.0:
-        mean = mean * torch.tensor(scale, dtype=torch.float32, device=mean.device)
+        mean = mean * scale  # (a number is rounded to the float32 operand's type first)
     out[indices] = mean
     return out
 

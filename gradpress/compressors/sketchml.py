@@ -134,15 +134,17 @@ def encode(values: torch.Tensor, edges: torch.Tensor, scale: float) -> tuple[tor
         edges_np = as_numpy(edges)
         cells, crowded = cell_table(edges_np)
         _encode(as_numpy(values), edges_np, cells, crowded > 1, scale, as_numpy(codes), sums, counts)
-        sums, counts = sums.tolist(), counts.tolist()
-    else:
+        sums, counts = torch.from_numpy(sums), torch.from_numpy(counts)
+    else:  # (on the gradients' device: the means are formed there, with no round trip to the host)
         codes = torch.where(values == 0, 0, torch.searchsorted(edges, values) + 1)
         sums = torch.zeros(buckets + 1, dtype=torch.int64, device=values.device)
-        sums = sums.index_add_(0, codes, to_fixed(values, scale)).tolist()
-        counts = torch.bincount(codes, minlength=buckets + 1).tolist()
+        sums = sums.index_add_(0, codes, to_fixed(values, scale))
+        counts = torch.bincount(codes, minlength=buckets + 1)
         codes = codes.to(torch.uint8)
-    means = [float(s) / scale / c if c else 0.0 for s, c in zip(sums[1:], counts[1:])]
-    return codes, torch.tensor(means, dtype=torch.float32, device=values.device)
+    # each mean in float64 (s / scale / c, the fixed-point sum's exact value rounded once, then divided), 0 if empty
+    sums, counts = sums[1:].double(), counts[1:].double()
+    means = torch.where(counts > 0, sums / scale / counts.clamp_min(1.0), 0.0)
+    return codes, means.float()
 
 
 @jit

@@ -18,7 +18,7 @@ from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from gradpress._numba import as_numpy, bits_of_f32, finite, jit, mix32, use_numba, wide_vectors
-from gradpress.compressor import Compressor, check_finite, count_nonfinite, register
+from gradpress.compressor import Compressor, check_finite, count_nonfinite, divide, register
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context, mix32_torch, seed32
@@ -30,7 +30,7 @@ def keep_count(numel: int, ratio: float) -> int:
 
 
 def _element_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
@@ -423,7 +423,8 @@ class RandomK(Sparse):
         n = packet.numel
         k = keep_count(n, self.ratio)
         total = summed[0].float()
-        values = (total * (n / k)).div_(count)
+        values = total * (n / k)
+        divide(values, count, out=values)
         if count_nonfinite(values):  # every worker's values are finite: d/k·Σ overflowed float32
             values = (total.double() * (n / k) / count).clamp(-_F32_MAX, _F32_MAX).float()
         values = _saturated(values, packet.dtype)
@@ -547,7 +548,7 @@ def _subset_torch(n: int, k: int, seed: int, device: torch.device) -> torch.Tens
     if m == k:
         return chosen.sort().values
     kept = torch.ones(n, dtype=torch.bool, device=device)
-    kept[chosen] = False
+    kept.index_fill_(0, chosen, False)  # (not kept[chosen] = False: that makes the False a host tensor)
     return kept.nonzero().squeeze(1)
 
 

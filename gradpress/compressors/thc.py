@@ -67,7 +67,7 @@ than before.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -115,6 +115,16 @@ class Grid:
     point_low: np.ndarray  # float32, T[gap[i]]
     point_inv: np.ndarray  # float32, inv_gap[gap[i]]
     values32: np.ndarray  # int32, the table values, padded to at least 32
+    # the torch path's copies of table, values, gap and inv_gap on each device, made once per device
+    _on_device: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(table, values, gap, inv_gap) as tensors on ``device``, copied there once."""
+        tensors = self._on_device.get(device)
+        if tensors is None:
+            tensors = self._on_device[device] = tuple(
+                torch.from_numpy(a).to(device) for a in (self.table, self.values, self.gap, self.inv_gap))
+        return tensors  # type: ignore[return-value]
 
     @classmethod
     def of(cls, table: Sequence[int]) -> Grid:
@@ -158,8 +168,8 @@ class Grid:
             return codes
         device = x.device
         a = (x * float(pre)).sub_(float(origin32)).mul_(float(scale)).clamp_(0.0, float(self.top))
-        z = torch.from_numpy(self.gap).to(device)[a.long()]
-        table, inv_gap = (torch.from_numpy(t).to(device) for t in (self.table, self.inv_gap))
+        table, _, gap, inv_gap = self.on(device)
+        z = gap[a.long()]
         frac = (a - table[z]).mul_(inv_gap[z])
         index = torch.arange(x.numel(), dtype=torch.int64, device=device)
         up = (mix32_torch(index, seed) >> 8).to(torch.float32) < frac
@@ -175,7 +185,7 @@ class Grid:
             _lookup_fast(as_numpy(packed.contiguous()), bits, self.values32, as_numpy(out))
             return out
         codes = unpack_bits(packed, bits, n)
-        return torch.from_numpy(self.values).to(packed.device)[codes.long()]
+        return self.on(packed.device)[1][codes.long()]
 
 
 def _affine(origin: float, width: float, top: int) -> tuple[np.float32, np.float32, np.float32]:

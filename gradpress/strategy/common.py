@@ -82,14 +82,15 @@ def collect(s: Strategy, local: list[torch.Tensor], fixed: bool, device: torch.d
         return [row[:-1] for row in rows], flagged_ranks(torch.cat([row[-1] for row in rows]))
     header = torch.tensor([t.numel() for t in local] + [int(faulty)], dtype=torch.int64, device=device)
     (headers,) = yield Round([AllGather(header)])
-    flagged = flagged_ranks(headers[:, -1])
+    numels = headers.tolist()  # the one read of the header by the host: flags, sizes and layouts
+    flagged = [r for r, row in enumerate(numels) if row[-1]]
     raise_flagged(flagged)  # every rank knows: no need to send the data
-    headers = headers[:, :-1]
-    sizes = packed_sizes(headers, [t.element_size() for t in local])
-    (stack,) = yield Round([gather(pack(local, device, int(sizes.max())))], final)
+    numels = [row[:-1] for row in numels]
+    sizes = packed_sizes(numels, [t.element_size() for t in local])
+    (stack,) = yield Round([gather(pack(local, device, max(sizes)))], final)
     if stack is None:
         return None, flagged
-    layouts = [received_layout(row, local) for row in headers.tolist()]
+    layouts = [received_layout(row, local) for row in numels]
     return [unpack(stack[j], layouts[j]) for j in range(s.world_size)], flagged
 
 
@@ -101,9 +102,10 @@ def collect_plain(s: Strategy, local, fixed, device, gather, final) -> Protocol:
     else:
         header = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
         (headers,) = yield Round([AllGather(header)])
-        sizes = packed_sizes(headers, [t.element_size() for t in local])
-        (stack,) = yield Round([gather(pack(local, device, int(sizes.max())))], final)
-        layouts = [received_layout(row, local) for row in headers.tolist()] if stack is not None else []
+        numels = headers.tolist()
+        sizes = packed_sizes(numels, [t.element_size() for t in local])
+        (stack,) = yield Round([gather(pack(local, device, max(sizes)))], final)
+        layouts = [received_layout(row, local) for row in numels] if stack is not None else []
     if stack is None:
         return None
     return [unpack(stack[j], layouts[j]) for j in range(s.world_size)]

@@ -173,7 +173,7 @@ def master_broadcast(s: Strategy, means, packets, ctxs, timer, flagged, carry) -
     header = received_flags(s, header) if carry else header
     numels = header.tolist()
     layout = received_layout(numels, local)
-    size = int(packed_sizes(header.view(1, -1), [t.element_size() for t in local])[0])
+    (size,) = packed_sizes([numels], [t.element_size() for t in local])
     buffer = pack(local, device, size) if means is not None else torch.empty(size, dtype=torch.uint8, device=device)
     (buffer,) = yield Round([Broadcast(buffer, s.root)], final=True)
     tensors = iter(unpack(buffer, layout))

@@ -43,7 +43,7 @@ class Transfer:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
