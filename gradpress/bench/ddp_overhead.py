@@ -14,7 +14,9 @@ median step time and its ratio to the built-in one (issue 3's target for ``none`
 give any other square MLP.
 
 ``--device cuda`` runs the workers on GPUs with NCCL (rank r on GPU r; one worker per GPU), each step
-timed to its completion (``torch.cuda.synchronize``).
+timed to its completion (``torch.cuda.synchronize``), and audits one more step of each variant: how
+many times the host waits for the GPU in it, and how many tensors its operators make on the CPU
+(:func:`gradpress.bench.ops.host_traffic`).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def _model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[float]]:
+def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import gradpress
@@ -66,11 +68,12 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[float
     g = torch.Generator().manual_seed(rank)
     batch = torch.randn(args["batch"], args["width"], generator=g).to(device)
 
-    def step(ddp: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def step(ddp: nn.Module, optimizer: torch.optim.Optimizer, wait: bool = True) -> None:
         optimizer.zero_grad(set_to_none=False)
         ddp(batch).square().mean().backward()
         optimizer.step()
-        sync()
+        if wait:
+            sync()
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     for name, (ddp, optimizer) in variants.items():  # warm-up: DDP's bucket rebuild, numba, allocator
@@ -84,18 +87,31 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[float
                 start = time.perf_counter()
                 step(ddp, optimizer)
                 times[name].append(time.perf_counter() - start)
-    return times
+    audit = {}
+    if device.type == "cuda":
+        from gradpress.bench.ops import host_traffic
+
+        for name, (ddp, optimizer) in variants.items():
+            dist.barrier()
+            sync()
+            syncs, host_ops = host_traffic(lambda: step(ddp, optimizer, wait=False))
+            sync()
+            audit[name] = {"syncs": syncs, "host_tensors": len(host_ops)}
+    return {"times": times, "audit": audit}
 
 
 def run(specs: list[str], workers: int = 2, width: int = 1024, depth: int = 4, batch: int = 32,
         rounds: int = 5, steps: int = 5, threads: int = 1, device: str = "cpu") -> dict[str, dict[str, float]]:
-    """Median step time (seconds, rank 0) per variant and its ratio to DDP's built-in all-reduce."""
+    """Median step time (seconds, rank 0) per variant and its ratio to DDP's built-in all-reduce (on
+    CUDA also ``syncs`` and ``host_tensors``: the host's waits for the GPU and the CPU tensors made in
+    one step)."""
     args = dict(specs=specs, width=width, depth=depth, batch=batch, rounds=rounds, steps=steps, threads=threads,
                 device=device)
-    times = spawn(_worker, workers, args, threads=threads, backend="nccl" if device == "cuda" else "gloo")[0]
+    found = spawn(_worker, workers, args, threads=threads, backend="nccl" if device == "cuda" else "gloo")[0]
+    times = found["times"]
     baseline = statistics.median(times["ddp"])
-    return {name: {"median_s": statistics.median(t), "ratio": statistics.median(t) / baseline}
-            for name, t in times.items()}
+    return {name: {"median_s": statistics.median(t), "ratio": statistics.median(t) / baseline,
+                   **found["audit"].get(name, {})} for name, t in times.items()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +154,9 @@ def main(args: argparse.Namespace) -> int:
     for name, figures in result.items():
         label = {"ddp": "DDP built-in all-reduce", "torch-hook": "torch's allreduce_hook (Python)"}.get(
             name, f"gradpress hook, {name}")
-        print(f"  {label:32s} {1e3 * figures['median_s']:8.1f} ms   {figures['ratio']:.3f}×")
+        audit = (f"   {figures['syncs']:3d} host syncs, {figures['host_tensors']} CPU tensors per step"
+                 if "syncs" in figures else "")
+        print(f"  {label:32s} {1e3 * figures['median_s']:8.1f} ms   {figures['ratio']:.3f}×{audit}")
     if args.json:
         write_json(args.json, {"config": vars(args), "result": result})
     return 0

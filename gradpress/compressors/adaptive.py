@@ -18,8 +18,8 @@ import torch
 
 from gradpress._numba import as_numpy, jit, use_numba
 from gradpress.compressor import Compressor, register
-from gradpress.compressors.onebit import as_float32, extreme, fixed_point_scale, mean_of, to_fixed
-from gradpress.compressors.threshold import draw_sample, sample_threshold
+from gradpress.compressors.onebit import as_float32, fixed_point_scale, mean_of, to_fixed
+from gradpress.compressors.threshold import draw_sample
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context
@@ -38,15 +38,36 @@ class Adaptive(Compressor):
 
     def thresholds(self, x: torch.Tensor, ctx: Context) -> tuple[float, float]:
         """τ⁺ and τ⁻ (both ≥ 0): about α of the sampled positives lie above τ⁺, of the negatives below −τ⁻."""
+        tau_pos, tau_neg = self._thresholds_and_extreme(x, ctx)[:2].tolist()
+        return tau_pos, tau_neg
+
+    def _thresholds_and_extreme(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """[τ⁺, τ⁻, min x, max x] on ``x``'s device, for one read by the host (on a GPU, one wait where
+        masking the sample, two order statistics and the extreme each took their own). Each threshold
+        is :func:`sample_threshold`'s: the (s − keep)-th smallest of the s sampled magnitudes of its
+        side, keep = ⌈α·s⌉, or 0 when keep ≥ s."""
         generator = ctx.private_generator(x.device, "adaptive")
         sample = draw_sample(x, self.sample_ratio, generator, self.alpha / 2)  # both sides: about α/2 each
-        return (sample_threshold(sample[sample > 0], self.alpha),
-                sample_threshold(-sample[sample < 0], self.alpha))
+        ordered = sample.float().sort().values  # ascending: the negatives first, the positives last
+        total = ordered.numel()
+        positives = (ordered > 0).sum()
+        negatives = (ordered < 0).sum()
+        keep_pos = torch.ceil(positives.double() * self.alpha).long()  # (Python's ceil(α·s), the same double)
+        keep_neg = torch.ceil(negatives.double() * self.alpha).long()
+        # the positives' (s − keep)-th smallest is the keep-th largest of the sample, at total − 1 − keep;
+        # the negatives' magnitudes in ascending order are the sample's first values reversed
+        pos = ordered[(total - 1 - keep_pos).clamp(0, max(total - 1, 0))] if total else x.new_zeros(())
+        neg = -ordered[keep_neg.clamp(0, max(total - 1, 0))] if total else x.new_zeros(())
+        tau_pos = torch.where(keep_pos >= positives, 0.0, pos)
+        tau_neg = torch.where(keep_neg >= negatives, 0.0, neg)
+        low, high = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
+        return torch.stack([tau_pos, tau_neg, low, high]).float()
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         x = as_float32(flat)
-        tau_pos, tau_neg = (np.float32(t) for t in self.thresholds(x, ctx))
-        scale = fixed_point_scale(abs(extreme(x)), x.numel())
+        tau_pos, tau_neg, low, high = self._thresholds_and_extreme(x, ctx).tolist()
+        tau_pos, tau_neg = np.float32(tau_pos), np.float32(tau_neg)
+        scale = fixed_point_scale(abs(high if high >= -low else low), x.numel())
         if use_numba(x):
             positive = torch.empty(x.numel(), dtype=torch.int64)
             negative = torch.empty(x.numel(), dtype=torch.int64)
@@ -55,11 +76,12 @@ class Adaptive(Compressor):
             positive, negative = positive[:n_pos], negative[:n_neg]
         else:
             fixed = to_fixed(x, scale)
-            pos_mask = x > torch.tensor(tau_pos, device=x.device)
-            neg_mask = x < torch.tensor(-tau_neg, device=x.device)
+            pos_mask, neg_mask = x > float(tau_pos), x < -float(tau_neg)  # (float32 thresholds, exact as numbers)
             positive, negative = pos_mask.nonzero().squeeze(1), neg_mask.nonzero().squeeze(1)
             n_pos, n_neg = positive.numel(), negative.numel()
-            sum_pos, sum_neg = int(fixed[pos_mask].sum()), int(fixed[neg_mask].sum())
+            zero = fixed.new_zeros(())
+            sum_pos, sum_neg = torch.stack([torch.where(pos_mask, fixed, zero).sum(),
+                                            torch.where(neg_mask, fixed, zero).sum()]).tolist()
         means = [mean_of(sum_pos, n_pos, scale), mean_of(sum_neg, n_neg, scale)]
         return Packet({"positive": positive.to(torch.int32), "negative": negative.to(torch.int32),
                        "means": torch.tensor(means, dtype=torch.float32, device=x.device)},

@@ -48,8 +48,9 @@ def extreme_and_nonzeros(x: torch.Tensor) -> tuple[float, int]:
         top, top_abs, nonzeros = _max_bits(as_numpy(x).view(np.int32))
         value = float(np.array([top_abs], dtype=np.int32).view(np.float32)[0])
         return (value if top == top_abs else -value), int(nonzeros)
-    low, high = (float(v) for v in torch.aminmax(x))
-    return (high if high >= -low else low), int(torch.count_nonzero(x))
+    low, high = torch.aminmax(x)  # one read by the host (one wait on a GPU); the count exact in float64
+    low, high, nonzeros = torch.stack([low.double(), high.double(), torch.count_nonzero(x).double()]).tolist()
+    return (high if high >= -low else low), int(nonzeros)
 
 
 def max_magnitude(x: torch.Tensor) -> float:
@@ -178,10 +179,11 @@ class OneBit(Compressor):
             bits = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
             high_sum, low_sum, high_count = _encode(as_numpy(x), tau, scale, as_numpy(bits))
         else:
-            high = x >= torch.tensor(tau, device=x.device)
+            high = x >= float(tau)  # (a float32 number, exact)
             fixed = to_fixed(x, scale)
-            high_sum, low_sum = int(fixed[high].sum()), int(fixed[~high].sum())
-            high_count = int(high.sum())
+            zero = fixed.new_zeros(())
+            high_sum, low_sum, high_count = torch.stack([  # one read by the host (one wait on a GPU)
+                torch.where(high, fixed, zero).sum(), torch.where(high, zero, fixed).sum(), high.sum()]).tolist()
             bits = pack_mask(high)
         means = [mean_of(low_sum, n - high_count, scale), mean_of(high_sum, high_count, scale)]
         return Packet({"bits": bits, "means": torch.tensor(means, dtype=torch.float32, device=x.device)},

@@ -71,7 +71,7 @@ class SketchML(Compressor):
         generator = ctx.private_generator(values.device, "sketchml")
         sample = sort(draw_sample(values, self.sample_ratio, generator))
         zero = sample.new_zeros(1)  # the zeros (±0) of the sorted sample lie in [below, above): skip them
-        below, above = (int(torch.searchsorted(sample, zero, right=right)) for right in (False, True))
+        below, above = torch.cat([torch.searchsorted(sample, zero, right=right) for right in (False, True)]).tolist()
         nonzero = sample.numel() - (above - below)
         buckets = min(2**self.bits - 1, nonzero)
         if buckets <= 1:

@@ -267,7 +267,16 @@ def _any_nonfinite_at(x, positions):  # pragma: no cover - compiled
 
 
 def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the k largest values, ascending; among equal values the lower positions win."""
+    """Positions of the k largest values (float32, ≥ 0), ascending; among equal values the lower
+    positions win. Each value and its position make one int64 key, bits·2^32 + (n − 1 − position)
+    (a non-negative float orders as its bits), so the top k keys are the answer, ties included, with
+    no count read by the host (on a GPU: no wait) — below 2^32 values; beyond, the k-th largest value
+    and the positions above and at it."""
+    n = magnitudes.numel()
+    if n <= 1 << 32:
+        keys = (magnitudes.view(torch.int32).long() << 32) | (n - 1 - torch.arange(n, device=magnitudes.device))
+        top = torch.topk(keys, k, sorted=False).values
+        return (n - 1 - (top & 0xFFFFFFFF)).sort().values
     kth = torch.topk(magnitudes, k, sorted=False).values.min()
     above = (magnitudes > kth).nonzero().squeeze(1)
     ties = (magnitudes == kth).nonzero().squeeze(1)[: k - above.numel()]
