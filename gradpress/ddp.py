@@ -69,6 +69,7 @@ class GradpressState:
             raise ValueError("exclude matches parameter names: pass model=<the module> to ddp_comm_hook, "
                              "or use gradpress.register(ddp_model, …)")
         self._keys: dict[int, str] = {}
+        self._plans: dict[int, Any] = {}  # per bucket index: its FlatAllReduce, where its exchange has one
         self._pipeline: Pipeline | AutoPipeline | None = None
         self._driver: Driver | None = None
         self._loaded: dict[str, Any] | None = None
@@ -109,6 +110,12 @@ class GradpressState:
         driver.check()
         driver.advance()
         buffer = bucket.buffer()
+        plan = self._plans.get(bucket.index())
+        if plan is not None and plan.fits(buffer):  # formed at an earlier step: only the work is left
+            future = plan.start(driver, lambda mean: buffer)
+            if bucket.is_last():
+                driver.advance()
+            return future
         if buffer.is_sparse:
             raise TypeError("gradpress compresses dense gradients; this bucket holds a sparse one")
         grads = bucket.gradients()
@@ -118,6 +125,8 @@ class GradpressState:
         if agreement is not None:  # the first time these gradients are exchanged (blocking, once)
             driver.run(agreement.protocol, agreement.step, control=True)
         groups = pipeline.groups(items, bucket=buffer)
+        planner = getattr(pipeline, "flat_allreduce", None)  # (auto's pipelines choose per step: no plans)
+        self._plans[bucket.index()] = planner(items, buffer) if planner is not None else None
 
         def assemble(averages: list[list[torch.Tensor]]) -> torch.Tensor:
             for group, averaged in zip(groups, averages):

@@ -78,6 +78,21 @@ class Driver:
             self._complete(run, round_.value)
         return run.future
 
+    def start_round(self, round_: Round, step: int, then: Callable[[list], Any]) -> torch.futures.Future:
+        """Issue one final ``round_`` of step ``step`` with no protocol around it (a plan's exchange, see
+        :class:`gradpress.runtime.FlatAllReduce`); a future of ``then(its results)``, run where the
+        round completes, a failure of either recorded as the exchange's (:meth:`check` raises it)."""
+        self.check()
+
+        def finish(results: list) -> Any:
+            try:
+                return then(results)
+            except BaseException as error:
+                self._record(error)
+                raise
+
+        return self._issue(_Run(None, step, _same), round_).future(finish, self._record)  # type: ignore[arg-type]
+
     def advance(self) -> None:
         """Wait for every pending non-final round, in start order, and issue what follows it."""
         while self._pending:

@@ -27,10 +27,10 @@ from typing import Any, Sequence
 import torch
 
 from gradpress.agreement import agree
-from gradpress.compressor import Compressor, NonFiniteError, any_nonfinite, make
+from gradpress.compressor import Compressor, NonFiniteError, any_nonfinite, divide_counting_nonfinite, make
 from gradpress.feedback import make_feedback
-from gradpress.packet import adjacent
-from gradpress.protocol import Protocol
+from gradpress.packet import Packet, adjacent
+from gradpress.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
 from gradpress.rng import Context
 from gradpress.state import FORMAT, check, shapes_of
 from gradpress.strategy import MODES, OVERFLOW, Strategy, check_partial
@@ -294,6 +294,21 @@ class Pipeline:
                 groups.append(Group(members, protocol, step, flat))
         return groups
 
+    def flat_allreduce(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor) -> FlatAllReduce | None:
+        """The plan of ``items``' exchange where it is, every step, one in-place all-reduce of the whole
+        ``bucket`` divided by n (``none``, summed by a single all-reduce: two workers, or more without
+        ``deterministic``; no feedback memory, no exclusions, warm-up or minimum size); None otherwise.
+        See :class:`FlatAllReduce`."""
+        s, o, n = self.strategy, self.options, self.world_size
+        if not (s.compressor.spec == "none" and s.mode == "collective" and s.divides_first and self.feedback.inert
+                and not (o.min_numel or o.warmup_steps or o.exclude) and (n == 2 or n > 2 and not s.deterministic)):
+            return None
+        flat = bucket.detach().reshape(-1)
+        whole = (flat.is_contiguous() and flat.is_floating_point() and flat.numel() >= n and bool(items)
+                 and items[0][1].data_ptr() == flat.data_ptr() and items[0][1].dtype == flat.dtype
+                 and sum(t.numel() for _, t in items) == flat.numel())
+        return FlatAllReduce(self, tuple(key for key, _ in items), flat) if whole else None
+
     def _record_shape(self, key: str, shape: tuple[int, ...]) -> None:
         expected = self._expected_shapes.pop(key, None)
         if expected is not None and expected != shape:
@@ -392,9 +407,7 @@ class Pipeline:
                 feedback.restore(before)
             if not isinstance(error, NonFiniteError):
                 raise
-            named = NonFiniteError(f"gradients {_names(members if members is not None else keys)}: {error}")
-            named.ranks = error.ranks
-            raise named from None
+            raise _named(error, members if members is not None else keys) from None
 
     def report(self) -> dict[str, Any]:
         """This worker's statistics (see :class:`Stats`), with the strategy's traffic pattern."""
@@ -433,6 +446,58 @@ class Pipeline:
 
 def _names(keys: Sequence[str]) -> str:
     return ", ".join(repr(key) for key in keys)
+
+
+def _named(error: NonFiniteError, keys: Sequence[str]) -> NonFiniteError:
+    """``error`` (the ranks whose gradients held NaN/Inf) naming the gradients of the exchange."""
+    named = NonFiniteError(f"gradients {_names(keys)}: {error}")
+    named.ranks = error.ranks
+    return named
+
+
+class FlatAllReduce:
+    """A DDP bucket's exchange formed once (:meth:`Pipeline.flat_allreduce`): each step divides the bucket
+    by n in place in the pass that checks it (a rank whose gradient holds NaN/Inf sends zeros with a NaN
+    at its own position, as :mod:`gradpress.strategy.allreduce` carries the flag), all-reduces it in
+    place, reads the n flags and decodes the sum (``none``'s :meth:`~gradpress.compressor.Compressor.
+    decode_sum`: the mean as summed, checked for overflow over three or more workers) — the steps of
+    :meth:`Pipeline._protocol` for this case, the same bits, statistics and errors, without forming the
+    per-step keys, groups, contexts, packets and protocol around them (about 0.4 ms of Python per bucket,
+    which a small model's step feels: issue 13's hook cost)."""
+
+    def __init__(self, pipeline: Pipeline, keys: tuple[str, ...], flat: torch.Tensor) -> None:
+        self.pipeline, self.keys, self.flat = pipeline, keys, flat
+        self.pointer, self.nbytes = flat.data_ptr(), flat.numel() * flat.element_size()
+        self.packet = Packet({"values": flat}, flat.shape, flat.dtype, meta={"divided": pipeline.world_size})
+
+    def fits(self, bucket: torch.Tensor) -> bool:
+        """Whether ``bucket`` is the buffer this plan was formed for (DDP keeps a bucket's buffer)."""
+        return bucket.data_ptr() == self.pointer and bucket.numel() == self.flat.numel() and bucket.dtype == self.flat.dtype
+
+    def start(self, driver: Any, then: Any) -> torch.futures.Future:
+        """Start this step's exchange on ``driver``; a future of ``then(the bucket's mean)``."""
+        p, flat, n = self.pipeline, self.flat, self.pipeline.world_size
+        steps = p.steps
+        step = max(steps.get(key, 0) for key in self.keys)
+        for key in self.keys:
+            steps[key] = steps.get(key, 0) + 1
+        started = time.perf_counter()
+        faulty = divide_counting_nonfinite(flat, n) > 0
+        if faulty:  # the step's packet is of zeros; the flag travels as a NaN at this rank's position
+            flat.zero_()
+            flat[p.rank] = float("nan")
+        p.stats.add(step, compress_s=time.perf_counter() - started, raw_bytes=self.nbytes, packet_bytes=self.nbytes)
+
+        def finish(results: list) -> Any:
+            (summed,) = results
+            try:
+                raise_flagged(flagged_ranks(summed[:n], "nan"))
+            except NonFiniteError as error:
+                raise _named(error, self.keys) from None
+            with p.stats.timer(step, "decompress_s"):
+                return then(p.strategy.compressor.decode_sum(self.packet, [summed], n))
+
+        return driver.start_round(Round([AllReduce(flat)], final=True), step, finish)
 
 
 _FAULTY = object()

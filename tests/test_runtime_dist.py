@@ -185,6 +185,79 @@ def test_traffic_reflects_strategy(three_ranks):
     assert switch["received_bytes"] == 4 * switch["packet_bytes"] + (switch["collectives"] // 2) * 3 * 4
 
 
+# -- the plan of an uncompressed bucket (runtime.FlatAllReduce) -----------------------------------------
+PLANNED_STEPS, FAULT_AT = 6, 4  # DDP rebuilds its buckets after step 0; the plans serve from step 2 on
+
+
+def _planned(rank: int, world_size: int) -> dict:
+    """The same DDP training twice, with the buckets' plans and with every bucket through the general
+    exchange (``Pipeline.flat_allreduce`` answering None); rank 1's gradient holds a NaN at step 4."""
+    from gradpress.runtime import FlatAllReduce
+
+    started = FlatAllReduce.start
+    used = [0]
+
+    def counted(plan: FlatAllReduce, *args: Any) -> Any:
+        used[0] += 1
+        return started(plan, *args)
+
+    FlatAllReduce.start = counted  # (this process's class: the worker exits after)
+    out: dict[str, Any] = {}
+    for label in ("planned", "general"):
+        used[0] = 0
+        torch.manual_seed(0)
+        model = _mlp()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+        state = gradpress.register(ddp, "none")
+        if label == "general":
+            state._plans = _Refusing()
+        steps, error = [], None
+        for step in range(PLANNED_STEPS):
+            x = torch.randn(8, 20, generator=torch.Generator().manual_seed(100 * rank + step))
+            if step == FAULT_AT and rank == 1:
+                x[0, 0] = float("nan")
+            ddp.zero_grad()
+            try:
+                nn.functional.mse_loss(ddp(x), x[:, :4]).backward()
+            except Exception:  # noqa: BLE001 - compared across ranks and paths
+                error = (type(state.error).__name__, str(state.error), state.error.ranks)
+                break
+            steps.append({"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                          "stats": state.stats()["last"]})
+        out[label] = {"steps": steps, "error": error, "used": used[0],
+                      "planned": sum(isinstance(plan, FlatAllReduce) for plan in state._plans.values())}
+    return out
+
+
+class _Refusing(dict):
+    """A plan store that keeps nothing: every bucket goes through the general exchange."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+def test_a_planned_bucket_exchange_is_the_general_one_bit_for_bit():
+    ranks = run_workers(_planned, 2, timeout=180)
+    for rank, found in enumerate(ranks):
+        planned, general = found["planned"], found["general"]
+        assert planned["planned"] >= 2 and general["planned"] == 0, (planned["planned"], general["planned"])
+        # steps 2 and 3 through the plans, every bucket of them, and step 4 up to its failure
+        assert planned["used"] >= 2 * planned["planned"] and general["used"] == 0, (planned["used"], general["used"])
+        assert len(planned["steps"]) == len(general["steps"]) == FAULT_AT
+        for step, (mine, theirs) in enumerate(zip(planned["steps"], general["steps"])):
+            for name, grad in mine["grads"].items():
+                assert torch.equal(grad, theirs["grads"][name]), (rank, step, name)
+            counters = ("raw_bytes", "packet_bytes", "sent_bytes", "received_bytes", "collectives")
+            assert {c: mine["stats"][c] for c in counters} == {c: theirs["stats"][c] for c in counters}, step
+            assert mine["stats"]["compress_s"] > 0 and mine["stats"]["comm_s"] > 0
+        # rank 1's NaN at step 4: every rank raises what the general exchange raises, naming rank 1 and
+        # the gradients of a bucket (of whichever failing bucket completed first: Gloo's two threads race)
+        for error in (planned["error"], general["error"]):
+            kind, message, faulty = error
+            assert kind == "NonFiniteError" and faulty == [1], error
+            assert message.startswith("gradients '") and message.endswith(": NaN/Inf in the gradient of rank 1")
+
+
 # -- PyTorch's PowerSGD failure case and save / restore ------------------------------------------------
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
