@@ -15,7 +15,10 @@ of a multi-round exchange (a preliminary exchange, a sizes header, the second ha
 sum) is issued at the next bucket or after the last one, points that are the same on every rank
 (DESIGN invariant 3). DDP's bucket rebuild after the first iteration changes which gradients share a
 bucket, never their keys, so feedback memory carries over; ``no_sync()`` skips the hook and DDP
-accumulates locally, as without one.
+accumulates locally, as without one. A bucket whose exchange is, every step, one in-place all-reduce of
+the whole bucket divided by n (``none``) is planned the first time it is exchanged
+(:class:`gradpress.runtime.FlatAllReduce`): later steps do the work alone, without forming the general
+exchange's per-step objects around it.
 
 A state that knows its model (``model=``, or :func:`register`) watches the model's training forward
 passes until the first bucket reaches the hook: if a second forward pass that DDP will synchronize
