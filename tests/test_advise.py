@@ -365,6 +365,20 @@ def test_advise_end_to_end(tmp_path, synthetic_data, capsys):
     assert png.stat().st_size > 5000
 
 
+def test_advise_with_local_workers_measures_beside_its_other_processes(tmp_path, synthetic_data, capsys):
+    import multiprocessing
+
+    out = tmp_path / "advice.json"
+    assert main(["advise", "--model", "mlp:hidden=8,depth=1,image_size=8", "--compressors", "none,topk:ratio=0.1",
+                 "--bandwidth", "1gbit", "--batch-size", "8", "--repeats", "2", "--local-workers", "3",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "measured while 2 more processes made the same measurements (--local-workers 3" in text
+    advice = json.loads(out.read_text())
+    assert {m["spec"] for m in advice["methods"]} == {"none", "topk:ratio=0.1"}
+    assert multiprocessing.active_children() == []  # the other processes are stopped with the measurement
+
+
 def test_advise_checks_against_compare_results(tmp_path, synthetic_data, capsys):
     from gradpress.testbed.results import save_runs
 

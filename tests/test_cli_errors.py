@@ -127,6 +127,7 @@ BAD = [
     ("compare --compressors noop --out /etc/passwd", "argument --out: /etc/passwd is not a directory"),
     ("compare --compressors noop --out /etc/passwd/x", "cannot create /etc/passwd/x"),
     ("compare --workers 0", "argument --workers"),
+    ("advise --local-workers 0", "argument --local-workers"),
     # bench
     ("bench ops --compressors bogus", "argument --compressors: bogus: unknown compressor"),
     ("bench ops --sizes abc", "argument --sizes: 'abc': expected a positive integer (2^k allowed)"),

@@ -3,11 +3,12 @@ workload they name, and the run that prints the advice."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -126,6 +127,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=cli.positive_int, default=1,
                    help="torch threads (default 1, as each testbed worker)")
     p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0, help="DDP's bucket_cap_mb")
+    p.add_argument("--local-workers", type=cli.integer(1, 64), default=1, metavar="K",
+                   help="workers that will share this machine's cores and memory, as compare's do: the "
+                        "profile and the costs are measured while K − 1 more processes make the same "
+                        "measurements at once (default 1: one worker per machine)")
     p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--check", nargs="+", metavar="PATH",
                    help="compare output directories or results.json: their runs' measured steps beside the "
@@ -179,7 +184,7 @@ def _main(args: argparse.Namespace) -> int:
     _check_specs(specs, args.workers)
     advice = _measure(args, workload, specs)
     console = wide_console()
-    _print_advice(console, advice, args.quality_steps)
+    _print_advice(console, advice, args.quality_steps, args.local_workers)
     checks = check_against(advice, runs) if runs else []
     if checks:
         _print_checks(console, checks)
@@ -240,21 +245,78 @@ def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> 
                 seen[0] += 1
                 bar.update(task, description=what[:70])
 
-            return advise(workload, specs, workers=args.workers, bandwidths=args.bandwidth,
-                          latency=args.latency, burst=args.burst, efficiency=args.efficiency,
-                          repeats=args.repeats, quality_steps=args.quality_steps,
-                          quality_workers=args.quality_workers, tolerance=args.tolerance,
-                          bucket_cap_mb=args.bucket_cap_mb, seed=args.seed, threads=args.threads,
-                          progress=progress)
+            with _sharing(args, specs):
+                return advise(workload, specs, workers=args.workers, bandwidths=args.bandwidth,
+                              latency=args.latency, burst=args.burst, efficiency=args.efficiency,
+                              repeats=args.repeats, quality_steps=args.quality_steps,
+                              quality_workers=args.quality_workers, tolerance=args.tolerance,
+                              bucket_cap_mb=args.bucket_cap_mb, seed=args.seed, threads=args.threads,
+                              progress=progress)
     finally:
         torch.set_num_threads(threads)
 
 
-def _print_advice(console: Any, advice: Advice, quality_steps: int | None) -> None:
+@contextlib.contextmanager
+def _sharing(args: argparse.Namespace, specs: list[str]) -> Iterator[None]:
+    """``--local-workers K``: while the block measures, K − 1 processes (:func:`_shadow`) make the same
+    measurements, all starting together, so that the compute, compression and decoding are timed as K
+    workers sharing this machine run them (a kernel timed alone on an idle machine runs faster than
+    beside another worker, whose cores, caches and memory bandwidth it shares). Stopped at the end."""
+    if args.local_workers <= 1:
+        yield
+        return
+    import queue
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Queue(), ctx.Event()
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    shadows = [ctx.Process(target=_shadow, args=(settings, specs, ready, go), daemon=True)
+               for _ in range(args.local_workers - 1)]
+    for process in shadows:
+        process.start()
+    try:
+        waiting = len(shadows)
+        while waiting:  # each shadow has built its workload (or died: said at once, never waited out)
+            try:
+                ready.get(timeout=1.0)
+                waiting -= 1
+            except queue.Empty:
+                dead = [p.exitcode for p in shadows if p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"--local-workers: a measuring process exited with code {dead[0]} "
+                                       "before measuring") from None
+        go.set()
+        yield
+    finally:
+        for process in shadows:
+            process.kill()
+            process.join(10)
+
+
+def _shadow(settings: dict[str, Any], specs: list[str], ready: Any, go: Any) -> None:
+    """One of ``--local-workers``' other processes: the same measurements, over and over, until stopped."""
+    args = argparse.Namespace(**settings)
+    torch.set_num_threads(args.threads)
+    workload = workload_of(args)
+    ready.put(True)
+    go.wait()
+    while True:
+        advise(workload, specs, workers=args.workers, bandwidths=args.bandwidth, latency=args.latency,
+               burst=args.burst, efficiency=args.efficiency, repeats=args.repeats,
+               bucket_cap_mb=args.bucket_cap_mb, seed=args.seed, threads=args.threads)
+
+
+def _print_advice(console: Any, advice: Advice, quality_steps: int | None, local_workers: int = 1) -> None:
     """The profile, the quality target, the ranked table, what was left out and the pick at each speed."""
     from rich.console import Console
 
     console.print(describe_profile(advice))
+    if local_workers > 1:
+        console.print(f"measured while {local_workers - 1} more process{'es' if local_workers > 2 else ''} "
+                      f"made the same measurements (--local-workers {local_workers}: workers sharing this "
+                      "machine)")
     if advice.quality_note:
         Console(stderr=True).print(advice.quality_note)
     if advice.target is not None:

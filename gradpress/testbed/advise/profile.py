@@ -83,7 +83,7 @@ class _NoDDP(RuntimeError):
 
 
 def profile_compute(workload: Workload, *, repeats: int = 5, workers: int = 2, bucket_cap_mb: float = 25.0,
-                    seed: int = 0, threads: int = 1, warmup: int = 2,
+                    seed: int = 0, threads: int = 1, warmup: int = 8,
                     use_ddp: bool = True) -> tuple[ComputeProfile, list[dict[str, torch.Tensor]]]:
     """Time ``workload``'s steps and find its buckets (package doc); also returns ``workers`` gradients
     (name → tensor) of different batches, for the candidates' simulated workers."""
