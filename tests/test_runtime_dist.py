@@ -189,9 +189,10 @@ def test_traffic_reflects_strategy(three_ranks):
 PLANNED_STEPS, FAULT_AT = 6, 4  # DDP rebuilds its buckets after step 0; the plans serve from step 2 on
 
 
-def _planned(rank: int, world_size: int) -> dict:
-    """The same DDP training twice, with the buckets' plans and with every bucket through the general
-    exchange (``Pipeline.flat_allreduce`` answering None); rank 1's gradient holds a NaN at step 4."""
+def _planned(rank: int, world_size: int, label: str) -> dict:
+    """DDP training with the buckets' plans (``label`` "planned") or with every bucket through the
+    general exchange ("general": the plans are never kept); rank 1's gradient holds a NaN at step 4.
+    (One process group per variant: after a failed exchange the ranks may be out of step.)"""
     from gradpress.runtime import FlatAllReduce
 
     started = FlatAllReduce.start
@@ -202,31 +203,27 @@ def _planned(rank: int, world_size: int) -> dict:
         return started(plan, *args)
 
     FlatAllReduce.start = counted  # (this process's class: the worker exits after)
-    out: dict[str, Any] = {}
-    for label in ("planned", "general"):
-        used[0] = 0
-        torch.manual_seed(0)
-        model = _mlp()
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
-        state = gradpress.register(ddp, "none")
-        if label == "general":
-            state._plans = _Refusing()
-        steps, error = [], None
-        for step in range(PLANNED_STEPS):
-            x = torch.randn(8, 20, generator=torch.Generator().manual_seed(100 * rank + step))
-            if step == FAULT_AT and rank == 1:
-                x[0, 0] = float("nan")
-            ddp.zero_grad()
-            try:
-                nn.functional.mse_loss(ddp(x), x[:, :4]).backward()
-            except Exception:  # noqa: BLE001 - compared across ranks and paths
-                error = (type(state.error).__name__, str(state.error), state.error.ranks)
-                break
-            steps.append({"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                          "stats": state.stats()["last"]})
-        out[label] = {"steps": steps, "error": error, "used": used[0],
-                      "planned": sum(isinstance(plan, FlatAllReduce) for plan in state._plans.values())}
-    return out
+    torch.manual_seed(0)
+    model = _mlp()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = gradpress.register(ddp, "none")
+    if label == "general":
+        state._plans = _Refusing()
+    steps, error = [], None
+    for step in range(PLANNED_STEPS):
+        x = torch.randn(8, 20, generator=torch.Generator().manual_seed(100 * rank + step))
+        if step == FAULT_AT and rank == 1:
+            x[0, 0] = float("nan")
+        ddp.zero_grad()
+        try:
+            nn.functional.mse_loss(ddp(x), x[:, :4]).backward()
+        except Exception:  # noqa: BLE001 - compared across ranks and paths
+            error = (type(state.error).__name__, str(state.error), state.error.ranks)
+            break
+        steps.append({"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                      "stats": state.stats()["last"]})
+    return {"steps": steps, "error": error, "used": used[0],
+            "planned": sum(isinstance(plan, FlatAllReduce) for plan in state._plans.values())}
 
 
 class _Refusing(dict):
@@ -237,9 +234,9 @@ class _Refusing(dict):
 
 
 def test_a_planned_bucket_exchange_is_the_general_one_bit_for_bit():
-    ranks = run_workers(_planned, 2, timeout=180)
-    for rank, found in enumerate(ranks):
-        planned, general = found["planned"], found["general"]
+    runs = {label: run_workers(_planned, 2, label, timeout=180) for label in ("planned", "general")}
+    for rank in range(2):
+        planned, general = runs["planned"][rank], runs["general"][rank]
         assert planned["planned"] >= 2 and general["planned"] == 0, (planned["planned"], general["planned"])
         # steps 2 and 3 through the plans, every bucket of them, and step 4 up to its failure
         assert planned["used"] >= 2 * planned["planned"] and general["used"] == 0, (planned["used"], general["used"])
