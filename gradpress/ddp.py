@@ -168,6 +168,7 @@ class GradpressState:
         (``torch.load(map_location=…)``)."""
         if self._pipeline is not None:
             self._pipeline.load_state_dict(state)
+            self._plans.clear()  # the next step goes the general way, which checks the loaded shapes
         else:
             rank, size = rank_and_size(self._group)
             self._local_pipeline().load_state_dict(state)  # validate now
