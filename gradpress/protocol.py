@@ -185,11 +185,11 @@ def flag_slots(faulty: bool, rank: int, world_size: int, op: str, like: torch.Te
     return slots
 
 
-def flagged_ranks(slots: torch.Tensor, op: str = "sum") -> list[int]:
+def flagged_ranks(slots: torch.Tensor | Sequence[float], op: str = "sum") -> list[int]:
     """The ranks whose combined :func:`flag_slots` are marked (``op`` ``"nan"``: the NaN carriers of a
     float sum, see above). The n slots are read as Python numbers: one small copy, where a ``nonzero``
-    costs more than the rest of an uncompressed bucket's bookkeeping."""
-    values = slots.tolist()
+    costs more than the rest of an uncompressed bucket's bookkeeping (or given as numbers already read)."""
+    values = slots.tolist() if isinstance(slots, torch.Tensor) else slots
     if op == "nan":
         return [r for r, value in enumerate(values) if value != value]
     if op == "min":

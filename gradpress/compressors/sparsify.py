@@ -29,10 +29,6 @@ def keep_count(numel: int, ratio: float) -> int:
     return min(numel, max(1, math.ceil(ratio * numel)))
 
 
-def _element_bytes(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
     """Dense float32 vector of length ``numel`` with ``values`` at ``indices`` (distinct positions).
 
@@ -130,7 +126,7 @@ class TopK(Sparse):
         return keep_count(numel, self.ratio)
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        return keep_count(numel, self.ratio) * (_element_bytes(dtype) + 4)
+        return keep_count(numel, self.ratio) * (dtype.itemsize + 4)
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         k = keep_count(flat.numel(), self.ratio)
@@ -386,7 +382,7 @@ class RandomK(Sparse):
         return keep_count(numel, self.ratio)
 
     def expected_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        return keep_count(numel, self.ratio) * _element_bytes(dtype)
+        return keep_count(numel, self.ratio) * dtype.itemsize
 
     checks_finite = True  # by a pass of its own, faster than the base class's (a max, not a count)
 

@@ -83,7 +83,7 @@ def collect(s: Strategy, local: list[torch.Tensor], fixed: bool, device: torch.d
     header = torch.tensor([t.numel() for t in local] + [int(faulty)], dtype=torch.int64, device=device)
     (headers,) = yield Round([AllGather(header)])
     numels = headers.tolist()  # the one read of the header by the host: flags, sizes and layouts
-    flagged = [r for r, row in enumerate(numels) if row[-1]]
+    flagged = flagged_ranks([row[-1] for row in numels])
     raise_flagged(flagged)  # every rank knows: no need to send the data
     numels = [row[:-1] for row in numels]
     sizes = packed_sizes(numels, [t.element_size() for t in local])

@@ -246,14 +246,18 @@ def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> 
                 bar.update(task, description=what[:70])
 
             with _sharing(args, specs):
-                return advise(workload, specs, workers=args.workers, bandwidths=args.bandwidth,
-                              latency=args.latency, burst=args.burst, efficiency=args.efficiency,
-                              repeats=args.repeats, quality_steps=args.quality_steps,
-                              quality_workers=args.quality_workers, tolerance=args.tolerance,
-                              bucket_cap_mb=args.bucket_cap_mb, seed=args.seed, threads=args.threads,
-                              progress=progress)
+                return advise(workload, specs, **_measuring(args), quality_steps=args.quality_steps,
+                              quality_workers=args.quality_workers, tolerance=args.tolerance, progress=progress)
     finally:
         torch.set_num_threads(threads)
+
+
+def _measuring(args: argparse.Namespace) -> dict[str, Any]:
+    """What :func:`~gradpress.testbed.advise.advise` measures and prices with (the quality runs aside):
+    the same for this process and for ``--local-workers``' others."""
+    return dict(workers=args.workers, bandwidths=args.bandwidth, latency=args.latency, burst=args.burst,
+                efficiency=args.efficiency, repeats=args.repeats, bucket_cap_mb=args.bucket_cap_mb,
+                seed=args.seed, threads=args.threads)
 
 
 @contextlib.contextmanager
@@ -303,9 +307,7 @@ def _shadow(settings: dict[str, Any], specs: list[str], ready: Any, go: Any) -> 
     ready.put(True)
     go.wait()
     while True:
-        advise(workload, specs, workers=args.workers, bandwidths=args.bandwidth, latency=args.latency,
-               burst=args.burst, efficiency=args.efficiency, repeats=args.repeats,
-               bucket_cap_mb=args.bucket_cap_mb, seed=args.seed, threads=args.threads)
+        advise(workload, specs, **_measuring(args))
 
 
 def _print_advice(console: Any, advice: Advice, quality_steps: int | None, local_workers: int = 1) -> None:
