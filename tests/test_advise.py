@@ -3,6 +3,7 @@ costs, the priced bytes against the runtime's own traffic, DDP's bucket layout, 
 end on tiny models (a testbed model on synthetic data, and a ``package.module:factory`` model)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -128,6 +129,85 @@ def test_time_to_target_outranks_throughput():
     assert ranked[-1].time_to_target_s is None and ranked[-1].speedup_time_to_target is None
     # by throughput alone the lossy one would lead
     assert A.rank(prof, costs, n=4, bandwidth="100mbit")[0].spec == "fast-but-lossy"
+
+
+def test_a_local_step_prices_the_host_and_leaves_the_link_to_the_model():
+    """``--local-workers``: the host's part of the step is the real local step's, only the link modelled.
+    One bucket ready at the end of the backward pass, an all-reduce (whose decoding does not grow with n):
+    the prediction is the local step less the loopback's collectives plus the modelled link, at every
+    speed and worker count."""
+    prof = profile(buckets=((0.03, 8e6),))
+    plain = method("tiny", prof, 0.01, 2 * MS, 1 * MS, exchange="allreduce")
+    local = A.LocalStep(workers=2, step_s=0.080, compute_s=0.050, compression_s=0.009, communication_s=0.004)
+    cost = dataclasses.replace(plain, local=local)
+    for n, bandwidth in ((2, "100mbit"), (16, "1gbit"), (256, "10gbit")):
+        link = A.predict(prof, plain, n=n, bandwidth=bandwidth, latency=1e-4).communication
+        got = A.predict(prof, cost, n=n, bandwidth=bandwidth, latency=1e-4)
+        assert got.total == pytest.approx(local.step_s - local.communication_s + link)
+        assert got.communication == pytest.approx(link)
+    assert local.rest_s == pytest.approx(0.080 - 0.050 - 0.009 - 0.004)
+    # the parts: compute scaled to the local one (ready times too), compression to its sum among 2 workers
+    scaled_profile, scaled_cost, rest = A.calibrated(prof, cost)
+    assert scaled_profile.compute_s == pytest.approx(local.compute_s)
+    assert scaled_profile.buckets[0].ready_s == pytest.approx(0.03 * local.compute_s / prof.compute_s)
+    assert scaled_cost.compression_at(2) == pytest.approx(local.compression_s) and scaled_cost.local is None
+    assert rest == pytest.approx(local.rest_s)
+    # an all-gather's decoding still grows with n from the local step's share of it
+    gather = dataclasses.replace(method("tiny", prof, 0.01, 2 * MS, 1 * MS), local=local)
+    decode = A.calibrated(prof, gather)[1].buckets[0].decompress_s
+    assert decode == pytest.approx(local.compression_s / 3)
+    grow = [A.predict(prof, gather, n=n, bandwidth="400gbit", latency=0.0).compression for n in (2, 16)]
+    assert grow[1] - grow[0] == pytest.approx(7 * decode)
+    # torch-allreduce compresses nothing: its local step prices it the same way
+    base = A.baseline_cost(prof, dataclasses.replace(local, compression_s=0.0))
+    link = A.predict(prof, A.baseline_cost(prof), n=2, bandwidth="100mbit", latency=1e-4).communication
+    assert A.predict(prof, base, n=2, bandwidth="100mbit", latency=1e-4).total == pytest.approx(
+        local.step_s - local.communication_s + link)
+
+
+def test_local_steps_are_scaled_to_the_runs_typical_speed():
+    """The noop runs around each method say how fast the machine ran while it was measured: a method
+    measured while noop took 1.5× its median is scaled by 1/1.5, one at the median is kept."""
+    from gradpress.testbed.advise.local import at_typical_speed
+
+    noops = [(0.020, 0.018, 0.0, 0.0), (0.020, 0.018, 0.0, 0.0), (0.040, 0.036, 0.0, 0.0), (0.020, 0.018, 0.0, 0.0)]
+    measured = {"a": (0.030, 0.020, 0.005, 0.002), "b": (0.045, 0.030, 0.009, 0.003), "c": (0.050, 0.0, 0.0, 0.0)}
+    got = at_typical_speed(measured, noops)
+    assert got["a"] == pytest.approx(measured["a"])  # noop at its median before and after
+    assert got["b"] == pytest.approx(tuple(t / 1.5 for t in measured["b"]))  # noop 0.020 then 0.040
+    assert got["c"] == pytest.approx(tuple(t / 1.5 for t in measured["c"]))  # 0.040 then 0.020
+    assert got["noop"] == noops[0]
+    with pytest.raises(ValueError, match="3 methods need 4 noop runs"):
+        at_typical_speed(measured, noops[:3])
+
+
+def test_advise_prices_each_method_and_the_reference_with_its_local_step(synthetic_data):
+    """:func:`advise` with a ``local`` measurement: every method, ``torch-allreduce`` and ``noop`` asked for;
+    the rankings and crossings priced with the steps returned, and a method it could not measure priced
+    as measured alone, with the reason."""
+    workload = A.testbed_workload("mlp:hidden=8,depth=1,image_size=8", 8, None, None)
+    asked = []
+    fast = A.LocalStep(workers=2, step_s=0.004, compute_s=0.002, compression_s=0.001, communication_s=0.0005)
+
+    def local(specs):
+        asked.extend(specs)
+        return {"topk:ratio=0.1": fast, A.BASELINE: dataclasses.replace(fast, compression_s=0.0),
+                "noop": dataclasses.replace(fast, compression_s=0.0, communication_s=0.0)}, {"none": "Boom: no"}
+
+    advice = A.advise(workload, ["none", "topk:ratio=0.1"], workers=4, bandwidths=["1gbit"], repeats=1,
+                      local=local)
+    assert asked == ["none", "topk:ratio=0.1", A.BASELINE, "noop"]
+    costs = {c.spec: c for c in advice.costs}
+    assert costs["topk:ratio=0.1"].local == fast and costs["none"].local is None
+    assert "Boom: no" in advice.skipped["none"]
+    assert advice.reference.local.compression_s == 0.0 and advice.local_noop.communication_s == 0.0
+    rows = {r.spec: r for r in advice.rankings["1gbit"]}
+    for spec, cost in [*costs.items(), (A.BASELINE, advice.reference)]:
+        assert rows[spec].predicted.total == pytest.approx(
+            A.predict(advice.profile, cost, n=4, bandwidth="1gbit", latency=advice.latency).total)
+    assert rows["topk:ratio=0.1"].predicted.compute == pytest.approx(fast.compute_s + fast.rest_s)
+    assert advice.crossovers["topk:ratio=0.1"] == A.crossover(advice.profile, costs["topk:ratio=0.1"], n=4,
+                                                              latency=advice.latency, baseline=advice.reference)
 
 
 @functools.lru_cache(maxsize=None)
@@ -365,18 +445,32 @@ def test_advise_end_to_end(tmp_path, synthetic_data, capsys):
     assert png.stat().st_size > 5000
 
 
-def test_advise_with_local_workers_measures_beside_its_other_processes(tmp_path, synthetic_data, capsys):
+def test_advise_with_local_workers_prices_each_method_with_its_real_local_step(tmp_path, capsys):
+    """--local-workers 2: real DDP steps among 2 Gloo processes over loopback, for every method, the
+    reference and noop, as compare times its steps."""
     import multiprocessing
 
     out = tmp_path / "advice.json"
-    assert main(["advise", "--model", "mlp:hidden=8,depth=1,image_size=8", "--compressors", "none,topk:ratio=0.1",
-                 "--bandwidth", "1gbit", "--batch-size", "8", "--repeats", "2", "--local-workers", "3",
-                 "--json", str(out)]) == 0
+    assert main(["advise", "--model", "test_advise:tiny_model", "--input-shape", "6", "--compressors",
+                 "none,topk:ratio=0.1", "--bandwidth", "1gbit", "--batch-size", "8", "--repeats", "2",
+                 "--local-workers", "2", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "measured while 2 more processes made the same measurements (--local-workers 3" in text
+    assert "priced with each method's real DDP step among 2 processes of this machine" in text
     advice = json.loads(out.read_text())
-    assert {m["spec"] for m in advice["methods"]} == {"none", "topk:ratio=0.1"}
-    assert multiprocessing.active_children() == []  # the other processes are stopped with the measurement
+    steps = [m["local"] for m in advice["methods"]] + list(advice["local"].values())
+    assert len(steps) == 4 and advice["skipped"] == {}
+    for step in steps:
+        assert step["workers"] == 2
+        assert step["step_s"] >= step["compute_s"] > 0 and step["step_s"] >= step["compression_s"] >= 0
+    topk = next(m for m in advice["methods"] if m["spec"] == "topk:ratio=0.1")
+    assert topk["local"]["compression_s"] > 0 and topk["local"]["communication_s"] > 0
+    assert advice["local"]["noop"]["communication_s"] == 0.0
+    # the prediction starts from the local step: its compute (the profile scaled to it) and the rest
+    row = next(r for r in advice["rankings"]["1gbit"] if r["spec"] == "topk:ratio=0.1")
+    local = topk["local"]
+    rest = max(0.0, local["step_s"] - local["compute_s"] - local["compression_s"] - local["communication_s"])
+    assert row["predicted"]["compute"] == pytest.approx(local["compute_s"] + rest)
+    assert multiprocessing.active_children() == []  # the measuring processes are gone
 
 
 def test_advise_checks_against_compare_results(tmp_path, synthetic_data, capsys):

@@ -185,6 +185,24 @@ def test_simulate_is_the_powersgd_step_by_hand():
         memory = [pipeline.feedback.memory("w").double() for pipeline in sim.pipelines]
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (256, 384)])
+def test_rank_one_decompression_is_the_matrix_products_bits(shape):
+    """M̂ = P̂ Qᵀ at rank 1 is an outer product: each entry one product p_i·q_j, as the matrix product of
+    inner dimension 1 computes it (float32, no sum to round), so both give the same bits, here and through
+    decompress and decode_sum."""
+    from gradpress.compressors.powersgd import _product
+
+    m, n = shape
+    pt, qt = randn(1, m, seed=m), randn(1, n, seed=n + 1)
+    assert torch.equal(_product(pt, qt), torch.mm(pt.t(), qt))
+    c = gradpress.make("powersgd:rank=1,min_compression_rate=0")
+    x = randn(m, n, seed=3) if min(m, n) > 1 else randn(4, 5, seed=3)
+    packet = c.compress(x, Context(seed=0, step=0, key="w"))
+    expected = torch.mm(packet["p"].t(), packet["q"]).view(x.shape)
+    assert torch.equal(c.decompress(packet), expected)
+    assert torch.equal(c.decode_sum(packet, [packet["q"] * 2], 2), expected)
+
+
 def test_two_rounds_p_then_q_and_their_bytes():
     """Per compressed tensor: a preliminary all-reduce of P (m×r), then one of Q (n×r); for two workers a
     ring all-reduce sends each worker's bytes once, so sent bytes = the packet's (m + n)·r·4."""

@@ -247,7 +247,7 @@ def _setup(config: TrainConfig, rank: int) -> _Setup:
     ddp = DistributedDataParallel(model)
     lr = config.lr if config.lr is not None else settings.lr
     return _Setup(dataset, dataset.shard(rank, config.workers, seed=config.seed), settings, model, ddp,
-                  _install_hook(ddp, config), _optimizer(settings.optimizer, model.parameters(), lr),
+                  install_hook(ddp, config), _optimizer(settings.optimizer, model.parameters(), lr),
                   criterion(dataset), lr, config.batch_size or settings.batch_size)
 
 
@@ -304,23 +304,12 @@ class _Training:
         """One training step, recorded: its compute (the training thread's time outside the hooks and the
         wait for the exchange), compression, communication and bytes, as the meter saw them."""
         s = self.s
-        started = time.perf_counter()
-        before, hooked = s.meter.snapshot(), s.meter.in_hooks
-        s.optimizer.zero_grad(set_to_none=True)
-        loss = s.loss_fn(s.ddp(x), y)
-        loss.backward()
-        waited = max(0.0, time.perf_counter() - s.meter.handed_off) if s.meter.handed_off > started else 0.0
-        if s.settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.settings.grad_clip)
-        s.optimizer.step()
-        elapsed = time.perf_counter() - started
-        spent = s.meter.snapshot() - before
+        loss, compute_s, spent = metered_step(s.ddp, s.meter, s.optimizer, s.loss_fn, x, y, s.settings.grad_clip)
         self.bytes_total += int(spent.bytes)
-        self.steps.append(Step(step=step, epoch=epoch, wall_s=self.clock.elapsed(),
-                               compute_s=max(0.0, elapsed - (s.meter.in_hooks - hooked) - waited),
+        self.steps.append(Step(step=step, epoch=epoch, wall_s=self.clock.elapsed(), compute_s=compute_s,
                                compress_s=spent.compress_s, comm_s=spent.comm_s, bytes_sent=int(spent.bytes),
                                samples=len(y) * self.config.workers))
-        return loss.detach()
+        return loss
 
     def measure(self, epoch: int, step: int) -> bool:
         """Evaluate (rank 0); whether the time budget is spent (rank 0 decides for every rank).
@@ -346,6 +335,24 @@ class _Training:
             spent = torch.tensor([self.rank == 0 and wall_s >= self.config.seconds], dtype=torch.uint8)
             dist.broadcast(spent, 0)
             return bool(spent)
+
+
+def metered_step(ddp: Any, meter: _Meter, optimizer: torch.optim.Optimizer, loss_fn: Callable, x: Any, y: Any,
+                 grad_clip: float | None = None) -> tuple[torch.Tensor, float, Spent]:
+    """One DDP training step on batch ``(x, y)`` through the hook ``meter`` watches: the loss (detached),
+    the step's compute (its time less the time inside hooks and the wait for the exchange after the last
+    bucket was handed off) and what the hooks spent (:class:`Spent`)."""
+    started = time.perf_counter()
+    before, hooked = meter.snapshot(), meter.in_hooks
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(ddp(x), y)
+    loss.backward()
+    waited = max(0.0, time.perf_counter() - meter.handed_off) if meter.handed_off > started else 0.0
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), grad_clip)
+    optimizer.step()
+    elapsed = time.perf_counter() - started
+    return loss.detach(), max(0.0, elapsed - (meter.in_hooks - hooked) - waited), meter.snapshot() - before
 
 
 class _Clock:
@@ -489,7 +496,9 @@ class _Meter:
         return stamped_hook
 
 
-def _install_hook(ddp: Any, config: TrainConfig) -> _Meter:
+def install_hook(ddp: Any, config: TrainConfig) -> _Meter:
+    """Register ``config.compressor``'s hook on ``ddp`` (a gradpress spec, or a reference row of
+    :data:`~gradpress.testbed.results.REFERENCES`) and return the meter that reads what it spends."""
     if config.compressor not in REFERENCES:
         import gradpress
 

@@ -56,12 +56,23 @@ sets it; a method's *steps to target* is the first crossing of its curve, interp
 checkpoints. The ranking is then by predicted **time to target** = steps to target × predicted step
 time; a method that does not reach it in K steps is ranked after those that do.
 
+**Workers sharing a machine** (``--local-workers K``, :func:`measure_local_steps`). What is measured above
+runs alone on an idle core; ``compare``'s workers, and any job with several workers per machine, share the
+cores, caches and memory bandwidth, and the hook adds work of its own (threads, hand-offs) that the
+Simulator does not. With K ≥ 2, each candidate, ``torch-allreduce`` and ``noop`` also train a few steps in
+a real DDP among K processes of this machine over loopback, timed as ``compare`` times its steps, and
+:func:`calibrated` prices each method with its own local step: the compute and the sum of compression and
+decoding as measured there (the profile's and the buckets' proportions kept), and the rest of the local
+step outside compute, compression and the loopback's collectives added once per step; only the link is
+modelled.
+
 The checks against measurement (``gradpress compare`` on the emulated network beside ``advise`` with the
 same link) are commands in the README.
 
 The package holds one part each: :mod:`~gradpress.testbed.advise.workload` (what is profiled: a testbed
 model or a factory), :mod:`~gradpress.testbed.advise.profile` (compute and DDP's buckets),
 :mod:`~gradpress.testbed.advise.costs` (each candidate's measured costs and collectives),
+:mod:`~gradpress.testbed.advise.local` (real steps among local workers),
 :mod:`~gradpress.testbed.advise.ranking` (prediction, ranking, crossings),
 :mod:`~gradpress.testbed.advise.quality` (quality runs, steps to target),
 :mod:`~gradpress.testbed.advise.advice` (the whole advice), :mod:`~gradpress.testbed.advise.output` (table,
@@ -75,21 +86,22 @@ from gradpress.testbed.advise.advice import (DEMO, RATIO_VARIANTS, Advice, Progr
 from gradpress.testbed.advise.check import (Checked, check_against, link_from_runs, render_checks, scaled,
                                            scaled_cost)
 from gradpress.testbed.advise.command import DEFAULT_BANDWIDTHS, add_parser, workload_of
-from gradpress.testbed.advise.costs import (BASELINE, BucketCost, MethodCost, Transfer, baseline_cost,
+from gradpress.testbed.advise.costs import (BASELINE, BucketCost, LocalStep, MethodCost, Transfer, baseline_cost,
                                             link_phases, measure_method, transfers_of)
+from gradpress.testbed.advise.local import measure_local_steps
 from gradpress.testbed.advise.output import (NEAR, PLOT_RANGE, PLOTTED, describe_profile, plot, render,
                                              summary_lines, to_json)
 from gradpress.testbed.advise.profile import (FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets,
                                               profile_compute)
 from gradpress.testbed.advise.quality import (QUALITY_REFERENCE, QualityCurve, checkpoints, default_tolerance,
                                               quality_curve, quality_target, steps_to_reach)
-from gradpress.testbed.advise.ranking import (CROSSING_RANGE, Ranked, crossover, predict, rank, register_line,
-                                              speedup_at)
+from gradpress.testbed.advise.ranking import (CROSSING_RANGE, Ranked, calibrated, crossover, predict, rank,
+                                              register_line, speedup_at)
 from gradpress.testbed.advise.workload import (Workload, factory_workload, is_factory, load_object,
                                                testbed_workload)
 
-__all__ = ["Advice", "Bucket", "BucketCost", "Checked", "ComputeProfile", "MethodCost", "QualityCurve",
-           "Ranked", "Transfer", "Workload", "add_parser", "advise", "assign_buckets", "baseline_cost",
-           "check_against", "crossover", "factory_workload", "link_from_runs", "link_phases", "measure_method",
+__all__ = ["Advice", "Bucket", "BucketCost", "Checked", "ComputeProfile", "LocalStep", "MethodCost",
+           "QualityCurve", "Ranked", "Transfer", "Workload", "add_parser", "advise", "assign_buckets",
+           "baseline_cost", "calibrated", "check_against", "crossover", "factory_workload", "link_from_runs", "link_phases", "measure_local_steps", "measure_method",
            "predict", "profile_compute", "quality_curve", "rank", "register_line", "steps_to_reach",
            "testbed_workload", "transfers_of"]

@@ -3,12 +3,12 @@ runs and rankings at every link speed in one :class:`Advice`."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 from gradpress import cli
 from gradpress.testbed import costmodel
-from gradpress.testbed.advise.costs import BASELINE, MethodCost, baseline_cost, measure_method
+from gradpress.testbed.advise.costs import BASELINE, LocalStep, MethodCost, baseline_cost, measure_method
 from gradpress.testbed.advise.profile import ComputeProfile, profile_compute
 from gradpress.testbed.advise.quality import (QUALITY_REFERENCE, QualityCurve, quality_curve, quality_target,
                                               steps_to_reach)
@@ -20,6 +20,8 @@ RATIO_VARIANTS: dict[str, tuple[str, ...]] = {"topk": ("0.1", "0.001"), "randomk
 #: the README's demo set (``gradpress compare --compressors demo``), without PyTorch's own hooks
 DEMO = ("none", "fp16", "topk:ratio=0.01", "qsgd", "natural", "thc", "powersgd")
 Progress = Callable[[str], None]
+#: measures the real local steps of the specs given: (spec -> step, spec -> why it was not measured)
+LocalSteps = Callable[[Sequence[str]], tuple[Mapping[str, LocalStep], Mapping[str, str]]]
 
 
 def _quiet(_: str) -> None:
@@ -70,6 +72,13 @@ class Advice:
     measure_seconds: float = 0.0
     burst: float = 0.0
     efficiency: dict[str, float] = field(default_factory=dict)
+    baseline: MethodCost | None = None
+    local_noop: LocalStep | None = None
+
+    @property
+    def reference(self) -> MethodCost:
+        """``torch-allreduce``'s cost: with its local step where one was measured."""
+        return self.baseline or baseline_cost(self.profile)
 
     def best(self, bandwidth: str) -> Ranked:
         return self.rankings[bandwidth][0]
@@ -80,11 +89,15 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
            repeats: int = 5, quality_steps: int | None = None, quality_workers: int | None = None,
            tolerance: float | None = None, bucket_cap_mb: float = 25.0, seed: int = 0, threads: int = 1,
            progress: Progress = _quiet, use_ddp: bool = True, burst: float = 0.0,
-           efficiency: Mapping[str, float] | None = None) -> Advice:
+           efficiency: Mapping[str, float] | None = None, local: LocalSteps | None = None) -> Advice:
     """Profile ``workload``, measure every spec, rank them at every bandwidth (package doc) through links
     with a token bucket of ``burst`` bytes and ``efficiency`` per strategy
     (:mod:`~gradpress.testbed.costmodel`; default: a plain link at its rate). A spec that fails to
-    measure is left out with its reason (``Advice.skipped``)."""
+    measure is left out with its reason (``Advice.skipped``). ``local``: measures the real local steps of
+    the specs it is given (``--local-workers``, :func:`~gradpress.testbed.advise.local.measure_local_steps`),
+    which then price each method, ``torch-allreduce`` and ``noop`` included
+    (:func:`~gradpress.testbed.advise.ranking.calibrated`); a method it could not measure is priced
+    as measured here, with the reason in ``skipped``."""
     started = time.perf_counter()
     simulated = min(2, workers)
     progress("profiling compute and DDP's buckets")
@@ -109,14 +122,20 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
             to_target = {c.spec: steps_to_reach(c, target) for c in curves}
             to_target[BASELINE] = to_target[QUALITY_REFERENCE]
             costs = [c for c in costs if c.spec in to_target]
+    base, noop = baseline_cost(profile), None
+    if local is not None:
+        progress("measuring each method's real step with the local workers")
+        steps, failed = local([c.spec for c in costs] + [BASELINE, "noop"])
+        costs = [replace(c, local=steps.get(c.spec)) for c in costs]
+        base, noop = baseline_cost(profile, steps.get(BASELINE)), steps.get("noop")
+        skipped.update({spec: f"priced without its local step: {why}" for spec, why in failed.items()})
     link = {"latency": latency, "burst": burst, "efficiency": dict(efficiency or {})}
-    rankings = {bw: rank(profile, costs, n=workers, bandwidth=bw, steps_to_target=to_target, **link)
-                for bw in bandwidths}
-    base = baseline_cost(profile)
+    rankings = {bw: rank(profile, costs, n=workers, bandwidth=bw, steps_to_target=to_target, baseline=base,
+                         **link) for bw in bandwidths}
     crossings = {c.spec: crossover(profile, c, n=workers, baseline=base, **link) for c in costs}
     return Advice(workload.label, workload.source, workers, latency, list(bandwidths), profile, costs,
                   rankings, crossings, skipped, curves, target, to_target, note,
-                  time.perf_counter() - started, burst, dict(efficiency or {}))
+                  time.perf_counter() - started, burst, dict(efficiency or {}), base, noop)
 
 
 def _quality_runs(workload: Workload, measured: Sequence[str], steps: int, workers: int, seed: int,

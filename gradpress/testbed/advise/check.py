@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from gradpress.testbed import costmodel
 from gradpress.testbed.advise.advice import Advice
-from gradpress.testbed.advise.costs import BASELINE, MethodCost, baseline_cost
+from gradpress.testbed.advise.costs import BASELINE, MethodCost
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.ranking import predict
 
@@ -17,11 +17,12 @@ from gradpress.testbed.advise.ranking import predict
 class Checked:
     """A measured method (``gradpress compare``: one run, or the median of its repeated runs) beside the
     prediction for its method, n and link rate. ``noop`` is checked against the profile's compute
-    (forward + backward + optimizer). ``measured_low``/``measured_high``: the fastest and slowest of the
-    ``runs`` runs' mean steps. ``overhead_s``: a run's mean step less its own mean compute (what the method
-    adds: exposed communication, compression; the median over the runs), ``overhead_rank`` its rank among the
-    methods: where the compute drifts between runs by more than the methods differ, this orders what the
-    methods change."""
+    (forward + backward + optimizer), or its local step with ``--local-workers``.
+    ``measured_low``/``measured_high``: the fastest and slowest of the ``runs`` runs' mean steps.
+    ``overhead_s``: a run's mean step less its own mean compute (what the method adds: exposed
+    communication, compression; the median over the runs), ``overhead_rank`` its rank among the methods:
+    where the compute drifts between runs by more than the methods differ, this orders what the methods
+    change."""
 
     spec: str
     workers: int
@@ -51,17 +52,13 @@ class Checked:
 
 def scaled(profile: ComputeProfile, compute_s: float) -> ComputeProfile:
     """``profile`` with forward, backward, optimizer and ready times scaled to a step of ``compute_s``."""
-    k = compute_s / profile.compute_s
-    return replace(profile, forward_s=profile.forward_s * k, backward_s=profile.backward_s * k,
-                   optimizer_s=profile.optimizer_s * k,
-                   buckets=tuple(replace(b, ready_s=b.ready_s * k) for b in profile.buckets))
+    return profile.scaled(compute_s)
 
 
 def scaled_cost(cost: MethodCost, factor: float) -> MethodCost:
-    """``cost`` with each bucket's compression and decoding seconds times ``factor`` (its bytes and
-    collectives as they are): the method's CPU work on a machine running ``factor`` times slower."""
-    return replace(cost, buckets=tuple(replace(b, compress_s=b.compress_s * factor,
-                                               decompress_s=b.decompress_s * factor) for b in cost.buckets))
+    """``cost`` as measured (its local step, if any, set aside) with each bucket's compression and decoding
+    seconds times ``factor``: the method's CPU work on a machine running ``factor`` times slower."""
+    return replace(cost.scaled(factor), local=None)
 
 
 def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) -> list[Checked]:
@@ -72,9 +69,10 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     benchmarks take the median of repeated runs: a run slowed throughout by other load on the machine
     moves it least), with the fastest and slowest. Where ``noop`` runs of the same n and link are among
     them, ``with_noop_s`` is the prediction with the profile's compute scaled to their median step
-    (``sim cost``'s compute), and each method's compression and decoding by the same factor: it separates
-    the model from a machine that ran its CPU work at another speed while ``compare`` ran (another load;
-    its workers sharing the cores, where ``advise`` measured each part alone on an idle one).
+    (``sim cost``'s compute), and each method's compression and decoding by the same factor — or, with
+    local steps, each local step scaled by that median over the local ``noop``'s (:func:`_at_noops_speed`):
+    it separates the model from a machine that ran its CPU work at another speed while ``compare`` ran
+    (another load; its workers sharing the cores, where ``advise`` measured each part alone on an idle one).
 
     The links are the runs' own (:mod:`~gradpress.testbed.costmodel`'s two link terms): the token bucket
     the run recorded (:func:`gradpress.testbed.sim.cost.burst_of`; the testbed's tbf for runs from before
@@ -85,7 +83,7 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     from gradpress.testbed.sim.cost import burst_of
 
     by_spec = {c.spec: c for c in advice.costs}
-    base = baseline_cost(advice.profile)
+    base = advice.reference
 
     def cost_of(spec: str) -> MethodCost | None:
         return base if spec == BASELINE else by_spec.get(spec)
@@ -105,8 +103,9 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
         burst = advice.burst or burst_of(repeats[0])
         rates: dict[str, float] = {}
         latency = advice.latency
-        if spec == "noop":
-            predicted, with_noop = advice.profile.compute_s, None
+        if spec == "noop":  # the local noop's step where one was measured, else the profile's compute
+            local = advice.local_noop
+            predicted, with_noop = (advice.profile.compute_s if local is None else local.step_s), None
         else:
             others = [(r, cost_of(r.compressor)) for r in runs
                       if r.compressor != spec and (r.workers, r.bandwidth) == (workers, bandwidth)
@@ -117,10 +116,9 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
             rates.update(advice.efficiency)
             common = {"n": workers, "bandwidth": bandwidth, "latency": latency, "burst": burst,
                       "efficiency": rates}
-            predicted = predict(advice.profile, cost_of(spec), **common).total
-            slower = None if compute is None else compute / advice.profile.compute_s
-            with_noop = (None if slower is None else
-                         predict(scaled(advice.profile, compute), scaled_cost(cost_of(spec), slower), **common).total)
+            cost = cost_of(spec)
+            predicted = predict(advice.profile, cost, **common).total
+            with_noop = None if compute is None else predict(*_at_noops_speed(advice, cost, compute), **common).total
         overhead = None if spec == "noop" else statistics.median(r.mean_step_s - r.mean_compute_s for r in repeats)
         rows.append(((spec, workers, bandwidth), predicted, measured, with_noop, burst, rates, latency,
                      len(steps), min(steps), max(steps), overhead))
@@ -131,6 +129,17 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     return [Checked(*key, predicted, measured, by_prediction.get(key), by_measurement.get(key), with_noop, burst,
                     rates, latency, count, low, high, overhead, by_overhead.get(key))
             for key, predicted, measured, with_noop, burst, rates, latency, count, low, high, overhead in rows]
+
+
+def _at_noops_speed(advice: Advice, cost: MethodCost, noop_step_s: float) -> tuple[ComputeProfile, MethodCost]:
+    """The profile and ``cost`` of a machine running as fast as it ran ``compare``'s ``noop`` (its mean
+    step ``noop_step_s``): with a local step (``--local-workers``), every time of it scaled by the ratio of
+    that step to the local ``noop``'s; without one, the profile's compute scaled to that step and the
+    method's compression and decoding by the same factor."""
+    if cost.local is not None and advice.local_noop is not None:
+        return advice.profile, replace(cost, local=cost.local.scaled(noop_step_s / advice.local_noop.step_s))
+    slower = noop_step_s / advice.profile.compute_s
+    return scaled(advice.profile, noop_step_s), scaled_cost(cost, slower)
 
 
 def link_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost]], *,
@@ -166,7 +175,7 @@ def render_checks(checks: Sequence[Checked]) -> Any:
     from rich.table import Table
 
     table = Table(title="predicted against measured (compare's mean steady-state step, the median over repeated "
-                        "runs; ranks by samples/s among these methods; noop: the profile's compute)")
+                        "runs; ranks by samples/s among these methods; noop: the profile's compute or its local step)")
     noop = any(c.with_noop_s is not None for c in checks)
     columns = ["method", "n", "link", "bucket", "α ms, rates (others' fit)", "predicted ms", "measured ms",
                "error", "rank pred.", "rank meas.", "meas. step − compute ms (rank)"]

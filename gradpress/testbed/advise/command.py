@@ -3,12 +3,11 @@ workload they name, and the run that prints the advice."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import statistics
 from dataclasses import asdict
-from typing import Any, Iterator
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -16,6 +15,7 @@ from gradpress import cli
 from gradpress.testbed import costmodel, netem
 from gradpress.testbed.advise.advice import DEMO, Advice, advise, candidates
 from gradpress.testbed.advise.check import Checked, check_against, render_checks
+from gradpress.testbed.advise.local import measure_local_steps
 from gradpress.testbed.advise.output import describe_profile, plot, render, summary_lines, to_json
 from gradpress.testbed.advise.quality import QUALITY_REFERENCE
 from gradpress.testbed.advise.workload import (Workload, factory_workload, is_factory, load_object,
@@ -128,9 +128,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="torch threads (default 1, as each testbed worker)")
     p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0, help="DDP's bucket_cap_mb")
     p.add_argument("--local-workers", type=cli.integer(1, 64), default=1, metavar="K",
-                   help="workers that will share this machine's cores and memory, as compare's do: the "
-                        "profile and the costs are measured while K − 1 more processes make the same "
-                        "measurements at once (default 1: one worker per machine)")
+                   help="workers that will share this machine's cores and memory, as compare's do: each "
+                        "method's real DDP step is also measured among K processes over loopback and "
+                        "prices the host's part of its step, the link modelled (default 1: one worker per "
+                        "machine, the profile alone)")
     p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--check", nargs="+", metavar="PATH",
                    help="compare output directories or results.json: their runs' measured steps beside the "
@@ -245,69 +246,30 @@ def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> 
                 seen[0] += 1
                 bar.update(task, description=what[:70])
 
-            with _sharing(args, specs):
-                return advise(workload, specs, **_measuring(args), quality_steps=args.quality_steps,
-                              quality_workers=args.quality_workers, tolerance=args.tolerance, progress=progress)
+            local = _local_steps(args) if args.local_workers > 1 else None
+            return advise(workload, specs, **_measuring(args), quality_steps=args.quality_steps,
+                          quality_workers=args.quality_workers, tolerance=args.tolerance, progress=progress,
+                          local=local)
     finally:
         torch.set_num_threads(threads)
 
 
 def _measuring(args: argparse.Namespace) -> dict[str, Any]:
-    """What :func:`~gradpress.testbed.advise.advise` measures and prices with (the quality runs aside):
-    the same for this process and for ``--local-workers``' others."""
+    """What :func:`~gradpress.testbed.advise.advise` measures and prices with (the quality runs aside)."""
     return dict(workers=args.workers, bandwidths=args.bandwidth, latency=args.latency, burst=args.burst,
                 efficiency=args.efficiency, repeats=args.repeats, bucket_cap_mb=args.bucket_cap_mb,
                 seed=args.seed, threads=args.threads)
 
 
-@contextlib.contextmanager
-def _sharing(args: argparse.Namespace, specs: list[str]) -> Iterator[None]:
-    """``--local-workers K``: while the block measures, K − 1 processes (:func:`_shadow`) make the same
-    measurements, all starting together, so that the compute, compression and decoding are timed as K
-    workers sharing this machine run them (a kernel timed alone on an idle machine runs faster than
-    beside another worker, whose cores, caches and memory bandwidth it shares). Stopped at the end."""
-    if args.local_workers <= 1:
-        yield
-        return
-    import queue
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    ready, go = ctx.Queue(), ctx.Event()
+def _local_steps(args: argparse.Namespace) -> Callable[[Sequence[str]], Any]:
+    """``--local-workers K``: what measures the real local steps of the specs :func:`advise` gives it, in K
+    processes that build the workload from these arguments."""
     settings = {k: v for k, v in vars(args).items() if k != "func"}
-    shadows = [ctx.Process(target=_shadow, args=(settings, specs, ready, go), daemon=True)
-               for _ in range(args.local_workers - 1)]
-    for process in shadows:
-        process.start()
-    try:
-        waiting = len(shadows)
-        while waiting:  # each shadow has built its workload (or died: said at once, never waited out)
-            try:
-                ready.get(timeout=1.0)
-                waiting -= 1
-            except queue.Empty:
-                dead = [p.exitcode for p in shadows if p.exitcode is not None]
-                if dead:
-                    raise RuntimeError(f"--local-workers: a measuring process exited with code {dead[0]} "
-                                       "before measuring") from None
-        go.set()
-        yield
-    finally:
-        for process in shadows:
-            process.kill()
-            process.join(10)
 
+    def measure(specs: Sequence[str]) -> Any:
+        return measure_local_steps(settings, specs, args.local_workers, steps=max(20, 2 * args.repeats))
 
-def _shadow(settings: dict[str, Any], specs: list[str], ready: Any, go: Any) -> None:
-    """One of ``--local-workers``' other processes: the same measurements, over and over, until stopped."""
-    args = argparse.Namespace(**settings)
-    torch.set_num_threads(args.threads)
-    workload = workload_of(args)
-    ready.put(True)
-    go.wait()
-    while True:
-        advise(workload, specs, **_measuring(args))
+    return measure
 
 
 def _print_advice(console: Any, advice: Advice, quality_steps: int | None, local_workers: int = 1) -> None:
@@ -315,10 +277,11 @@ def _print_advice(console: Any, advice: Advice, quality_steps: int | None, local
     from rich.console import Console
 
     console.print(describe_profile(advice))
-    if local_workers > 1:
-        console.print(f"measured while {local_workers - 1} more process{'es' if local_workers > 2 else ''} "
-                      f"made the same measurements (--local-workers {local_workers}: workers sharing this "
-                      "machine)")
+    noop = advice.local_noop
+    if local_workers > 1 and noop is not None:
+        console.print(f"priced with each method's real DDP step among {local_workers} processes of this machine "
+                      f"over loopback (--local-workers {local_workers}; the link modelled): noop step "
+                      f"{noop.step_s * 1e3:.1f} ms, compute {noop.compute_s * 1e3:.1f} ms")
     if advice.quality_note:
         Console(stderr=True).print(advice.quality_note)
     if advice.target is not None:

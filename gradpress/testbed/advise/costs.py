@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -58,11 +58,39 @@ class BucketCost:
 
 
 @dataclass(frozen=True)
+class LocalStep:
+    """A method's real DDP step among ``workers`` processes of this machine over loopback (``advise
+    --local-workers``, :mod:`~gradpress.testbed.advise.local`), measured as ``compare`` measures its steps
+    (:func:`gradpress.testbed.train.metered_step`), medians in seconds at the local run's typical speed
+    (:func:`~gradpress.testbed.advise.local.at_typical_speed`): ``step_s`` from one step's start to the
+    next's, ``compute_s``, ``compression_s`` (compress and decompress: the runtime's statistics) and
+    ``communication_s`` (time in the collectives, the loopback's)."""
+
+    workers: int
+    step_s: float
+    compute_s: float
+    compression_s: float
+    communication_s: float
+
+    def scaled(self, factor: float) -> LocalStep:
+        """Every time of this step times ``factor``: the same step on a machine running that much slower."""
+        return LocalStep(self.workers, self.step_s * factor, self.compute_s * factor, self.compression_s * factor,
+                         self.communication_s * factor)
+
+    @property
+    def rest_s(self) -> float:
+        """The step's time outside compute, compression and collectives: the hook's own work, its hand-offs
+        between threads, the batch."""
+        return max(0.0, self.step_s - self.compute_s - self.compression_s - self.communication_s)
+
+
+@dataclass(frozen=True)
 class MethodCost:
     """A method's measured per-bucket costs (in the profile's bucket order). ``decode_grows``: decoding
     handles one packet per worker (all-gather), so it scales with n / ``measured_workers``.
     ``sent_bytes``: what the Simulator counted as sent by worker 0 per step (its traffic pattern at
-    ``measured_workers``), kept beside the priced bytes."""
+    ``measured_workers``), kept beside the priced bytes. ``local``: the method's real step with
+    ``--local-workers`` (:func:`~gradpress.testbed.advise.ranking.calibrated`), or None."""
 
     spec: str
     exchange: str
@@ -71,6 +99,7 @@ class MethodCost:
     measured_workers: int = 2
     decode_grows: bool = False
     sent_bytes: float | None = None
+    local: LocalStep | None = None
 
     @property
     def packet_bytes(self) -> float:
@@ -79,6 +108,16 @@ class MethodCost:
 
     def decompress_at(self, bucket: BucketCost, n: int) -> float:
         return bucket.decompress_s * n / self.measured_workers if self.decode_grows else bucket.decompress_s
+
+    def compression_at(self, n: int) -> float:
+        """Seconds of compression and decoding per step among ``n`` workers."""
+        return sum(b.compress_s + self.decompress_at(b, n) for b in self.buckets)
+
+    def scaled(self, factor: float) -> MethodCost:
+        """Each bucket's compression and decoding seconds times ``factor`` (its bytes and collectives as
+        they are): the method's CPU work on a machine running ``factor`` times slower."""
+        return replace(self, buckets=tuple(replace(b, compress_s=b.compress_s * factor,
+                                                   decompress_s=b.decompress_s * factor) for b in self.buckets))
 
     def steps(self, profile: ComputeProfile, n: int) -> list[BucketStep]:
         """The buckets as the cost model takes them, among ``n`` workers."""
@@ -94,11 +133,12 @@ class MethodCost:
                    for c in self.buckets)
 
 
-def baseline_cost(profile: ComputeProfile) -> MethodCost:
-    """``torch-allreduce``: DDP's own hook all-reduces each bucket's bytes and compresses nothing."""
+def baseline_cost(profile: ComputeProfile, local: LocalStep | None = None) -> MethodCost:
+    """``torch-allreduce``: DDP's own hook all-reduces each bucket's bytes and compresses nothing
+    (``local``: its real step with ``--local-workers``)."""
     buckets = tuple(BucketCost(0.0, 0.0, b.nbytes, (Transfer("allreduce", b.nbytes),))
                     for b in profile.buckets)
-    return MethodCost(BASELINE, "allreduce", "none", buckets, measured_workers=1)
+    return MethodCost(BASELINE, "allreduce", "none", buckets, measured_workers=1, local=local)
 
 
 def transfers_of(compressor: Any, items: Sequence[tuple[str, torch.Tensor]], workers: int, seed: int = 0,

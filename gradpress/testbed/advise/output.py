@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gradpress.testbed.advise.advice import Advice
-from gradpress.testbed.advise.costs import BASELINE, baseline_cost
+from gradpress.testbed.advise.costs import BASELINE
 from gradpress.testbed.advise.ranking import Ranked, register_line, speedup_at
 
 #: the plot's link speeds, bits/s: 10 Mbit/s to 400 Gbit/s
@@ -153,6 +153,9 @@ def to_json(advice: Advice, setting: Mapping[str, Any] | None = None) -> dict[st
             "curves": [asdict(c) for c in advice.quality]},
         "quality_note": advice.quality_note,
         "seconds": advice.measure_seconds,
+        "local": None if advice.baseline is None or advice.baseline.local is None else {
+            BASELINE: asdict(advice.baseline.local),
+            "noop": None if advice.local_noop is None else asdict(advice.local_noop)},
     }
 
 
@@ -165,7 +168,7 @@ def plot(advice: Advice, path: str | Path, limit: int = PLOTTED) -> Path:
     from gradpress.testbed.netem import rate_bits_per_second
 
     profile, n = advice.profile, advice.workers
-    base = baseline_cost(profile)
+    base = advice.reference
     best = {}
     for rows in advice.rankings.values():
         for r in rows:

@@ -53,6 +53,13 @@ class ComputeProfile:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
+    def scaled(self, compute_s: float) -> ComputeProfile:
+        """This profile with forward, backward, optimizer and ready times scaled to a step of ``compute_s``."""
+        k = compute_s / self.compute_s
+        return replace(self, forward_s=self.forward_s * k, backward_s=self.backward_s * k,
+                       optimizer_s=self.optimizer_s * k,
+                       buckets=tuple(replace(b, ready_s=b.ready_s * k) for b in self.buckets))
+
 
 def assign_buckets(sizes: Sequence[tuple[str, int, str]], limits: Sequence[int]) -> list[list[str]]:
     """DDP's bucketing rule (``compute_bucket_assignment_by_size``): tensors ``(name, nbytes, dtype)`` in
