@@ -231,7 +231,7 @@ def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
     quality = bool(args.quality_steps) and workload.quality_unavailable is None
-    total = 1 + len(specs) + (len(specs) + 1 if quality else 0)
+    total = 1 + len(specs) + (len(specs) + 1 if quality else 0) + (args.local_workers > 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -267,7 +267,12 @@ def _local_steps(args: argparse.Namespace) -> Callable[[Sequence[str]], Any]:
     settings = {k: v for k, v in vars(args).items() if k != "func"}
 
     def measure(specs: Sequence[str]) -> Any:
-        return measure_local_steps(settings, specs, args.local_workers, steps=max(20, 2 * args.repeats))
+        try:
+            return measure_local_steps(settings, specs, args.local_workers, steps=max(20, 2 * args.repeats))
+        except RuntimeError as error:  # a process died (its traceback is above): say so in one line
+            raise cli.UsageError(f"--local-workers {args.local_workers}: the local DDP run failed "
+                                 f"({cli.one_line(error)}); without --local-workers advise prices from the "
+                                 "profile alone") from None
 
     return measure
 
