@@ -30,6 +30,15 @@ def tiny_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
+def tiny_model_only_here() -> nn.Module:
+    """The tiny model in this process; a failure in any process it spawns (``--local-workers``' DDP run)."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        raise RuntimeError("this model is not available to spawned processes")
+    return tiny_model()
+
+
 def tiny_batches(batch_size: int):
     x = torch.randn(batch_size, 6)
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
@@ -471,6 +480,18 @@ def test_advise_with_local_workers_prices_each_method_with_its_real_local_step(t
     rest = max(0.0, local["step_s"] - local["compute_s"] - local["compression_s"] - local["communication_s"])
     assert row["predicted"]["compute"] == pytest.approx(local["compute_s"] + rest)
     assert multiprocessing.active_children() == []  # the measuring processes are gone
+
+
+def test_a_local_run_that_fails_is_one_clear_line(tmp_path, capsys):
+    import multiprocessing
+
+    assert main(["advise", "--model", "test_advise:tiny_model_only_here", "--input-shape", "6", "--compressors",
+                 "none", "--bandwidth", "1gbit", "--batch-size", "8", "--repeats", "1",
+                 "--local-workers", "2"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("gradpress: error: --local-workers 2: the local DDP run failed")
+    assert "without --local-workers advise prices from the profile alone" in last
+    assert multiprocessing.active_children() == []
 
 
 def test_advise_checks_against_compare_results(tmp_path, synthetic_data, capsys):
