@@ -506,7 +506,10 @@ _FAULTY = object()
 def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: int) -> Any:
     """This worker's :class:`~gradpress.compressor.Preliminary` for ``x`` (None for an empty tensor or
     a method that sends none for it), or ``_FAULTY`` when ``x`` holds NaN/Inf: found by a check pass,
-    or, for a method that finds them in its own passes, in its preliminary values (a max norm, P = MQ)."""
+    or, for a method that finds them in its own passes, in its preliminary values (a max norm, P = MQ).
+    Preliminary values that are not finite although ``x`` is (PowerSGD's P of values near float32's
+    largest) travel as they are: every rank then holds the combined values and the method raises its
+    ``OverflowError`` (or names another worker) on every rank at the same point."""
     flat = x.reshape(-1).contiguous()
     if flat.numel() == 0:
         return None
@@ -516,7 +519,7 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
     if pre is None and compressor.checks_finite and any_nonfinite(flat):
         return _FAULTY  # (a tensor the method sends as it is: PowerSGD's vectors)
     if (pre is not None and pre.op != "broadcast" and pre.values.is_floating_point()
-            and not bool(torch.isfinite(pre.values).all())):
+            and not bool(torch.isfinite(pre.values).all()) and any_nonfinite(flat)):
         return _FAULTY
     return pre
 

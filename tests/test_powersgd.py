@@ -330,6 +330,31 @@ def test_one_workers_nan_raises_on_every_worker():
         sim.step([good, bad])
 
 
+def _overflow_on_rank_one(rank: int, world_size: int) -> list:
+    comm = gradpress.Communicator("powersgd", seed=3, feedback="none")
+    good = randn(24, 20, seed=rank)
+    huge = good.clone()
+    huge[3] = 3e38  # finite, but P = M Q overflows float32
+    outcomes = []
+    for grad in (good, huge if rank == 1 else good):
+        try:
+            outcomes.append(("ok", comm.reduce_many({"w": grad})["w"]))
+        except (OverflowError, gradpress.NonFiniteError) as error:
+            outcomes.append((type(error).__name__, str(error)))
+    return outcomes
+
+
+def test_a_p_that_overflows_on_one_worker_raises_on_every_worker():
+    """A finite gradient whose P overflows float32 on one worker: the Inf reaches the summed P every worker
+    holds, so every worker raises at the same point — that worker an OverflowError, the others a
+    NonFiniteError that says another worker's values did it — rather than that worker alone raising
+    before the preliminary exchange while the others wait in it."""
+    first, second = run_workers(_overflow_on_rank_one, 2, timeout=60, group_timeout=30)
+    assert first[0][0] == second[0][0] == "ok" and torch.equal(first[0][1], second[0][1])
+    assert first[1][0] == "NonFiniteError" and "another worker" in first[1][1]
+    assert second[1][0] == "OverflowError" and "this worker's M Q overflowed" in second[1][1]
+
+
 # -- PyTorch's powerSGD_hook beside ours on Gloo ------------------------------------------------------
 WIDTHS = (784, 512, 512, 10)
 STEPS = 8

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from gradpress.compressor import (Compressor, NonFiniteError, Preliminary, check_finite, count_nonfinite, divide,
+from gradpress.compressor import (Compressor, NonFiniteError, Preliminary, check_finite, divide,
                                   register, saturate)
 from gradpress.packet import Packet
 from gradpress.registry import param
@@ -112,19 +112,17 @@ class PowerSGD(Compressor):
 
     # -- Algorithm 1 -----------------------------------------------------------------------------------
     def prepare(self, x: torch.Tensor, ctx: Context, world_size: int) -> Preliminary | None:
-        """Algorithm 1, P ← M Q, summed over the workers (sent as Pᵀ = Qᵀ Mᵀ; None when uncompressed)."""
+        """Algorithm 1, P ← M Q, summed over the workers (sent as Pᵀ = Qᵀ Mᵀ; None when uncompressed).
+
+        Nothing is raised here: NaN/Inf in M, or a finite M whose P overflows float32 (values near its
+        largest, times √n), reach the summed P every worker holds, and every worker raises in
+        :meth:`_compress`, at the same point (the runtime flags a worker whose M itself holds NaN/Inf)."""
         dims = self.factors(x.shape)
         if dims is None:
             return None
         m, n, r = dims
         matrix = _float32(x).reshape(m, n)
-        pt = torch.mm(self._start(ctx, n, r, x.device), matrix.t())  # Pᵀ = Qᵀ Mᵀ
-        if not math.isfinite(float(pt.sum())) and not count_nonfinite(matrix.reshape(-1)):
-            # NaN/Inf in M is what the summed P reports (see _compress); a finite M whose P overflows
-            # float32 (values near its largest, times √n) is an error of its own
-            raise OverflowError(f"{self.spec}: P = M Q overflows float32: the gradient's values (up to "
-                                f"{float(matrix.abs().max()):.3g}) are too close to float32's largest")
-        return Preliminary(pt, "sum")
+        return Preliminary(torch.mm(self._start(ctx, n, r, x.device), matrix.t()), "sum")  # Pᵀ = Qᵀ Mᵀ
 
     def _start(self, ctx: Context, n: int, r: int, device: torch.device) -> torch.Tensor:
         """The Qᵀ (r × n) this step's power iteration starts from: the previous mean (warm start, the
