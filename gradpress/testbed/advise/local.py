@@ -27,11 +27,7 @@ import torch
 from gradpress import cli
 from gradpress.testbed.advise.costs import LocalStep
 
-#: the reference rows a local step can be measured for besides gradpress's specs
-REFERENCE_ROWS = ("torch-allreduce", "noop")
-
-
-def measure_local_steps(settings: Mapping[str, Any], specs: Sequence[str], workers: int, *, steps: int = 12,
+def measure_local_steps(settings: Mapping[str, Any], specs: Sequence[str], workers: int, *, steps: int = 20,
                         warmup: int = 8, timeout: float = 600.0) -> tuple[dict[str, LocalStep], dict[str, str]]:
     """Each of ``specs``' :class:`~gradpress.testbed.advise.costs.LocalStep` among ``workers`` processes
     (module doc), and the reason for each spec that could not be measured. ``settings``: ``advise``'s
