@@ -97,15 +97,16 @@ def test_cast_kernels_round_as_torch(spec, dtype):
 
 @pytest.mark.parametrize("torch_only", PATHS)
 @pytest.mark.parametrize("spec, big", [("fp16", 65520.0), ("bf16", 3.4e38)])
-def test_casts_raise_on_overflow_and_non_finite(torch_only, spec, big):
+@pytest.mark.parametrize("where", [17, 4095, 4321, 8999])  # the kernel's first block, its end, the tail's
+def test_casts_raise_on_overflow_and_non_finite(torch_only, spec, big, where):
     with path(torch_only):
         c = gradpress.make(spec)
-        x = torch.randn(5000)
-        x[4321] = big
+        x = torch.randn(9000)
+        x[where] = big
         with pytest.raises(OverflowError, match="1 value"):
             c.compress(x)
         for bad in (float("nan"), float("-inf")):
-            x[4321] = bad
+            x[where] = bad
             with pytest.raises(NonFiniteError, match="1 NaN/Inf"):
                 c.compress(x)
 
