@@ -432,6 +432,39 @@ def _add_streamed(a, b, out):  # pragma: no cover - compiled
         out[k] = a[k] + b[k]
 
 
+@jit
+def squares(x, addends=None, streamed=False):  # pragma: no cover - compiled
+    """Σ x_i² in float64 for float32 ``x``: every square exact in float64, summed per lane of 16 (lane
+    k mod 16), the lanes in order, then the last x.size mod 16 values in order — one fixed order, so a
+    given x always gives the same bits. ``addends`` (m, g, β, γ) or None: x is not read but written, the
+    value squared being φ = fl32(fl32(m·β) + fl32(g·γ)) (:func:`~gradpress.compressor.scaled_sum`'s bits;
+    error feedback's sum formed in the pass that takes its norm), stored past the caches if ``streamed``."""
+    u = np.uint64
+    n = u(x.size)
+    whole = n - n % u(16)
+    xp = V.pointer(x)
+    acc = V.zeros64()
+    if addends is None:
+        for k in range(u(0), whole, u(16)):
+            acc = V.add_squares64(acc, V.load(xp, k))
+    else:
+        mp, gp = V.pointer(addends[0]), V.pointer(addends[1])
+        bs, gs = V.fsplat(addends[2]), V.fsplat(addends[3])
+        for k in range(u(0), whole, u(16)):
+            v = V.add(V.mul(V.load(mp, k), bs), V.mul(V.load(gp, k), gs))
+            if streamed:
+                V.store_stream(xp, k, v)
+            else:
+                V.store(xp, k, v)
+            acc = V.add_squares64(acc, v)
+    total = V.hsum64(acc)
+    for k in range(whole, n):
+        if addends is not None:
+            x[k] = addends[0][k] * addends[2] + addends[1][k] * addends[3]
+        total += np.float64(x[k]) * np.float64(x[k])
+    return total
+
+
 # -- an all-gather's sum, fused into the decoders (Compressor.accumulate_into) ----------------------------
 #: how a decode-add kernel folds a decoded value into the float32 total: ``ADD`` total += v; ``STORE`` (the
 #: first packet) total = v + 0.0, the bits of 0.0 + v (a −0.0 stored as +0.0) without reading the total;

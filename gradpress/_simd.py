@@ -33,7 +33,8 @@ LANES = 16
 
 
 class Vec(types.Type):
-    """A numba type for 16 lanes held in one LLVM vector value: ``kind`` is "f32" or "i32"."""
+    """A numba type for 16 lanes held in one LLVM vector value: ``kind`` is "f32", "i32" or "f64" (the
+    last only as an accumulator: :func:`zeros64`, :func:`add_squares64`, :func:`hsum64`)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -42,12 +43,13 @@ class Vec(types.Type):
 
 vf32 = Vec("f32")
 vi32 = Vec("i32")
+vf64 = Vec("f64")
 
 
 @register_model(Vec)
 class _VecModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):  # noqa: ANN001
-        lane = ir.FloatType() if fe_type.kind == "f32" else ir.IntType(32)
+        lane = {"f32": ir.FloatType(), "i32": ir.IntType(32), "f64": ir.DoubleType()}[fe_type.kind]
         super().__init__(dmm, fe_type, ir.VectorType(lane, LANES))
 
 
@@ -56,6 +58,7 @@ _F = ir.VectorType(ir.FloatType(), LANES)
 _I = ir.VectorType(_i32, LANES)
 _Q = ir.VectorType(_i64, LANES)
 _M = ir.VectorType(_i1, LANES)
+_D = ir.VectorType(ir.DoubleType(), LANES)
 
 
 def _avx512() -> bool:
@@ -142,7 +145,7 @@ def load(typingctx, array, index):  # pragma: no cover - compiled
 @intrinsic
 def store(typingctx, array, index, value):  # pragma: no cover - compiled
     """``array[index : index + 16] = value`` (the array's lanes the vector's kind). Not bounds-checked."""
-    if not (isinstance(value, Vec) and _is_array(array, _FLOAT_ARRAY if value.kind == "f32" else _WORD_ARRAY)):
+    if not (value in (vf32, vi32) and _is_array(array, _FLOAT_ARRAY if value.kind == "f32" else _WORD_ARRAY)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -384,7 +387,7 @@ def to_float(typingctx, v):  # pragma: no cover - compiled
 @intrinsic
 def bits(typingctx, v):  # pragma: no cover - compiled
     """The same 16 × 32 bits as the other kind (float32 ↔ uint32 bit patterns)."""
-    if not isinstance(v, Vec):
+    if v not in (vf32, vi32):
         return None
     result = vi32 if v.kind == "f32" else vf32
 
@@ -392,6 +395,46 @@ def bits(typingctx, v):  # pragma: no cover - compiled
         return builder.bitcast(args[0], _llvm_vec(sig.return_type))
 
     return result(v), codegen
+
+
+# -- float64 sums of squares ------------------------------------------------------------------------------
+@intrinsic
+def zeros64(typingctx):  # pragma: no cover - compiled
+    """16 float64 lanes of +0.0: an accumulator for :func:`add_squares64`."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_D, [0.0] * LANES)
+
+    return vf64(), codegen
+
+
+@intrinsic
+def add_squares64(typingctx, acc, v):  # pragma: no cover - compiled
+    """acc + float64(v)² lane by lane: each square exact (a float32's 24-bit significand squared fits
+    float64's 53), each sum rounded once."""
+    if not (acc == vf64 and v == vf32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        wide = builder.fpext(args[1], _D)
+        return builder.fadd(args[0], builder.fmul(wide, wide))
+
+    return vf64(acc, v), codegen
+
+
+@intrinsic
+def hsum64(typingctx, acc):  # pragma: no cover - compiled
+    """The sum of the 16 float64 lanes, in lane order (one fixed rounding order)."""
+    if acc != vf64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        total = builder.extract_element(args[0], ir.Constant(_i32, 0))
+        for lane in range(1, LANES):
+            total = builder.fadd(total, builder.extract_element(args[0], ir.Constant(_i32, lane)))
+        return total
+
+    return types.float64(acc), codegen
 
 
 # -- the Walsh–Hadamard butterflies ----------------------------------------------------------------------

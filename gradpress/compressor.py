@@ -357,6 +357,16 @@ class Compressor:
         """
         return None
 
+    def prepare_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, ctx: Context,
+                    world_size: int, beta: float = 1.0, gamma: float = 1.0) -> Preliminary | None:
+        """:meth:`prepare` of φ = β·m + γ·g (GRACE Eq. 5; torch's bits, :func:`scaled_sum`) formed in
+        ``out`` (float32, contiguous, their shape), which holds φ afterwards whatever happens (it is what
+        is compressed next): :meth:`compress_sum` for a method with a preliminary exchange. The default
+        forms the sum, then prepares; a method whose preliminary pass reads every element forms φ in that
+        pass instead (THC's norm: one pass over the gradient fewer)."""
+        scaled_sum(memory, grad, beta, gamma, out)
+        return self.prepare(out, ctx, world_size)
+
     def summands(self, packet: Packet) -> list[torch.Tensor]:
         """The tensors an aggregator adds element-wise over the workers (default: the wire tensors).
 

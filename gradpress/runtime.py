@@ -27,8 +27,9 @@ from typing import Any, Sequence
 import torch
 
 from gradpress.agreement import agree
-from gradpress.compressor import Compressor, NonFiniteError, any_nonfinite, divide_counting_nonfinite, make
-from gradpress.feedback import make_feedback
+from gradpress.compressor import (Compressor, NonFiniteError, any_nonfinite, divide_counting_nonfinite, make,
+                                  scaled_sum)
+from gradpress.feedback import SumParts, make_feedback
 from gradpress.packet import Packet, adjacent
 from gradpress.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
 from gradpress.rng import Context
@@ -348,9 +349,10 @@ class Pipeline:
         keys = [key for key, _ in items]
         before = feedback.snapshot(keys) if feedback.updates else None
         start = time.perf_counter()
-        # φ = β·m + γ·g formed by the compressor's first pass where the memory and the method allow it
+        # φ = β·m + γ·g formed by the compressor's first pass (its preliminary one, if it has one) where
+        # the memory and the method allow it
         sums = ([feedback.sum_parts(key, grad) for key, grad in zip(keys, grads)]
-                if feedback.updates and not compressor.prepares else [None] * len(items))
+                if feedback.updates else [None] * len(items))
         xs = [feedback.compensate(key, grad) if parts is None else parts.out
               for (key, _), grad, parts in zip(items, grads, sums)]
         inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads)]
@@ -359,12 +361,13 @@ class Pipeline:
         try:
             if compressor.prepares:
                 prelims = []
-                for i, (x, ctx) in enumerate(zip(inputs, ctxs)):
-                    pre = _prepare(compressor, x, ctx, self.world_size)
+                for i, (x, ctx, grad, parts) in enumerate(zip(inputs, ctxs, grads, sums)):
+                    pre = _prepare(compressor, x, ctx, self.world_size, grad, parts)
                     if pre is _FAULTY:
                         faulty, inputs[i] = True, torch.zeros_like(x)
                         pre = _prepare(compressor, inputs[i], ctx, self.world_size)
                     prelims.append(pre)
+                sums = [None] * len(items)  # φ is formed
                 stats.add(step, compress_s=time.perf_counter() - start)
                 prepared, carried = yield from strategy.preliminary(prelims, faulty)
                 start = time.perf_counter()
@@ -503,19 +506,28 @@ class FlatAllReduce:
 _FAULTY = object()
 
 
-def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: int) -> Any:
+def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: int,
+             grad: torch.Tensor | None = None, parts: SumParts | None = None) -> Any:
     """This worker's :class:`~gradpress.compressor.Preliminary` for ``x`` (None for an empty tensor or
     a method that sends none for it), or ``_FAULTY`` when ``x`` holds NaN/Inf: found by a check pass,
     or, for a method that finds them in its own passes, in its preliminary values (a max norm, P = MQ).
     Preliminary values that are not finite although ``x`` is (PowerSGD's P of values near float32's
     largest) travel as they are: every rank then holds the combined values and the method raises its
-    ``OverflowError`` (or names another worker) on every rank at the same point."""
+    ``OverflowError`` (or names another worker) on every rank at the same point. ``parts``: x is
+    ``parts.out``, where φ = β·m + γ·``grad`` is formed first — by the method's own preliminary pass
+    (:meth:`~gradpress.compressor.Compressor.prepare_sum`) where it finds NaN/Inf itself."""
+    if parts is not None and not compressor.checks_finite:
+        scaled_sum(parts.memory, grad, parts.beta, parts.gamma, x)
+        parts = None
     flat = x.reshape(-1).contiguous()
     if flat.numel() == 0:
         return None
     if not compressor.checks_finite and any_nonfinite(flat):
         return _FAULTY
-    pre = compressor.prepare(flat.view(x.shape), ctx, world_size)
+    if parts is None:
+        pre = compressor.prepare(flat.view(x.shape), ctx, world_size)
+    else:
+        pre = compressor.prepare_sum(parts.memory, grad, x, ctx, world_size, parts.beta, parts.gamma)
     if pre is None and compressor.checks_finite and any_nonfinite(flat):
         return _FAULTY  # (a tensor the method sends as it is: PowerSGD's vectors)
     if (pre is not None and pre.op != "broadcast" and pre.values.is_floating_point()

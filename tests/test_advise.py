@@ -426,6 +426,36 @@ def test_the_check_prices_each_runs_link_with_rates_fitted_from_the_other_runs()
     assert A.check_against(forced, runs)[0].efficiency["allgather"] == 1.0
 
 
+def test_the_ranking_takes_the_link_of_the_runs_it_is_checked_against():
+    """A method whose 240 kB fit the testbed's 256 KiB token bucket loses to one sending 12 kB on a plain
+    100 Mbit/s link and wins through the bucket: priced through the link the runs recorded
+    (:func:`runs_link`: their bucket, α and rates fitted from all of them), the pick is the check's own
+    first prediction; runs of two links give no one link."""
+    burst, truth = 262144.0, {"allgather": 0.6, "allreduce": 0.95}
+    prof = profile(buckets=((0.03, 12e6),))
+    costs = [method("fits", prof, 0.02, 8 * MS), method("tiny", prof, 0.001, 12 * MS),
+             method("half", prof, 0.5, 4 * MS)]
+    link = {"n": 2, "bandwidth": "100mbit", "latency": 1e-4, "burst": burst}
+    runs = []
+    for cost in [*costs, A.baseline_cost(prof)]:
+        step = A.predict(prof, cost, efficiency=truth, **link)
+        runs.append(measured_run(cost.spec, step.total, comm_s=step.communication, burst=burst))
+    plain = A.Advice("m", "random", 2, 1e-4, ["100mbit"], prof, costs, {}, {}).relinked(latency=1e-4)
+    assert plain.best("100mbit").spec == "tiny"
+    found = A.runs_link(plain, runs)
+    assert (found.burst, found.runs, found.workers, found.bandwidth) == (burst, 4, 2, "100mbit")
+    assert found.efficiency == pytest.approx(truth) and found.latency == pytest.approx(1e-4)
+    through = plain.relinked(latency=found.latency, burst=found.burst, efficiency=found.efficiency)
+    assert (through.burst, through.efficiency) == (burst, found.efficiency)
+    assert through.best("100mbit").spec == "fits"
+    checks = {c.spec: c for c in A.check_against(plain, runs)}
+    assert checks["fits"].predicted_rank == 1 and checks["fits"].measured_rank == 1
+    for r in through.rankings["100mbit"]:  # the ranking's steps are the runs' (the link recovered)
+        assert r.predicted.total == pytest.approx(checks[r.spec].measured_s, rel=1e-6), r.spec
+    assert A.runs_link(plain, runs + [measured_run("tiny", 0.05, bandwidth="1gbit")]) is None
+    assert A.runs_link(plain, [measured_run("torch-powersgd", 0.05)]) is None  # no run priced here
+
+
 # -- the command --------------------------------------------------------------------------------------
 def test_advise_end_to_end(tmp_path, synthetic_data, capsys):
     out, png = tmp_path / "advice.json", tmp_path / "speedup.png"
@@ -497,15 +527,23 @@ def test_a_local_run_that_fails_is_one_clear_line(tmp_path, capsys):
 def test_advise_checks_against_compare_results(tmp_path, synthetic_data, capsys):
     from gradpress.testbed.results import save_runs
 
-    save_runs([measured_run("topk:ratio=0.1", 0.05, "1gbit", 4), measured_run(A.BASELINE, 0.08, "1gbit", 4)],
-              tmp_path / "results.json")
+    save_runs([measured_run("topk:ratio=0.1", 0.05, "1gbit", 4, burst=262144.0),
+               measured_run(A.BASELINE, 0.08, "1gbit", 4, burst=262144.0)], tmp_path / "results.json")
     out = tmp_path / "advice.json"
     assert main(["advise", "--model", "mlp:hidden=8,depth=1,image_size=8", "--workers", "4", "--compressors",
                  "topk:ratio=0.1", "--bandwidth", "1gbit", "--batch-size", "8", "--repeats", "1",
                  "--check", str(tmp_path), "--json", str(out)]) == 0
-    assert "predicted against measured" in capsys.readouterr().out
-    checks = json.loads(out.read_text())["checks"]
-    assert {c["spec"] for c in checks} == {"topk:ratio=0.1", A.BASELINE}
+    printed = capsys.readouterr().out
+    assert "predicted against measured" in printed
+    assert "priced through the link of the --check runs (2 runs of 4 workers at 1gbit)" in printed
+    record = json.loads(out.read_text())
+    assert {c["spec"] for c in record["checks"]} == {"topk:ratio=0.1", A.BASELINE}
+    assert record["burst"] == 262144.0  # the testbed's tbf, which these runs recorded
+    assert main(["advise", "--model", "mlp:hidden=8,depth=1,image_size=8", "--workers", "4", "--compressors",
+                 "topk:ratio=0.1", "--bandwidth", "1gbit", "--batch-size", "8", "--repeats", "1",
+                 "--check", str(tmp_path), "--burst", "0", "--json", str(out)]) == 0
+    assert "priced through the link" not in capsys.readouterr().out  # a link of the user's own
+    assert json.loads(out.read_text())["burst"] == 0.0
     assert main(["advise", "--check", str(tmp_path / "nothing-here")]) == 2
     assert "--check" in capsys.readouterr().err
 

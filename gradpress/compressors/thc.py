@@ -76,9 +76,9 @@ from numba import njit
 from scipy.stats import norm
 
 from gradpress import _simd as V
-from gradpress._numba import GOLDEN, as_numpy, bits_of_f32, jit, mix32, use_numba
+from gradpress._numba import GOLDEN, as_numpy, bits_of_f32, jit, mix32, squares, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, Preliminary, check_finite, register, saturate
+from gradpress.compressor import Compressor, Preliminary, check_finite, register, saturate, sum_addends
 from gradpress.hadamard import (_PANEL, _STREAMED, DEFAULT_PARTITION, ONE, _columns_but_last, _geometry, _kernel_args,
                                 _last_group, _load_signed, _load_signed_rows, _negative, _quad, _radix_any,
                                 _inverse_store, _row_rest, _row_small, _stages, apply_rht, inverse_columns, inverse_rht,
@@ -860,13 +860,23 @@ class THC(_Homomorphic):
     def prepare(self, x: torch.Tensor, ctx: Context, world_size: int) -> Preliminary:
         """Algorithm 3 lines 6-8: this worker's ‖x‖₂ (sent as float64), combined by max into ℓ.
 
-        Summed in float32 (one fast pass), again in float64 where float32 squares may have overflowed
-        or underflowed (a norm outside [1e-18, ∞))."""
+        In float64, whose squares of float32 values are exact and never overflow nor underflow: on the
+        CPU one numba pass (:func:`~gradpress._numba.squares`), elsewhere torch's float64 norm. The two
+        sum in different orders, ~1e-16 apart, below what M = t_p·ℓ/√d keeps once rounded to float32."""
         flat = x.reshape(-1)
-        ell = torch.linalg.vector_norm(flat, dtype=torch.float32).double()
-        if not 1e-18 <= float(ell) < math.inf:
-            ell = torch.linalg.vector_norm(flat, dtype=torch.float64)
-        return Preliminary(ell.view(1), "max")
+        if flat.dtype == torch.float32 and flat.is_contiguous() and use_numba(flat):
+            return _norm_of_squares(squares(as_numpy(flat)))
+        return Preliminary(torch.linalg.vector_norm(flat, dtype=torch.float64).view(1), "max")
+
+    def prepare_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, ctx: Context,
+                    world_size: int, beta: float = 1.0, gamma: float = 1.0) -> Preliminary:
+        """:meth:`prepare` of φ = β·m + γ·g with φ formed in ``out`` in the pass that sums its squares
+        (see :meth:`Compressor.prepare_sum`): Algorithm 3 line 5's error feedback and line 6's norm in one
+        pass, ℓ's bits those of :meth:`prepare` of φ."""
+        addends = sum_addends(memory, grad, out, beta, gamma)
+        if addends is None:
+            return super().prepare_sum(memory, grad, out, ctx, world_size, beta, gamma)
+        return _norm_of_squares(squares(as_numpy(out).reshape(-1), addends, out.numel() >= _STREAMED))
 
     def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor,
                   residual: torch.Tensor | None = None) -> Packet:
@@ -974,6 +984,11 @@ class THC(_Homomorphic):
         kernel(as_numpy(source), *first, as_numpy(out), *_kernel_args(layout, torch.float32), ONE, work_buffer(layout),
                np.uint64(self.bits), centred, centre, np.float32(scale))
         return out
+
+
+def _norm_of_squares(total: float) -> Preliminary:
+    """THC's preliminary ℓ from a float64 sum of squares."""
+    return Preliminary(torch.tensor([math.sqrt(total)], dtype=torch.float64), "max")
 
 
 def _power_of_two(n: int) -> int:

@@ -83,8 +83,8 @@ from __future__ import annotations
 
 from gradpress.testbed.advise.advice import (DEMO, RATIO_VARIANTS, Advice, Progress, advise, candidates,
                                              default_candidates)
-from gradpress.testbed.advise.check import (Checked, check_against, link_from_runs, render_checks, scaled,
-                                           scaled_cost)
+from gradpress.testbed.advise.check import (Checked, RunsLink, check_against, link_from_runs, render_checks,
+                                           runs_link, scaled, scaled_cost)
 from gradpress.testbed.advise.command import DEFAULT_BANDWIDTHS, add_parser, workload_of
 from gradpress.testbed.advise.costs import (BASELINE, BucketCost, LocalStep, MethodCost, Transfer, baseline_cost,
                                             link_phases, measure_method, transfers_of)
@@ -101,7 +101,7 @@ from gradpress.testbed.advise.workload import (Workload, factory_workload, is_fa
                                                testbed_workload)
 
 __all__ = ["Advice", "Bucket", "BucketCost", "Checked", "ComputeProfile", "LocalStep", "MethodCost",
-           "QualityCurve", "Ranked", "Transfer", "Workload", "add_parser", "advise", "assign_buckets",
-           "baseline_cost", "calibrated", "check_against", "crossover", "factory_workload", "link_from_runs", "link_phases", "measure_local_steps", "measure_method",
-           "predict", "profile_compute", "quality_curve", "rank", "register_line", "steps_to_reach",
-           "testbed_workload", "transfers_of"]
+           "QualityCurve", "Ranked", "RunsLink", "Transfer", "Workload", "add_parser", "advise", "assign_buckets",
+           "baseline_cost", "calibrated", "check_against", "crossover", "factory_workload", "link_from_runs",
+           "link_phases", "measure_local_steps", "measure_method", "predict", "profile_compute", "quality_curve",
+           "rank", "register_line", "runs_link", "steps_to_reach", "testbed_workload", "transfers_of"]

@@ -83,6 +83,19 @@ class Advice:
     def best(self, bandwidth: str) -> Ranked:
         return self.rankings[bandwidth][0]
 
+    def relinked(self, *, latency: float, burst: float = 0.0,
+                 efficiency: Mapping[str, float] | None = None) -> Advice:
+        """The same measurements priced through other links (α ``latency``, a token bucket of ``burst``
+        bytes, ``efficiency`` per strategy): the rankings at every bandwidth and where each method stops
+        paying, anew (a pure function of what was measured)."""
+        link = {"latency": latency, "burst": burst, "efficiency": dict(efficiency or {})}
+        rankings = {bw: rank(self.profile, self.costs, n=self.workers, bandwidth=bw,
+                             steps_to_target=self.steps_to_target, baseline=self.reference, **link)
+                    for bw in self.bandwidths}
+        crossings = {c.spec: crossover(self.profile, c, n=self.workers, baseline=self.reference, **link)
+                     for c in self.costs}
+        return replace(self, rankings=rankings, crossovers=crossings, **link)
+
 
 def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
            bandwidths: Sequence[str] = ("100mbit",), latency: float = costmodel.DEFAULT_LATENCY,
@@ -129,13 +142,10 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
         costs = [replace(c, local=steps.get(c.spec)) for c in costs]
         base, noop = baseline_cost(profile, steps.get(BASELINE)), steps.get("noop")
         skipped.update({spec: f"priced without its local step: {why}" for spec, why in failed.items()})
-    link = {"latency": latency, "burst": burst, "efficiency": dict(efficiency or {})}
-    rankings = {bw: rank(profile, costs, n=workers, bandwidth=bw, steps_to_target=to_target, baseline=base,
-                         **link) for bw in bandwidths}
-    crossings = {c.spec: crossover(profile, c, n=workers, baseline=base, **link) for c in costs}
-    return Advice(workload.label, workload.source, workers, latency, list(bandwidths), profile, costs,
-                  rankings, crossings, skipped, curves, target, to_target, note,
-                  time.perf_counter() - started, burst, dict(efficiency or {}), base, noop)
+    measured = Advice(workload.label, workload.source, workers, latency, list(bandwidths), profile, costs, {}, {},
+                      skipped, curves, target, to_target, note, time.perf_counter() - started, baseline=base,
+                      local_noop=noop)
+    return measured.relinked(latency=latency, burst=burst, efficiency=efficiency)
 
 
 def _quality_runs(workload: Workload, measured: Sequence[str], steps: int, workers: int, seed: int,

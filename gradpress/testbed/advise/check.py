@@ -131,6 +131,42 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
             for key, predicted, measured, with_noop, burst, rates, latency, count, low, high, overhead in rows]
 
 
+@dataclass(frozen=True)
+class RunsLink:
+    """The link a set of ``compare`` runs went through, as the cost model prices it: α ``latency``, the
+    token bucket they recorded (``burst`` bytes) and each strategy's rate beyond it (``efficiency``),
+    fitted from ``runs`` runs of ``workers`` workers at ``bandwidth``."""
+
+    latency: float
+    burst: float
+    efficiency: dict[str, float]
+    runs: int
+    workers: int
+    bandwidth: str
+
+
+def runs_link(advice: Advice, runs: Sequence[Any]) -> RunsLink | None:
+    """The link of ``runs`` (``advise --check``'s) for the ranking itself: the token bucket they recorded
+    (:func:`gradpress.testbed.sim.cost.burst_of`) and α and the rates fitted from all of them
+    (:func:`link_from_runs`; ``advice.latency`` where no rate or α could be fitted), so that the pick is
+    made for the link the runs measured and agrees with :func:`check_against`'s predictions (each of
+    which leaves its own method's runs out of the fit). None unless every run over an emulated link of a
+    method priced here (``torch-allreduce`` included) shares one n, one link rate and one bucket."""
+    from gradpress.testbed.sim.cost import burst_of
+
+    by_spec = {c.spec: c for c in advice.costs}
+    by_spec[BASELINE] = advice.reference
+    priced = [(run, by_spec[run.compressor]) for run in runs
+              if run.bandwidth is not None and run.compressor in by_spec]
+    if not priced or len({(run.workers, run.bandwidth, burst_of(run)) for run, _ in priced}) != 1:
+        return None
+    first = priced[0][0]
+    burst = burst_of(first)
+    fitted = link_from_runs(advice.profile, priced, burst=burst)
+    latency, rates = fitted if fitted is not None else (advice.latency, {})
+    return RunsLink(latency, burst, dict(rates), len(priced), first.workers, first.bandwidth)
+
+
 def _at_noops_speed(advice: Advice, cost: MethodCost, noop_step_s: float) -> tuple[ComputeProfile, MethodCost]:
     """The profile and ``cost`` of a machine running as fast as it ran ``compare``'s ``noop`` (its mean
     step ``noop_step_s``): with a local step (``--local-workers``), every time of it scaled by the ratio of

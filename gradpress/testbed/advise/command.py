@@ -14,7 +14,7 @@ import torch
 from gradpress import cli
 from gradpress.testbed import costmodel, netem
 from gradpress.testbed.advise.advice import DEMO, Advice, advise, candidates
-from gradpress.testbed.advise.check import Checked, check_against, render_checks
+from gradpress.testbed.advise.check import Checked, check_against, render_checks, runs_link
 from gradpress.testbed.advise.local import measure_local_steps
 from gradpress.testbed.advise.output import describe_profile, plot, render, summary_lines, to_json
 from gradpress.testbed.advise.quality import QUALITY_REFERENCE
@@ -101,13 +101,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=cli.integer(1, 1024), default=2, help="workers n to price (1..1024)")
     p.add_argument("--bandwidth", type=_rates, default=DEFAULT_BANDWIDTHS,
                    help=f"link rates per worker, comma-separated (default {DEFAULT_BANDWIDTHS})")
-    p.add_argument("--latency", type=cli.non_negative_float, default=costmodel.DEFAULT_LATENCY,
-                   help=f"per-message latency α in seconds (default {costmodel.DEFAULT_LATENCY:g})")
-    p.add_argument("--burst", type=_burst, default=0.0, metavar="SIZE",
+    p.add_argument("--latency", type=cli.non_negative_float, metavar="SECONDS",
+                   help=f"per-message latency α in seconds (default {costmodel.DEFAULT_LATENCY:g}; with "
+                        "--check, fitted from the runs)")
+    p.add_argument("--burst", type=_burst, metavar="SIZE",
                    help="the links' token bucket, e.g. 256kb (a tc size or bytes; tc tbf's burst): up to "
                         "this many bytes cross at once after an idle moment (default 0: a plain link; "
                         "--check takes each run's recorded one unless given)")
-    p.add_argument("--efficiency", type=_efficiency, default={}, metavar="STRATEGY=F[,...]",
+    p.add_argument("--efficiency", type=_efficiency, metavar="STRATEGY=F[,...]",
                    help="a collective's rate beyond the bucket as a fraction of the link's, e.g. "
                         "allgather=0.65 (default 1; --check fits it from the other runs)")
     p.add_argument("--compressors", type=cli.compressor_list(keywords=("default", "demo")), default="default",
@@ -185,22 +186,46 @@ def _main(args: argparse.Namespace) -> int:
     _check_specs(specs, args.workers)
     advice = _measure(args, workload, specs)
     console = wide_console()
-    _print_advice(console, advice, args.quality_steps, args.local_workers)
     checks = check_against(advice, runs) if runs else []
+    shown = _through_runs_link(console, advice, runs) if _link_given(args) is None else advice
+    _print_advice(console, shown, args.quality_steps, args.local_workers)
     if checks:
         _print_checks(console, checks)
     elif runs:
         console.print("--check: no run over an emulated link of a method priced here")
     if args.json:
         setting = {k: v for k, v in vars(args).items() if k != "func"}
-        record = to_json(advice, setting)
+        record = to_json(shown, setting)
         record["checks"] = [{**asdict(c), "relative_error": c.relative_error,
                              "with_noop_error": c.with_noop_error} for c in checks]
         cli.writable_parent(args.json).write_text(json.dumps(record, indent=1, default=str) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        print(f"wrote {plot(advice, args.plot)}")
+        print(f"wrote {plot(shown, args.plot)}")
     return 0
+
+
+def _link_given(args: argparse.Namespace) -> str | None:
+    """The first of --latency, --burst and --efficiency given on the command line (None: none was)."""
+    for option in ("latency", "burst", "efficiency"):
+        if getattr(args, option) is not None:
+            return f"--{option}"
+    return None
+
+
+def _through_runs_link(console: Any, advice: Advice, runs: Sequence[Any]) -> Advice:
+    """``advice`` priced through the link of ``--check``'s runs (:func:`runs_link`: their token bucket, α
+    and rates fitted from them) where they share one, so that the ranking and the pick are for the link
+    they measured; ``advice`` itself otherwise (without runs, or runs of several links)."""
+    link = runs_link(advice, runs) if runs else None
+    if link is None:
+        return advice
+    rates = "".join(f", {name} at {rate:.2f}× the rate" for name, rate in sorted(link.efficiency.items()))
+    console.print(f"priced through the link of the --check runs ({link.runs} runs of {link.workers} workers at "
+                  f"{link.bandwidth}): token bucket {link.burst / 1024:.0f} KiB, α = {link.latency * 1e3:.2g} ms"
+                  f"{rates} (--latency, --burst or --efficiency price a link of your own instead)",
+                  highlight=False, markup=False)
+    return advice.relinked(latency=link.latency, burst=link.burst, efficiency=link.efficiency)
 
 
 def _runs_to_check(paths: list[str] | None) -> list[Any]:
@@ -256,8 +281,9 @@ def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> 
 
 def _measuring(args: argparse.Namespace) -> dict[str, Any]:
     """What :func:`~gradpress.testbed.advise.advise` measures and prices with (the quality runs aside)."""
-    return dict(workers=args.workers, bandwidths=args.bandwidth, latency=args.latency, burst=args.burst,
-                efficiency=args.efficiency, repeats=args.repeats, bucket_cap_mb=args.bucket_cap_mb,
+    latency = costmodel.DEFAULT_LATENCY if args.latency is None else args.latency
+    return dict(workers=args.workers, bandwidths=args.bandwidth, latency=latency, burst=args.burst or 0.0,
+                efficiency=args.efficiency or {}, repeats=args.repeats, bucket_cap_mb=args.bucket_cap_mb,
                 seed=args.seed, threads=args.threads)
 
 
