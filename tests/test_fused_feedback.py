@@ -1,9 +1,11 @@
 """Issue 12's fused error feedback: φ = β·m + γ·g formed by the compressor's first pass
-(:meth:`gradpress.compressor.Compressor.compress_sum`) gives the bits of the sum, then ``compress``,
-and leaves φ in the buffer the memory's update reads, on every path of top-k's sampled selection and
-in signSGD's packing pass (SIGNUM's momentum)."""
+(:meth:`gradpress.compressor.Compressor.compress_sum`, or :meth:`~gradpress.compressor.Compressor.prepare_sum`
+for a method with a preliminary exchange) gives the bits of the sum, then ``compress``, and leaves φ in
+the buffer the memory's update reads, on every path of top-k's sampled selection, in signSGD's packing
+pass (SIGNUM's momentum) and in THC's norm."""
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -218,7 +220,10 @@ def test_nonfinite_or_overflowing_sums_raise_with_the_sum_formed(spec, where, ba
                                                ("signum", "signum:momentum=0.8"), ("topk:ratio=0.02", "residual"),
                                                ("efsignsgd", "residual"), ("efsignsgd", "residual:beta=0.5"),
                                                ("onebit", "residual"), ("onebit:tau=0.5", "residual:gamma=0.5"),
-                                               ("threshold:v=1", "residual"), ("threshold", "residual:beta=0.9")])
+                                               ("threshold:v=1", "residual"), ("threshold", "residual:beta=0.9"),
+                                               ("thc", "residual"), ("thc", "residual:beta=0.9,gamma=0.5"),
+                                               ("thc_uniform", "residual"), ("powersgd", "residual"),
+                                               ("cltk", "residual")])
 def test_the_runtime_fused_equals_the_runtime_unfused(spec, memory_spec, monkeypatch):
     """Three steps of 2 simulated workers, and two tensors each, against the same runtime with fusion
     off (every memory's :meth:`sum_parts` None: compensate, compress, update_from): the same means and
@@ -293,3 +298,55 @@ def test_nonfinite_in_the_thresholds_sum_raises_with_the_sum_formed(where):
     with pytest.raises(NonFiniteError, match="NaN/Inf"):
         gradpress.make("threshold:v=0.5").compress_sum(memory, grad, out, Context())
     torch.testing.assert_close(out, memory + grad, rtol=0, atol=0, equal_nan=True)
+
+
+# -- THC: the sum formed in the pass that takes its norm (Compressor.prepare_sum) ---------------------------
+@pytest.mark.parametrize("n", [1, 17, 4096 + 70, 100_003, (1 << 21) + 5])  # the last stored past the caches
+@pytest.mark.parametrize("beta, gamma", [(1.0, 1.0), (0.9, 0.5)])
+def test_thcs_norm_of_the_sum_formed_in_its_pass_is_the_norm_of_the_sum(n, beta, gamma):
+    memory, grad = _pair(n, n)
+    c = gradpress.make("thc")
+    ctx = Context(3, 1, "w", 0)
+    out = torch.full_like(memory, float("nan"))
+    fused = c.prepare_sum(memory, grad, out, ctx, 2, beta, gamma)
+    expected_sum = scaled_sum(memory, grad, beta, gamma, torch.empty_like(memory))
+    assert torch.equal(_bits(out), _bits(expected_sum))
+    plain = c.prepare(expected_sum, ctx, 2)
+    assert fused.op == plain.op == "max" and torch.equal(fused.values, plain.values)  # the same bits
+    exact = math.fsum(float(v) ** 2 for v in expected_sum.double()) if n < 200_000 else None
+    ell = float(fused.values[0])
+    if exact is not None:
+        assert ell == pytest.approx(math.sqrt(exact), rel=4 * n * 2.0**-53)
+    with numba_disabled():  # torch's float64 norm: another order, within float64 rounding
+        assert float(c.prepare(expected_sum, ctx, 2).values[0]) == pytest.approx(ell, rel=4 * n * 2.0**-53)
+
+
+def test_thcs_norm_needs_no_float64_copy_to_be_exact_at_float32s_extremes():
+    """Squares of float32 values overflow or underflow float32, never float64: ℓ is right for a tensor of
+    3e38s and one of 1e-30s, and NaN/Inf give a NaN/Inf ℓ (the runtime's flag)."""
+    c = gradpress.make("thc")
+    ctx = Context(3, 1, "w", 0)
+    for value in (3e38, 1e-30, -2.5e-42):
+        x = torch.full((1000,), value)
+        assert float(c.prepare(x, ctx, 1).values[0]) == pytest.approx(abs(float(x[0])) * math.sqrt(1000), rel=1e-12)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(1000)
+        x[7] = bad
+        assert not math.isfinite(float(c.prepare(x, ctx, 1).values[0]))
+
+
+@pytest.mark.parametrize("where", [0, 69_999])
+def test_a_thc_step_that_fails_in_the_norms_pass_leaves_every_memory_as_it_was(where):
+    """The sum formed in THC's norm pass goes into the key's spare buffer: NaN in one rank's gradient
+    (flagged by its norm, every rank raises) leaves every rank's memory of both keys as it was."""
+    n, workers = 70_000, 2
+    sim = gradpress.Simulator("thc", workers, seed=5, feedback="residual")
+    sim.step([{"w": _pair(n, r)[1], "v": _pair(n, r + 7)[1]} for r in range(workers)])
+    before = [{k: t.clone() for k, t in p.feedback.state_dict()["memory"].items()} for p in sim.pipelines]
+    failing = [{"w": _pair(n, 20 + r)[1], "v": _pair(n, 30 + r)[1]} for r in range(workers)]
+    failing[1]["v"][where] = float("nan")
+    with pytest.raises(NonFiniteError):
+        sim.step(failing)
+    for rank in range(workers):
+        for key, e in before[rank].items():
+            assert torch.equal(_bits(sim.pipelines[rank].feedback.memory(key)), _bits(e)), (rank, key)
