@@ -23,6 +23,25 @@ def config(**changes) -> TrainConfig:
                           "timeout": 60, **changes})
 
 
+@pytest.mark.parametrize("compressor", ["thc", "topk:ratio=0.01", "torch-allreduce", "auto"])
+def test_the_methods_kernels_are_warmed_before_the_clock_and_the_random_state_kept(compressor, monkeypatch):
+    """``warm_up`` runs the method (numba compiles or loads its kernels) on a synthetic gradient before a
+    worker starts its training clock, leaving torch's global random state as it was; PyTorch's hooks and
+    ``auto`` are left alone."""
+    import torch
+
+    import gradpress
+
+    stepped = []
+    real_step = gradpress.Simulator.step
+    monkeypatch.setattr(gradpress.Simulator, "step", lambda self, grads: stepped.append(len(grads)) or
+                        real_step(self, grads))
+    state = torch.get_rng_state()
+    train_module.warm_up(config(compressor=compressor, workers=3))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert stepped == ([] if compressor in ("torch-allreduce", "auto") else [3, 3])
+
+
 @needs_data
 def test_gradpress_hook_trains_and_records_every_step(tmp_path):
     run = train(config(compressor="qsgd"), tmp_path / "run.json", progress=False)

@@ -251,6 +251,24 @@ def _setup(config: TrainConfig, rank: int) -> _Setup:
                   criterion(dataset), lr, config.batch_size or settings.batch_size)
 
 
+def warm_up(config: TrainConfig) -> None:
+    """Run ``config``'s method in this process on a small synthetic gradient (a :class:`gradpress.Simulator`
+    of its workers and options, two steps: its error feedback's path too), so that numba compiles its
+    kernels — or loads them from its on-disk cache — before the training clock starts. On a fresh
+    machine the compilation takes up to a minute or two per method (THC's kernels), which would otherwise be
+    charged to the first steps and to the method's time to target. The global random state is left as
+    it was; PyTorch's own hooks and ``auto`` (whose methods are chosen later) have nothing to warm."""
+    if config.compressor in REFERENCES or is_auto(config.compressor):
+        return
+    import gradpress
+
+    with torch.random.fork_rng():
+        sim = gradpress.Simulator(config.compressor, config.workers, **{"seed": config.seed, **config.options})
+        generator = torch.Generator().manual_seed(config.seed)
+        for _ in range(2):
+            sim.step([{"warm-up": torch.randn(70_000, generator=generator)} for _ in range(config.workers)])
+
+
 class _Training:
     """One rank's training loop: steps timed and metered, evaluations on rank 0 at ``eval_every``
     steps, a wall-clock that stands still while they run, and the time budget (``--seconds``)."""
@@ -275,6 +293,7 @@ class _Training:
         eval_every = config.eval_every or per_epoch
         bar = _progress_bar(total, self.rank, config)
         step, epoch = 0, 0
+        warm_up(config)
         self.measure(0, 0)
         self.clock.start()
         while step < total:
