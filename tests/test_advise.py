@@ -394,6 +394,14 @@ def test_repeated_runs_of_a_method_are_checked_as_their_median():
     assert (checks["tiny"].overhead_rank, checks["half"].overhead_rank) == (1, 2)
 
 
+def runs_through_the_bucket(prof, costs, burst: float, efficiency: dict[str, float]) -> list:
+    """A run of each method and of ``torch-allreduce`` whose step is the model's prediction through a
+    100 Mbit/s link with a token bucket of ``burst`` bytes and collectives at ``efficiency`` of its rate."""
+    link = {"n": 2, "bandwidth": "100mbit", "latency": 1e-4, "burst": burst, "efficiency": efficiency}
+    steps = {cost.spec: A.predict(prof, cost, **link) for cost in [*costs, A.baseline_cost(prof)]}
+    return [measured_run(spec, step.total, comm_s=step.communication, burst=burst) for spec, step in steps.items()]
+
+
 def test_the_check_prices_each_runs_link_with_rates_fitted_from_the_other_runs():
     """Runs through the testbed's token bucket whose collectives ran at 0.6 (all-gather) and 0.95
     (all-reduce) of the link's rate: each run is predicted with α and the rates fitted from the others
@@ -402,11 +410,7 @@ def test_the_check_prices_each_runs_link_with_rates_fitted_from_the_other_runs()
     prof = profile(buckets=((0.03, 12e6),))
     costs = [method("quarter", prof, 0.25, 8 * MS), method("half", prof, 0.5, 4 * MS),
              method("tenth", prof, 0.1, 2 * MS)]
-    link = {"n": 2, "bandwidth": "100mbit", "latency": 1e-4, "burst": burst}
-    runs = []
-    for cost in [*costs, A.baseline_cost(prof)]:
-        step = A.predict(prof, cost, efficiency=truth, **link)
-        runs.append(measured_run(cost.spec, step.total, comm_s=step.communication, burst=burst))
+    runs = runs_through_the_bucket(prof, costs, burst, truth)
     advice = A.Advice("m", "random", 2, 1e-4, ["100mbit"], prof, costs, {}, {})
     checks = {c.spec: c for c in A.check_against(advice, runs)}
     assert checks["quarter"].efficiency == pytest.approx(truth)
@@ -435,11 +439,7 @@ def test_the_ranking_takes_the_link_of_the_runs_it_is_checked_against():
     prof = profile(buckets=((0.03, 12e6),))
     costs = [method("fits", prof, 0.02, 8 * MS), method("tiny", prof, 0.001, 12 * MS),
              method("half", prof, 0.5, 4 * MS)]
-    link = {"n": 2, "bandwidth": "100mbit", "latency": 1e-4, "burst": burst}
-    runs = []
-    for cost in [*costs, A.baseline_cost(prof)]:
-        step = A.predict(prof, cost, efficiency=truth, **link)
-        runs.append(measured_run(cost.spec, step.total, comm_s=step.communication, burst=burst))
+    runs = runs_through_the_bucket(prof, costs, burst, truth)
     plain = A.Advice("m", "random", 2, 1e-4, ["100mbit"], prof, costs, {}, {}).relinked(latency=1e-4)
     assert plain.best("100mbit").spec == "tiny"
     found = A.runs_link(plain, runs)
