@@ -82,15 +82,10 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     other method communicated); ``advise --efficiency`` overrides the fitted rates per strategy."""
     from gradpress.testbed.sim.cost import burst_of
 
-    by_spec = {c.spec: c for c in advice.costs}
-    base = advice.reference
-
-    def cost_of(spec: str) -> MethodCost | None:
-        return base if spec == BASELINE else by_spec.get(spec)
-
+    cost_of = _priced(advice).get
     methods: dict[tuple[str, int, str], list[Any]] = {}
     for run in runs:
-        if run.bandwidth is not None and (run.compressor in by_spec or run.compressor in (BASELINE, "noop")):
+        if run.bandwidth is not None and (cost_of(run.compressor) is not None or run.compressor == "noop"):
             methods.setdefault((run.compressor, run.workers, run.bandwidth), []).append(run)
     noop = {(workers, bandwidth): statistics.median(r.mean_step_s for r in repeats)
             for (spec, workers, bandwidth), repeats in methods.items() if spec == "noop"}
@@ -154,10 +149,9 @@ def runs_link(advice: Advice, runs: Sequence[Any]) -> RunsLink | None:
     method priced here (``torch-allreduce`` included) shares one n, one link rate and one bucket."""
     from gradpress.testbed.sim.cost import burst_of
 
-    by_spec = {c.spec: c for c in advice.costs}
-    by_spec[BASELINE] = advice.reference
-    priced = [(run, by_spec[run.compressor]) for run in runs
-              if run.bandwidth is not None and run.compressor in by_spec]
+    costs = _priced(advice)
+    priced = [(run, costs[run.compressor]) for run in runs
+              if run.bandwidth is not None and run.compressor in costs]
     if not priced or len({(run.workers, run.bandwidth, burst_of(run)) for run, _ in priced}) != 1:
         return None
     first = priced[0][0]
@@ -165,6 +159,11 @@ def runs_link(advice: Advice, runs: Sequence[Any]) -> RunsLink | None:
     fitted = link_from_runs(advice.profile, priced, burst=burst)
     latency, rates = fitted if fitted is not None else (advice.latency, {})
     return RunsLink(latency, burst, dict(rates), len(priced), first.workers, first.bandwidth)
+
+
+def _priced(advice: Advice) -> dict[str, MethodCost]:
+    """Each method the advice priced by its spec, ``torch-allreduce`` (its reference) included."""
+    return {**{c.spec: c for c in advice.costs}, BASELINE: advice.reference}
 
 
 def _at_noops_speed(advice: Advice, cost: MethodCost, noop_step_s: float) -> tuple[ComputeProfile, MethodCost]:

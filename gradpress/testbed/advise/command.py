@@ -187,7 +187,7 @@ def _main(args: argparse.Namespace) -> int:
     advice = _measure(args, workload, specs)
     console = wide_console()
     checks = check_against(advice, runs) if runs else []
-    shown = _through_runs_link(console, advice, runs) if _link_given(args) is None else advice
+    shown = advice if _link_given(args) else _through_runs_link(console, advice, runs)
     _print_advice(console, shown, args.quality_steps, args.local_workers)
     if checks:
         _print_checks(console, checks)
@@ -205,12 +205,9 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _link_given(args: argparse.Namespace) -> str | None:
-    """The first of --latency, --burst and --efficiency given on the command line (None: none was)."""
-    for option in ("latency", "burst", "efficiency"):
-        if getattr(args, option) is not None:
-            return f"--{option}"
-    return None
+def _link_given(args: argparse.Namespace) -> bool:
+    """Whether --latency, --burst or --efficiency was given on the command line."""
+    return any(getattr(args, option) is not None for option in ("latency", "burst", "efficiency"))
 
 
 def _through_runs_link(console: Any, advice: Advice, runs: Sequence[Any]) -> Advice:
