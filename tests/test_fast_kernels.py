@@ -18,7 +18,7 @@ from gradpress._numba import (abs_above64, abs_not_below64, compress_above16, fi
 from gradpress.compressor import NonFiniteError
 from gradpress.compressors.cltk import chunk_top
 from gradpress.compressors.dither import standard_deviation
-from gradpress.compressors.sparsify import random_subset, scatter, topk_indices
+from gradpress.compressors.sparsify import SAMPLE, kth_largest, random_subset, sample_stride, scatter, topk_indices
 from gradpress.compressors.threshold import _strata_positions, packet_above, stratified_threshold
 from gradpress.rng import Context
 from kernels import PATHS, accumulate_both_paths, bits, both_paths, path
@@ -112,19 +112,100 @@ def test_casts_raise_on_overflow_and_non_finite(torch_only, spec, big, where):
 
 
 # -- top-k ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n, k", [(65536, 1), (65536, 655), (300_001, 3000), (2**20, 10486), (2**20, 2**19)])
+def _exact_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest |x|, ties to the lower index, ascending: by torch's sort."""
+    expected = torch.topk(x.abs(), k).values.min()
+    above = (x.abs() > expected).nonzero().squeeze(1)
+    ties = (x.abs() == expected).nonzero().squeeze(1)[: k - above.numel()]
+    return torch.cat([above, ties]).sort().values
+
+
+@pytest.mark.parametrize("n, k", [(10, 1), (10, 10), (4095, 41), (4096, 41), (65536, 1), (65536, 655),
+                                  (300_001, 3000), (300_001, 300_001), (2**20, 10486), (2**20, 2**19)])
 def test_sampled_topk_is_the_exact_topk(n, k):
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(n, generator=g)
     x[::97] = 0.5  # many ties
     x[::13] = 0.0
     got = topk_indices(x, k)
-    expected = torch.topk(x.abs(), k).values.min()
-    above = (x.abs() > expected).nonzero().squeeze(1)
-    ties = (x.abs() == expected).nonzero().squeeze(1)[: k - above.numel()]
-    assert torch.equal(got, torch.cat([above, ties]).sort().values)
+    assert torch.equal(got, _exact_topk(x, k))
     with numba_disabled():
         assert torch.equal(topk_indices(x, k), got)
+    packet = gradpress.make(f"topk:ratio={k / n}").compress(x)  # the values sent: those at the indices
+    assert torch.equal(packet["indices"].long(), got) and torch.equal(packet["values"], x[got])
+
+
+@pytest.mark.parametrize("shape, zero_columns", [((4096, 784), slice(0, 784, 28)), ((4096, 784), slice(0, 300)),
+                                                 ((1000, 256), slice(0, 256, 2))])
+def test_topk_of_a_weight_gradient_with_zero_columns_is_exact(shape, zero_columns):
+    """A weight gradient whose columns for dark input pixels are zero: a sample at a stride sharing a
+    factor with the row length would see only such columns (threshold 0); the selection stays exact."""
+    g = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape, generator=g)
+    x[:, zero_columns] = 0.0
+    for ratio in (0.001, 0.01, 0.3):
+        flat = x.reshape(-1)
+        k = max(1, math.ceil(ratio * flat.numel()))
+        assert torch.equal(topk_indices(flat, k), _exact_topk(flat, k))
+
+
+def test_topk_of_a_mostly_zero_vector_takes_every_value_as_a_candidate():
+    x = torch.zeros(200_000)
+    x[[5, 70_000, 199_999]] = torch.tensor([1.0, -3.0, 2.0])
+    assert topk_indices(x, 2).tolist() == [70_000, 199_999]
+    assert topk_indices(x, 5).tolist() == [0, 1, 5, 70_000, 199_999]  # ties at 0: the lowest positions
+
+
+def test_sample_strides_are_primes_at_or_above_n_over_the_sample_size():
+    for n in (4096, 65536, 3_211_264, 10**8, 2**31 - 64):
+        stride = sample_stride(n)
+        assert stride >= n // SAMPLE and all(stride % d for d in range(2, math.isqrt(stride) + 1))
+    assert sample_stride(3_211_264) == 197  # not 196 = 784 / 4
+
+
+@pytest.mark.parametrize("size", [1, 2, 100, 2048, 2049, 50_000])
+def test_kth_largest_is_the_kth_of_the_sorted_values(size):
+    """The radix select's answer for every kind of input: distinct, tied in its first 16 bits, all equal,
+    zeros, +Inf, subnormals."""
+    g = np.random.default_rng(size)
+    cases = [g.random(size, dtype=np.float32) * 10,
+             (1.0 + g.integers(0, 64, size).astype(np.float32) * 2.0**-20).astype(np.float32),  # one top digit
+             np.full(size, 3.5, np.float32),
+             np.where(g.random(size) < 0.5, 0.0, g.random(size)).astype(np.float32),
+             np.where(g.random(size) < 0.01, np.inf, g.random(size)).astype(np.float32),
+             (g.random(size) * 1e-40).astype(np.float32)]
+    for values in cases:
+        ordered = np.sort(values)[::-1]
+        for k in sorted({1, 2, size // 3 + 1, size}):
+            if k <= size:
+                assert _kth(values.copy(), k) == ordered[k - 1]
+
+
+@jit
+def _kth(values, k):  # pragma: no cover - compiled
+    return kth_largest(values, k)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.5", "threshold:v=1.5", "dgc:ratio=0.01"])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_sparse_aggregate_divides_only_the_positions_sent(spec, workers):
+    """Sparse methods' aggregate (zeros, the values added where sent, each such sum divided once) gives the
+    bits of the dense mean, into an ``out`` that held anything; positions out of range are refused."""
+    c = gradpress.make(spec)
+    g = torch.Generator().manual_seed(workers)
+    xs = [torch.randn(50_000, generator=g) for _ in range(workers)]
+    xs[0][:1000] = xs[-1][:1000]  # the same positions sent by several workers
+    packets = [c.compress(x, Context(seed=1, step=0, key="s", rank=r)) for r, x in enumerate(xs)]
+    total = torch.zeros(50_000)
+    for p in packets:
+        total += c._decompress(p).float()
+    expected = total / workers
+    got = c.aggregate(packets, out=torch.full((50_000,), -7.0))
+    assert torch.equal(bits(got), bits(expected))
+    packets[-1].tensors["indices"] = packets[-1]["indices"].clone()
+    packets[-1]["indices"][-1] = 50_000
+    with pytest.raises(IndexError):
+        c.aggregate(packets)
 
 
 # -- scatter (every sparse decode) ------------------------------------------------------------------------

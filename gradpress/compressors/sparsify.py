@@ -8,6 +8,7 @@ them, and packets of different workers can be summed (``summable``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,9 @@ import torch
 from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from gradpress._numba import as_numpy, bits_of_f32, finite, jit, mix32, use_numba, wide_vectors
+from gradpress import _simd as V
+from gradpress._numba import (as_numpy, bits_of_f32, compress_at_least16, finite, jit, mix32, use_numba,
+                              wide_vectors)
 from gradpress.compressor import Compressor, check_finite, count_nonfinite, divide, register
 from gradpress.packet import Packet
 from gradpress.registry import param
@@ -87,6 +90,32 @@ class Sparse(Compressor):
     def decompress(self, packet: Packet) -> torch.Tensor:
         return float32_decompress(self, packet)
 
+    def aggregate(self, packets: list[Packet], out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`Compressor.aggregate` of float32 packets on the CPU in one numba kernel: the output
+        zeroed, each packet's values added at its positions in packet order, and the sums divided by n
+        at the positions sent (0 / n = +0 elsewhere), counting NaN/Inf as it goes: the same bits, without
+        a division pass over the whole output. Other packets, and a sum that overflowed, take the base
+        class's way."""
+        first = packets[0]
+        if not (first.numel and first.dtype == torch.float32 and use_numba(first["values"])):
+            return super().aggregate(packets, out)
+        pairs = [self.sparse(packet) for packet in packets]
+        if not all(p.numel == first.numel and i.device.type == "cpu" and i.dtype == pairs[0][0].dtype
+                   and i.dtype in (torch.int32, torch.int64) and v.dtype == torch.float32
+                   for p, (i, v) in zip(packets, pairs)):
+            return super().aggregate(packets, out)
+        if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == first.numel:
+            total = out.view(-1)
+        else:
+            total = torch.empty(first.numel, dtype=torch.float32)
+        indices = torch.cat([i.reshape(-1) for i, _ in pairs]) if len(pairs) > 1 else pairs[0][0].reshape(-1)
+        values = torch.cat([v.reshape(-1) for _, v in pairs]) if len(pairs) > 1 else pairs[0][1].reshape(-1)
+        nonfinite = _sparse_mean(as_numpy(total), as_numpy(indices.contiguous()), as_numpy(values.contiguous()),
+                                 len(packets))
+        if nonfinite != 0:  # a position out of range (-1), or a sum that overflowed
+            return super().aggregate(packets, out)
+        return total.view(first.shape)
+
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
         """Adds the sent values only: x + 0 = x exactly, and a sum that starts at +0 is never −0."""
         indices, values = self.sparse(packet)
@@ -101,9 +130,54 @@ class Sparse(Compressor):
         indices, values = self.sparse(packet)
         if packet.dtype != torch.float32:  # decompress() hands the values over in the packet's dtype
             values = values.to(packet.dtype).float()
+        if (use_numba(e) and indices.device.type == "cpu" and indices.dtype in (torch.int32, torch.int64)
+                and values.is_contiguous() and indices.is_contiguous()
+                and _subtract_at(as_numpy(e), as_numpy(indices), as_numpy(values))):
+            return e
         indices = indices.long()
         e[indices] = e[indices] - values
         return e
+
+
+@jit
+def _subtract_at(x, positions, values):  # pragma: no cover - compiled
+    """x[positions[j]] −= values[j] (positions distinct); False, with nothing written, if one is out of range."""
+    n = np.uint64(x.size)
+    for j in range(positions.size):
+        if np.uint64(positions[j]) >= n:  # a negative position wraps beyond every valid one
+            return False
+    for j in range(positions.size):
+        x[positions[j]] -= values[j]
+    return True
+
+
+@jit
+def _sparse_mean(total, positions, values, count):  # pragma: no cover - compiled
+    """total = the mean of ``count`` sparse vectors given back to back (each one's positions distinct):
+    zeros, the values added at their positions in order, then each position sent divided by ``count``
+    once (a bitmap marks those done); how many of those means are NaN/Inf, or −1 (nothing written) if a
+    position is out of range."""
+    n = np.uint64(total.size)
+    for j in range(positions.size):
+        if np.uint64(positions[j]) >= n:
+            return -1
+    wide_vectors()
+    for i in range(total.size):
+        total[i] = np.float32(0.0)
+    for j in range(positions.size):
+        total[positions[j]] += values[j]
+    done = np.zeros((total.size + 63) // 64, np.uint64)
+    divisor = np.float32(count)
+    nonfinite = 0
+    for j in range(positions.size):
+        i = np.uint64(positions[j])
+        word, bit = i >> np.uint64(6), np.uint64(1) << (i & np.uint64(63))
+        if not done[word] & bit:
+            done[word] |= bit
+            mean = np.float32(total[i] / divisor)
+            total[i] = mean
+            nonfinite += not abs(mean) < np.inf
+    return nonfinite
 
 
 @register("topk")
@@ -111,8 +185,8 @@ class Sparse(Compressor):
 class TopK(Sparse):
     """Top-k sparsification: the k entries of largest |x| and their indices.
 
-    On the CPU the selection avoids a full ``torch.topk``: a threshold is estimated from a strided
-    sample, one numba pass collects the candidates above it, and an exact top-k runs on those few
+    On the CPU the selection avoids a full ``torch.topk``: a threshold is estimated from a sample
+    of the values, one numba pass collects the candidates above it, and an exact top-k runs on those few
     (falling back to the full top-k when the estimate leaves fewer than k candidates). The result is
     the exact top-k either way.
     """
@@ -130,8 +204,11 @@ class TopK(Sparse):
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         k = keep_count(flat.numel(), self.ratio)
-        indices = topk_indices(flat, k, self)
-        return Packet({"values": flat[indices], "indices": indices.to(torch.int32)}, flat.shape, flat.dtype)
+        chosen = _sampled_top(flat, k, self) if flat.dtype == torch.float32 else None
+        if chosen is None:
+            indices = topk_indices(flat, k, self)
+            chosen = indices.to(torch.int32), flat[indices]
+        return Packet({"values": chosen[1], "indices": chosen[0]}, flat.shape, flat.dtype)
 
     def sparse(self, packet: Packet) -> tuple[torch.Tensor, torch.Tensor]:
         return packet["indices"], packet["values"].float()
@@ -140,22 +217,17 @@ class TopK(Sparse):
                      ctx: Context | None = None, beta: float = 1.0, gamma: float = 1.0) -> Packet:
         """Top-k of φ = m + g with the sum formed in the selection's candidate pass (see
         :meth:`Compressor.compress_sum`): the threshold's sample and that pass read m and g, write φ
-        to ``out`` and collect the positions at or above the threshold; the same bits as the sum, then
+        to ``out`` and collect the values at or above the threshold; the same bits as the sum, then
         :meth:`compress`. Other factors β, γ than 1 take the default."""
-        n = out.numel()
-        k = keep_count(n, self.ratio)
-        if not (use_numba(out) and 65536 <= n and k < n and grad.dtype == torch.float32 == memory.dtype
-                and beta == 1.0 and gamma == 1.0
-                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
-            return super().compress_sum(memory, grad, out, ctx, beta, gamma)
         flat = out.view(-1)
-        indices = _topk_by_sampled_threshold(flat, k, self, (as_numpy(memory).reshape(-1),
-                                                            as_numpy(grad).reshape(-1)))
-        if indices is None:  # φ is formed in full: the exact top-k of it
-            indices = topk_indices(flat, k, self)
-        packet = Packet({"values": flat[indices], "indices": indices.to(torch.int32)}, flat.shape, flat.dtype)
-        packet.shape = out.shape
-        return packet
+        k = keep_count(flat.numel(), self.ratio)
+        chosen = None
+        if (beta == 1.0 and gamma == 1.0 and grad.dtype == torch.float32 == memory.dtype
+                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
+            chosen = _sampled_top(flat, k, self, (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1)))
+        if chosen is None:
+            return super().compress_sum(memory, grad, out, ctx, beta, gamma)
+        return Packet({"values": chosen[1], "indices": chosen[0]}, out.shape, out.dtype)
 
 
 def named(where: str | Compressor) -> str:
@@ -170,66 +242,81 @@ def topk_indices(flat: torch.Tensor, k: int, where: str | Compressor = "top-k") 
     Raises :class:`~gradpress.compressor.NonFiniteError` if ``flat`` holds NaN/Inf: on the sampled
     path every NaN/Inf passes the candidate threshold, so checking the candidates costs O(k), not a
     pass of its own."""
-    n = flat.numel()
-    if use_numba(flat) and 65536 <= n and k < n:
-        values = flat if flat.dtype == torch.float32 else flat.float()
-        indices = _topk_by_sampled_threshold(values, k, where)
-        if indices is not None:
-            return indices
+    chosen = _sampled_top(flat if flat.dtype == torch.float32 else flat.float(), k, where)
+    if chosen is not None:
+        return chosen[0].long()
     check_finite(flat, named(where))
-    if k >= n:
-        return torch.arange(n, device=flat.device)
+    if k >= flat.numel():
+        return torch.arange(flat.numel(), device=flat.device)
     return _largest(flat.float().abs(), k)
 
 
 SAMPLE = 16384  # about this many values, at a stride, estimate top-k's threshold
+SAMPLED = (4096, 2**31 - 64)  # the sizes the sampled selection takes (int32 positions, 16-wide stores)
 
 
-def _topk_by_sampled_threshold(values: torch.Tensor, k: int, where: str | Compressor,
-                               addends: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor | None:
-    """CPU top-k without a full sort: estimate the k-th magnitude from a strided sample of ~16k values,
-    collect the candidates at or above it in one numba pass, then take the exact top-k among them.
+def _sampled_top(values: torch.Tensor, k: int, where: str | Compressor,
+                 addends: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(positions (int32, ascending), values) of the k largest |values| of a float32 CPU tensor, exact,
+    ties to the lower position, without a full sort; None where it does not apply (another device, k = 0,
+    2^31 values or more) or where the sampled threshold leaves fewer than k candidates (rare): the
+    caller then takes the full top-k. Below 4096 values every value is a candidate.
 
-    The estimate keeps ~3 standard deviations of margin, so it almost always leaves at least k
-    candidates; if not, a threshold with twice the margin is tried, and None sends the caller to the
-    full top-k. Either way the result is exact. Every NaN/Inf is a candidate (or lies in the sample):
-    seen there, :func:`check_finite` raises, so there is no check pass of its own.
+    The k-th magnitude is estimated from a sample of ~16k values at a prime stride (:func:`sample_stride`), one numba pass collects the
+    values at or above it with their positions (16 at a time, compressed in registers), and an exact
+    selection among those few finds the k largest (:func:`kth_largest`). The estimate keeps ~3 standard
+    deviations of margin, so it almost always leaves at least k candidates; if not, a threshold with
+    twice the margin is tried. Every NaN/Inf is a candidate (or lies in the sample): seen there,
+    :func:`check_finite` raises, so there is no check pass of its own.
 
     ``addends`` (m, g): ``values`` is to become m + g (float32, fused error feedback), formed by the
-    first candidate pass, which reads every element and writes the sum into ``values`` whatever it
-    returns; the sample reads the sums at its positions. Every later pass reads ``values``.
+    candidate pass, which reads every element and writes the sum into ``values`` whatever it returns
+    (a raise included); the sample reads the sums at its positions.
     """
     n = values.numel()
-    x = as_numpy(values)
-    stride = max(1, n // SAMPLE)
+    if not (use_numba(values) and 1 <= k <= n <= SAMPLED[1] and values.is_contiguous()):
+        return None
+    x = as_numpy(values).reshape(-1)
+    if n < SAMPLED[0] or k == n:  # every value a candidate
+        if addends is not None:
+            _add(*addends, x)
+        return _chosen(x, np.arange(n, dtype=np.int32), k, values, where)
+    stride = sample_stride(n)
     sample = np.empty(-(-n // stride), dtype=np.float32)
     expected = k / stride
     for margin in (3.0, 6.0):
         want = min(sample.size, math.ceil(1.05 * expected + margin * math.sqrt(expected) + 8))
         threshold = float(_sampled_kth(*(addends or (x, None)), stride, want, sample))
-        if not math.isfinite(threshold) or threshold <= 0.0:
+        if not math.isfinite(threshold):  # NaN/Inf in the sample: raises
             if addends is not None:
                 _add(*addends, x)
-                addends = None
-            if not math.isfinite(threshold):  # NaN/Inf in the sample
-                check_finite(values, named(where))
-            return None
-        # about want·stride candidates: a buffer of twice that (then all n, if more are found)
-        for capacity in dict.fromkeys((min(n, 2 * want * stride + 1024), n)):
-            candidates = torch.empty(capacity, dtype=torch.int64)
-            # (with addends: the sum's one pass, written in full even when the buffer overflows)
-            count = _collect_at_least(x, addends, np.float32(threshold), as_numpy(candidates))
+            check_finite(values, named(where))
+        # about want·stride candidates: room for twice that (then for all n, if more are found; with
+        # a threshold of 0, the sample mostly zeros, every value is one)
+        capacity = min(n, 2 * want * stride + 1024) if threshold > 0.0 else n
+        for capacity in dict.fromkeys((capacity, n)):
+            kept = np.empty(capacity + 16, dtype=np.float32)
+            positions = np.empty(capacity + 16, dtype=np.int32)
+            # (with addends: the sum's one pass, written in full even when the room runs out)
+            count = _collect_at_least(x, addends, np.float32(threshold), kept, positions)
             addends = None
             if count >= 0:
                 break
         if count >= k:
-            chosen = torch.empty(k, dtype=torch.int64)
-            if not _keep_largest(x, as_numpy(candidates[:count]), k, as_numpy(chosen)):
-                check_finite(values, named(where))  # a NaN/Inf candidate: raises, counting every one
-            return chosen
-        if _any_nonfinite_at(x, as_numpy(candidates[:count])):
+            return _chosen(kept[:count], positions[:count], k, values, where)
+        if not _all_finite(kept[:count]):
             check_finite(values, named(where))
     return None
+
+
+def _chosen(candidates: np.ndarray, positions: np.ndarray, k: int, values: torch.Tensor,
+            where: str | Compressor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, values) of the k ``candidates`` of largest magnitude (:func:`_keep_largest`); a NaN/Inf
+    among them raises :class:`~gradpress.compressor.NonFiniteError`, counting those of ``values``."""
+    chosen, chosen_values = torch.empty(k, dtype=torch.int32), torch.empty(k, dtype=torch.float32)
+    if not _keep_largest(candidates, positions, k, as_numpy(chosen_values), as_numpy(chosen)):
+        check_finite(values, named(where))
+    return chosen, chosen_values
 
 
 @jit
@@ -243,7 +330,20 @@ def _sampled_kth(x, addend, stride, want, sample):  # pragma: no cover - compile
         top = max(top, bits_of_f32(m))
     if top >= np.uint32(0x7F800000):
         return np.float32(np.nan)
-    return np.partition(sample, sample.size - want)[sample.size - want]
+    return kth_largest(sample, want)
+
+
+@functools.lru_cache(maxsize=256)
+def sample_stride(n: int) -> int:
+    """The stride of top-k's sample of a vector of n values: the smallest prime at or above n / 16384.
+    A stride sharing a factor with the rows of a weight matrix would see a few of its columns only
+    (3211264 values at stride 196 see 4 columns of 784, all zero where the input's corner pixels are);
+    a prime one visits every column of any row length it does not divide, in a pattern the hardware
+    prefetcher follows (a random position per window took 2.5× longer from memory)."""
+    stride = max(2, n // SAMPLE)
+    while any(stride % d == 0 for d in range(2, math.isqrt(stride) + 1)):
+        stride += 1
+    return stride
 
 
 @jit
@@ -255,11 +355,11 @@ def _add(m, g, x):  # pragma: no cover - compiled
 
 
 @jit
-def _any_nonfinite_at(x, positions):  # pragma: no cover - compiled
-    for j in range(positions.size):
-        if not abs(x[positions[j]]) < np.inf:
-            return True
-    return False
+def _all_finite(values):  # pragma: no cover - compiled
+    top = np.uint32(0)
+    for j in range(values.size):
+        top = max(top, bits_of_f32(abs(values[j])))
+    return top < np.uint32(0x7F800000)
 
 
 def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -280,72 +380,75 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @jit
-def _collect_at_least(x, addends, threshold, out):  # pragma: no cover - compiled
-    """Positions of |x| ≥ threshold (float32), and of NaN (a comparison with NaN is false, its
-    negation true), ascending, into ``out``; their count, or −1 if more than fit. Per 64 values a bit
-    mask of the comparisons (vectorized), then the positions of its set bits.
+def _collect_at_least(x, addends, threshold, kept, positions):  # pragma: no cover - compiled
+    """The values v of x with not |v| < threshold (at or above it, and NaN), in order, into ``kept``
+    and their positions (int32) into ``positions``, 16 values at a time (:func:`compress_at_least16`);
+    their count, or −1 if more than fit (both outputs have 16 slots of room beyond that).
 
-    ``addends`` (m, g), or None: x = m + g is formed in the same pass (fused error feedback), in full
-    even when ``out`` overflows (it then goes on summing and returns −1 at the end)."""
-    wide_vectors()
+    ``addends`` (m, g), or None: x = m + g is formed in the same pass (fused error feedback), and the
+    candidates taken from the sums in registers; in full even when the outputs overflow."""
     n = x.size
-    capacity = out.size
+    capacity = kept.size - 16
     count = 0
-    full = n - n % 64
-    for start in range(0, full, 64):
-        mask = np.uint64(0)
-        for j in range(64):
-            if addends is None:
-                v = x[start + j]
-            else:
-                v = addends[0][start + j] + addends[1][start + j]
-                x[start + j] = v
-            mask |= np.uint64(not abs(v) < threshold) << np.uint64(j)
-        while mask:
-            if count == capacity and addends is None:
-                return -1
-            if count < capacity:
-                out[count] = start + trailing_zeros(mask)
-            count += 1
-            mask &= mask - np.uint64(1)
+    full = n - n % 16
+    if addends is not None:
+        m, g, phi = V.pointer(addends[0]), V.pointer(addends[1]), V.pointer(x)
+        for start in range(0, full, 16):
+            v = V.add(V.load(m, start), V.load(g, start))
+            V.store(phi, start, v)
+            count += compress_at_least16(v, start, threshold, kept, positions, min(count, capacity))
+    else:
+        for start in range(0, full, 16):
+            count += compress_at_least16(x, start, threshold, kept, positions, min(count, capacity))
     for i in range(full, n):
-        if addends is None:
-            v = x[i]
-        else:
-            v = addends[0][i] + addends[1][i]
-            x[i] = v
+        if addends is not None:
+            x[i] = addends[0][i] + addends[1][i]
+        v = x[i]
         if not abs(v) < threshold:
             if count < capacity:
-                out[count] = i
+                kept[count] = v
+                positions[count] = i
             count += 1
     return count if count <= capacity else -1
 
 
 @jit
-def _keep_largest(x, candidates, k, out):  # pragma: no cover - compiled
-    """The k candidates (ascending positions) of largest |x|, ties to the lower position, written to out;
-    False (and nothing written) if a candidate is NaN or Inf."""
-    magnitudes = np.empty(candidates.size, np.float32)
+def _keep_largest(values, positions, k, out_values, out_positions):  # pragma: no cover - compiled
+    """The k of the candidates (``values`` at ascending ``positions``) of largest |value|, ties to the
+    lower position, in order, into ``out_values`` and ``out_positions``; False (and nothing written) if a
+    candidate is NaN or Inf."""
+    magnitudes = np.empty(values.size, np.float32)
     top = np.uint32(0)
-    for j in range(candidates.size):
-        m = abs(x[candidates[j]])
+    for j in range(values.size):
+        m = abs(values[j])
         magnitudes[j] = m
         top = max(top, bits_of_f32(m))
     if top >= np.uint32(0x7F800000):
         return False
-    select_largest(magnitudes, candidates, k, out)
+    kth = kth_largest(magnitudes.copy(), k)
+    ties_left = k
+    for j in range(values.size):
+        ties_left -= magnitudes[j] > kth
+    filled = 0
+    for j in range(values.size):
+        m = magnitudes[j]
+        if m > kth or (m == kth and ties_left > 0):
+            if m == kth:
+                ties_left -= 1
+            out_values[filled] = values[j]
+            out_positions[filled] = positions[j]
+            filled += 1
     return True
 
 
 @njit(cache=True, nogil=True, inline="always")
 def select_largest(values, positions, k, out):  # pragma: no cover - compiled
-    """out[:k] = the ``k`` of ``positions`` whose ``values`` are largest, in their given order, ties to
-    the earlier ones: the k-th largest value by a partition (O(n)), then one pass."""
-    kth = np.partition(values, values.size - k)[values.size - k]
-    above = 0
+    """out[:k] = the ``k`` of ``positions`` whose ``values`` (float32, ≥ 0) are largest, in their given
+    order, ties to the earlier ones: the k-th largest value (:func:`kth_largest`), then one pass."""
+    kth = kth_largest(values.copy(), k)
+    ties_left = k
     for j in range(values.size):
-        above += values[j] > kth
-    ties_left = k - above
+        ties_left -= values[j] > kth
     filled = 0
     for j in range(values.size):
         v = values[j]
@@ -354,6 +457,40 @@ def select_largest(values, positions, k, out):  # pragma: no cover - compiled
                 ties_left -= 1
             out[filled] = positions[j]
             filled += 1
+
+
+RADIX = 16  # the first digit of kth_largest: the sign, the exponent and 7 bits of the mantissa
+PARTITIONED = 2048  # up to this many values, kth_largest partitions them as they are
+
+
+@njit(cache=True, nogil=True, inline="always")
+def kth_largest(values, k):  # pragma: no cover - compiled
+    """The k-th largest (1 ≤ k ≤ size) of float32 ``values`` ≥ 0 (NaN: above +Inf), reordering them: a
+    radix select on their bit patterns (a non-negative float orders as its bits). One pass counts the
+    values per leading 16 bits, which places the k-th in one of 65536 ranges; the values in it (few,
+    unless many share those bits) are moved to the front and partitioned (``np.partition``, which takes
+    up to 2048 values without the count)."""
+    if values.size <= PARTITIONED:
+        return np.partition(values, values.size - k)[values.size - k]
+    bits = values.view(np.uint32)
+    shift = np.uint32(32 - RADIX)
+    counts = np.zeros(1 << RADIX, np.int32)
+    digit = 0  # the largest seen
+    for j in range(bits.size):
+        d = np.int64(bits[j] >> shift)
+        counts[d] += 1
+        digit = max(digit, d)
+    above = 0
+    while above + counts[digit] < k:
+        above += counts[digit]
+        digit -= 1
+    within = 0
+    for j in range(bits.size):
+        if np.int64(bits[j] >> shift) == digit:
+            bits[within] = bits[j]
+            within += 1
+    rank = k - above  # the rank-th largest of the first ``within`` values
+    return np.partition(values[:within], within - rank)[within - rank]
 
 
 @register("randomk")
