@@ -397,6 +397,20 @@ def bits(typingctx, v):  # pragma: no cover - compiled
     return result(v), codegen
 
 
+@intrinsic
+def sign_mask16(typingctx, v):  # pragma: no cover - compiled
+    """Bit l (l < 16) = [v_l ≥ 0] for float32 lanes: the sign bit clear, or a zero of either sign (IEEE
+    compares −0.0 ≥ 0 true), i.e. pattern ≤ 0x80000000; as a uint64 (the 48 high bits 0)."""
+    if v != vf32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        nonnegative = builder.icmp_unsigned("<=", builder.bitcast(args[0], _I), ir.Constant(_I, [0x80000000] * LANES))
+        return builder.zext(builder.bitcast(nonnegative, ir.IntType(LANES)), _i64)
+
+    return types.uint64(v), codegen
+
+
 # -- float64 sums of squares ------------------------------------------------------------------------------
 @intrinsic
 def zeros64(typingctx):  # pragma: no cover - compiled

