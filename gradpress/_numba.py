@@ -337,14 +337,15 @@ def _compress16(predicate: str, doc: str):  # noqa: ANN202
     """An intrinsic writing those of the 16 float32 x[start:start + 16] (or of the 16 lanes of a
     :data:`~gradpress._simd.vf32` x, standing for those positions) for which ``fcmp predicate |x|,
     threshold`` holds (a leading "u": unordered, true for NaN), in order, to values[at:] and their
-    positions (int32) to indices[at:], returning how many: compressed in registers (``vcompressps``/``vpcompressd`` with AVX-512, equivalent scalar code
-    elsewhere), then one unaligned 16-wide store each, so both outputs need 16 slots from ``at`` whatever
-    the count."""
+    positions (int32) to indices[at:], returning how many: compressed in registers
+    (``vcompressps``/``vpcompressd`` with AVX-512, equivalent scalar code elsewhere), then one unaligned
+    16-wide store each, so both outputs need 16 slots from ``at`` whatever the count."""
 
     @intrinsic
     def compress16(typingctx, x, start, threshold, values, indices, at):  # pragma: no cover - compiled
-        if not ((_is(x, types.float32) or x == V.vf32) and _is(values, types.float32) and _is(indices, types.int32)
-                and isinstance(start, types.Integer) and threshold == types.float32 and isinstance(at, types.Integer)):
+        if not ((_is(x, types.float32) or x == V.vf32) and _is(values, types.float32)
+                and _is(indices, types.int32) and isinstance(start, types.Integer)
+                and threshold == types.float32 and isinstance(at, types.Integer)):
             return None
 
         def codegen(context, builder, signature, args):
@@ -352,34 +353,38 @@ def _compress16(predicate: str, doc: str):  # noqa: ANN202
             floats, ints = ir.VectorType(ir.FloatType(), 16), ir.VectorType(i32, 16)
             mask_type = ir.VectorType(ir.IntType(1), 16)
             lanes0 = ir.Constant(ints, [0] * 16)
-            x_v = args[0] if signature.args[0] == V.vf32 else \
-                builder.load(_vector_pointer(context, builder, signature.args[0], args[0], args[1], floats), align=4)
-            fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats]), "llvm.fabs.v16f32")
-            t = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, None), args[2], ir.Constant(i32, 0)),
-                                       ir.Constant(floats, None), lanes0)
-            mask = builder.fcmp_unordered(predicate[1:], builder.call(fabs, [x_v]), t) if predicate[0] == "u" \
-                else builder.fcmp_ordered(predicate, builder.call(fabs, [x_v]), t)
+            module, kinds = builder.module, signature.args
+
+            def splat(value, vector):  # noqa: ANN001, ANN202
+                one = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(vector, None), lanes0)
+
+            def function(name, result, arguments):  # noqa: ANN001, ANN202
+                return cgutils.get_or_insert_function(module, ir.FunctionType(result, arguments), name)
+
+            x_v = args[0] if kinds[0] == V.vf32 else \
+                builder.load(_vector_pointer(context, builder, kinds[0], args[0], args[1], floats), align=4)
+            magnitude = builder.call(function("llvm.fabs.v16f32", floats, [floats]), [x_v])
+            t = splat(args[2], floats)
+            mask = builder.fcmp_unordered(predicate[1:], magnitude, t) if predicate[0] == "u" \
+                else builder.fcmp_ordered(predicate, magnitude, t)
             base = builder.trunc(args[1], i32) if args[1].type.width > 32 else args[1]
-            base_v = builder.shuffle_vector(builder.insert_element(ir.Constant(ints, None), base, ir.Constant(i32, 0)),
-                                            ir.Constant(ints, None), lanes0)
-            positions = builder.add(base_v, ir.Constant(ints, list(range(16))))
-            compress_f = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(floats, [floats, mask_type, floats]),
-                "llvm.experimental.vector.compress.v16f32")
-            compress_i = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ints, [ints, mask_type, ints]), "llvm.experimental.vector.compress.v16i32")
+            positions = builder.add(splat(base, ints), ir.Constant(ints, list(range(16))))
+            compress = "llvm.experimental.vector.compress.v16"
+            compress_f = function(compress + "f32", floats, [floats, mask_type, floats])
+            compress_i = function(compress + "i32", ints, [ints, mask_type, ints])
             builder.store(builder.call(compress_f, [x_v, mask, ir.Constant(floats, None)]),
-                          _vector_pointer(context, builder, signature.args[3], args[3], args[5], floats), align=4)
+                          _vector_pointer(context, builder, kinds[3], args[3], args[5], floats), align=4)
             builder.store(builder.call(compress_i, [positions, mask, ir.Constant(ints, None)]),
-                          _vector_pointer(context, builder, signature.args[4], args[4], args[5], ints), align=4)
-            ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(16), [ir.IntType(16)]),
-                                                   "llvm.ctpop.i16")
+                          _vector_pointer(context, builder, kinds[4], args[4], args[5], ints), align=4)
+            ctpop = function("llvm.ctpop.i16", ir.IntType(16), [ir.IntType(16)])
             count = builder.call(ctpop, [builder.bitcast(mask, ir.IntType(16))])
             return builder.zext(count, ir.IntType(64))
 
         return types.int64(x, start, threshold, values, indices, at), codegen
 
-    compress16.__doc__ = f"Those of the 16 values x[start:start + 16] with {doc}, as :func:`_compress16` writes them."
+    compress16.__doc__ = (f"Those of the 16 values x[start:start + 16] with {doc}, as :func:`_compress16` "
+                          "writes them.")
     return compress16
 
 

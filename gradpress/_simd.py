@@ -405,7 +405,8 @@ def sign_mask16(typingctx, v):  # pragma: no cover - compiled
         return None
 
     def codegen(context, builder, sig, args):
-        nonnegative = builder.icmp_unsigned("<=", builder.bitcast(args[0], _I), ir.Constant(_I, [0x80000000] * LANES))
+        patterns = builder.bitcast(args[0], _I)
+        nonnegative = builder.icmp_unsigned("<=", patterns, ir.Constant(_I, [0x80000000] * LANES))
         return builder.zext(builder.bitcast(nonnegative, ir.IntType(LANES)), _i64)
 
     return types.uint64(v), codegen

@@ -18,7 +18,8 @@ from gradpress._numba import (abs_above64, abs_not_below64, compress_above16, fi
 from gradpress.compressor import NonFiniteError
 from gradpress.compressors.cltk import chunk_top
 from gradpress.compressors.dither import standard_deviation
-from gradpress.compressors.sparsify import SAMPLE, kth_largest, random_subset, sample_stride, scatter, topk_indices
+from gradpress.compressors.sparsify import (SAMPLE, kth_largest, random_subset, sample_stride, scatter,
+                                            topk_indices)
 from gradpress.compressors.threshold import _strata_positions, packet_above, stratified_threshold
 from gradpress.rng import Context
 from kernels import PATHS, accumulate_both_paths, bits, both_paths, path
@@ -135,8 +136,8 @@ def test_sampled_topk_is_the_exact_topk(n, k):
     assert torch.equal(packet["indices"].long(), got) and torch.equal(packet["values"], x[got])
 
 
-@pytest.mark.parametrize("shape, zero_columns", [((4096, 784), slice(0, 784, 28)), ((4096, 784), slice(0, 300)),
-                                                 ((1000, 256), slice(0, 256, 2))])
+@pytest.mark.parametrize("shape, zero_columns", [
+    ((4096, 784), slice(0, 784, 28)), ((4096, 784), slice(0, 300)), ((1000, 256), slice(0, 256, 2))])
 def test_topk_of_a_weight_gradient_with_zero_columns_is_exact(shape, zero_columns):
     """A weight gradient whose columns for dark input pixels are zero: a sample at a stride sharing a
     factor with the row length would see only such columns (threshold 0); the selection stays exact."""
@@ -169,7 +170,8 @@ def test_kth_largest_is_the_kth_of_the_sorted_values(size):
     zeros, +Inf, subnormals."""
     g = np.random.default_rng(size)
     cases = [g.random(size, dtype=np.float32) * 10,
-             (1.0 + g.integers(0, 64, size).astype(np.float32) * 2.0**-20).astype(np.float32),  # one top digit
+             # one leading 16-bit digit for all of them
+             (1.0 + g.integers(0, 64, size).astype(np.float32) * 2.0**-20).astype(np.float32),
              np.full(size, 3.5, np.float32),
              np.where(g.random(size) < 0.5, 0.0, g.random(size)).astype(np.float32),
              np.where(g.random(size) < 0.01, np.inf, g.random(size)).astype(np.float32),

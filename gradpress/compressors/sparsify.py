@@ -104,14 +104,15 @@ class Sparse(Compressor):
                    and i.dtype in (torch.int32, torch.int64) and v.dtype == torch.float32
                    for p, (i, v) in zip(packets, pairs)):
             return super().aggregate(packets, out)
-        if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == first.numel:
+        if (out is not None and out.dtype == torch.float32 and out.is_contiguous()
+                and out.numel() == first.numel):
             total = out.view(-1)
         else:
             total = torch.empty(first.numel, dtype=torch.float32)
         indices = torch.cat([i.reshape(-1) for i, _ in pairs]) if len(pairs) > 1 else pairs[0][0].reshape(-1)
         values = torch.cat([v.reshape(-1) for _, v in pairs]) if len(pairs) > 1 else pairs[0][1].reshape(-1)
-        nonfinite = _sparse_mean(as_numpy(total), as_numpy(indices.contiguous()), as_numpy(values.contiguous()),
-                                 len(packets))
+        nonfinite = _sparse_mean(as_numpy(total), as_numpy(indices.contiguous()),
+                                 as_numpy(values.contiguous()), len(packets))
         if nonfinite != 0:  # a position out of range (-1), or a sum that overflowed
             return super().aggregate(packets, out)
         return total.view(first.shape)
@@ -141,7 +142,8 @@ class Sparse(Compressor):
 
 @jit
 def _subtract_at(x, positions, values):  # pragma: no cover - compiled
-    """x[positions[j]] −= values[j] (positions distinct); False, with nothing written, if one is out of range."""
+    """x[positions[j]] −= values[j] (positions distinct); False, with nothing written, if one is out of
+    range."""
     n = np.uint64(x.size)
     for j in range(positions.size):
         if np.uint64(positions[j]) >= n:  # a negative position wraps beyond every valid one
@@ -256,15 +258,17 @@ SAMPLED = (4096, 2**31 - 64)  # the sizes the sampled selection takes (int32 pos
 
 
 def _sampled_top(values: torch.Tensor, k: int, where: str | Compressor,
-                 addends: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 addends: tuple[np.ndarray, np.ndarray] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(positions (int32, ascending), values) of the k largest |values| of a float32 CPU tensor, exact,
     ties to the lower position, without a full sort; None where it does not apply (another device, k = 0,
     2^31 values or more) or where the sampled threshold leaves fewer than k candidates (rare): the
     caller then takes the full top-k. Below 4096 values every value is a candidate.
 
-    The k-th magnitude is estimated from a sample of ~16k values at a prime stride (:func:`sample_stride`), one numba pass collects the
-    values at or above it with their positions (16 at a time, compressed in registers), and an exact
-    selection among those few finds the k largest (:func:`kth_largest`). The estimate keeps ~3 standard
+    The k-th magnitude is estimated from a sample of ~16k values at a prime stride (:func:`sample_stride`),
+    one numba pass collects the values at or above it with their positions (16 at a time, compressed in
+    registers), and an exact selection among those few finds the k largest (:func:`kth_largest`). A
+    threshold of 0 (a sample mostly zeros) makes every value a candidate. The estimate keeps ~3 standard
     deviations of margin, so it almost always leaves at least k candidates; if not, a threshold with
     twice the margin is tried. Every NaN/Inf is a candidate (or lies in the sample): seen there,
     :func:`check_finite` raises, so there is no check pass of its own.
