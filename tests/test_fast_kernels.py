@@ -17,6 +17,7 @@ from gradpress._numba import (abs_above64, abs_not_below64, compress_above16, fi
                               select_bits64, sign_bits64)
 from gradpress.compressor import NonFiniteError
 from gradpress.compressors.cltk import chunk_top
+from gradpress.compressors import sparsify
 from gradpress.compressors.dither import standard_deviation
 from gradpress.compressors.sparsify import (SAMPLE, kth_largest, random_subset, sample_stride, scatter,
                                             topk_indices)
@@ -155,6 +156,30 @@ def test_topk_of_a_mostly_zero_vector_takes_every_value_as_a_candidate():
     x[[5, 70_000, 199_999]] = torch.tensor([1.0, -3.0, 2.0])
     assert topk_indices(x, 2).tolist() == [70_000, 199_999]
     assert topk_indices(x, 5).tolist() == [0, 1, 5, 70_000, 199_999]  # ties at 0: the lowest positions
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("n", [15, 16, 1000, 4099])
+def test_candidates_are_every_value_at_or_above_the_threshold_and_overflow_says_so(fused, n):
+    """The candidate pass (16 at a time, a scalar tail): every value with not |v| < t (NaN included), in
+    order, with its position; −1 when more than fit, the fused sum formed in full all the same."""
+    g = torch.Generator().manual_seed(n)
+    m, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m[n // 2] = float("nan")
+    x = (m + grad) if fused else m.clone()
+    expected = (~(x.abs() < 1.0)).nonzero().squeeze(1)
+    count = expected.numel()
+    for capacity in (count, count - 1):
+        out = torch.empty(n) if fused else x.clone()
+        kept, positions = np.empty(capacity + 16, np.float32), np.empty(capacity + 16, np.int32)
+        addends = (m.numpy(), grad.numpy()) if fused else None
+        got = sparsify._collect_at_least(out.numpy(), addends, np.float32(1.0), kept, positions)
+        assert torch.equal(bits(out), bits(x))  # the sum, bit for bit (NaN where m is)
+        if capacity < count:
+            assert got == -1
+        else:
+            assert got == count and positions[:count].tolist() == expected.tolist()
+            assert torch.equal(bits(torch.from_numpy(kept[:count])), bits(x[expected]))
 
 
 def test_sample_strides_are_primes_at_or_above_n_over_the_sample_size():
