@@ -429,26 +429,15 @@ def _keep_largest(values, positions, k, out_values, out_positions):  # pragma: n
         top = max(top, bits_of_f32(m))
     if top >= np.uint32(0x7F800000):
         return False
-    kth = kth_largest(magnitudes.copy(), k)
-    ties_left = k
-    for j in range(values.size):
-        ties_left -= magnitudes[j] > kth
-    filled = 0
-    for j in range(values.size):
-        m = magnitudes[j]
-        if m > kth or (m == kth and ties_left > 0):
-            if m == kth:
-                ties_left -= 1
-            out_values[filled] = values[j]
-            out_positions[filled] = positions[j]
-            filled += 1
+    select_largest(magnitudes, positions, k, out_positions, values, out_values)
     return True
 
 
 @njit(cache=True, nogil=True, inline="always")
-def select_largest(values, positions, k, out):  # pragma: no cover - compiled
+def select_largest(values, positions, k, out, kept=None, out_kept=None):  # pragma: no cover - compiled
     """out[:k] = the ``k`` of ``positions`` whose ``values`` (float32, ≥ 0) are largest, in their given
-    order, ties to the earlier ones: the k-th largest value (:func:`kth_largest`), then one pass."""
+    order, ties to the earlier ones: the k-th largest value (:func:`kth_largest`), then one pass; with
+    ``kept``, out_kept[:k] = the entries of ``kept`` at the same places (top-k's signed values)."""
     kth = kth_largest(values.copy(), k)
     ties_left = k
     for j in range(values.size):
@@ -460,6 +449,8 @@ def select_largest(values, positions, k, out):  # pragma: no cover - compiled
             if v == kth:
                 ties_left -= 1
             out[filled] = positions[j]
+            if kept is not None:
+                out_kept[filled] = kept[j]
             filled += 1
 
 
