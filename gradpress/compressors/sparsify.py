@@ -254,7 +254,9 @@ def topk_indices(flat: torch.Tensor, k: int, where: str | Compressor = "top-k") 
 
 
 SAMPLE = 16384  # about this many values, at a stride, estimate top-k's threshold
-SAMPLED = (4096, 2**31 - 64)  # the sizes the sampled selection takes (int32 positions, 16-wide stores)
+#: from SAMPLED[0] values on the threshold is sampled (below, every value is a candidate), up to SAMPLED[1]
+#: (int32 positions, 16-wide stores); larger tensors take torch's top-k
+SAMPLED = (4096, 2**31 - 64)
 
 
 def _sampled_top(values: torch.Tensor, k: int, where: str | Compressor,
