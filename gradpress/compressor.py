@@ -275,9 +275,8 @@ class Compressor:
         first = packets[0]
         if first.numel == 0:
             return self.decompress(first)
-        if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == first.numel:
-            total = out.view(-1)
-        else:
+        total = float32_output(out, first.numel)
+        if total is None:
             total = torch.empty(first.numel, dtype=torch.float32, device=first.device)
         n = len(packets)
         for i, packet in enumerate(packets):  # the first stored, the last added and divided by n
@@ -376,12 +375,17 @@ class Compressor:
         """
         return list(packet.wire())
 
-    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
+    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """The mean over ``count`` workers from the element-wise sum of their :meth:`summands`.
 
         ``packet`` is this worker's own packet (its structure and metadata); integer sums may arrive
         in a wider dtype than :meth:`summands` produced. The summed tensors belong to the runtime: this
-        may overwrite them. Default: decompress the summed packet and divide by ``count`` in float32
+        may overwrite them. ``out``: a tensor of the packet's shape that may be overwritten and shares
+        no storage with ``summed`` (the gradient being averaged, a DDP bucket's): a method that decodes
+        into a new float32 tensor (THC, S2's sketch, PowerSGD's P̂ Qᵀ) writes the mean of a float32
+        packet into a contiguous float32 ``out`` instead (:func:`float32_output`), so that it need
+        not be copied there. Default: decompress the summed packet and divide by ``count`` in float32
         (GRACE Algorithm 1 line 9: g = Q⁻¹(Allreduce(g̃)) / n), in place where the dtype allows.
         """
         if packet.numel == 0:
@@ -627,6 +631,15 @@ def scaled_into_bits(addends, bits, start, stop):  # pragma: no cover - compiled
         bits[j] = b
         top = max(top, b & np.uint32(0x7FFFFFFF))
     return top
+
+
+def float32_output(out: torch.Tensor | None, numel: int) -> torch.Tensor | None:
+    """``out`` flattened where a float32 result of ``numel`` values can be written into it (a contiguous
+    float32 tensor of that many values), else None: the ``out`` of :meth:`Compressor.aggregate` and
+    :meth:`Compressor.decode_sum`."""
+    if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel:
+        return out.view(-1)
+    return None
 
 
 def saturate(flat: torch.Tensor, dtype: torch.dtype, inplace: bool = True) -> torch.Tensor:

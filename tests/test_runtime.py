@@ -15,6 +15,7 @@ from gradpress.runtime import Options, Pipeline, Stats
 from gradpress.packet import adjacent, concat, pack, unpack
 from gradpress.protocol import AllReduce, Round, fold_sum, parallel
 from gradpress.strategy import sum_dtype
+from gradpress.strategy.allreduce import takes_out
 from test_runtime_compressors import LeaderTopK, PowerIteration, UniformInt, WideInt
 
 
@@ -60,6 +61,32 @@ def test_allgather_decodes_every_packet_in_rank_order():
     for key in workers[0]:
         packets = [c.compress(w[key], Context(5, 0, key, r)) for r, w in enumerate(workers)]
         assert torch.equal(out[key], c.aggregate(packets))
+
+
+@pytest.mark.parametrize("spec", ["thc", "thc_uniform", "sketch", "powersgd:rank=2,min_compression_rate=0",
+                                  "randomk:ratio=0.3,scale=true"])
+def test_decode_sum_writes_the_mean_into_out(spec):
+    """Compressor.decode_sum's ``out`` (a DDP bucket, which then needs no copy): a method that decodes
+    into a new float32 tensor writes the same bits into a contiguous float32 ``out`` and returns it; an
+    ``out`` it cannot take (another dtype or size) is left alone."""
+    c = gradpress.make(spec)
+    x = torch.randn(96, 80, generator=torch.Generator().manual_seed(3))
+    packet = c.compress(x, Context(0, 0, "w", 0))
+    summed = [t if t.dtype == torch.bool else 2 * t for t in c.summands(packet)]  # two workers' alike
+    expected = c.decode_sum(packet, [t.clone() for t in summed], 2)
+    out = torch.full_like(x, float("nan"))
+    mean = c.decode_sum(packet, [t.clone() for t in summed], 2, out=out)
+    assert mean.data_ptr() == out.data_ptr() and mean.shape == x.shape
+    assert torch.equal(mean, expected) and torch.equal(out, expected)
+    for other in (torch.full_like(x, 7.0, dtype=torch.float64), torch.full((x.numel() + 1,), 7.0)):
+        assert torch.equal(c.decode_sum(packet, [t.clone() for t in summed], 2, out=other), expected)
+        assert bool((other == 7.0).all())
+
+
+def test_decode_sum_without_out_still_serves_the_all_reduce():
+    """A method whose decode_sum predates ``out`` is called without it (the 3-rank DDP test runs one)."""
+    assert takes_out(gradpress.make("thc")) and takes_out(gradpress.make("none"))
+    assert not takes_out(WideInt(bound=100))
 
 
 def test_feedback_memory_carries_over_steps():

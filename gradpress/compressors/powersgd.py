@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from gradpress.compressor import (Compressor, NonFiniteError, Preliminary, check_finite, divide,
-                                  register, saturate)
+                                  float32_output, register, saturate)
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context
@@ -198,18 +198,21 @@ class PowerSGD(Compressor):
         """Q (P̂ is already the same on every worker), or the uncompressed values."""
         return [packet["values"] if "values" in packet.tensors else packet["q"]]
 
-    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
-        """Algorithm 1, Q ← ALLREDUCE-MEAN(Q) = ΣQ / W, then M̂ = P̂ Qᵀ; the mean Q is kept as the next
-        step's warm start for this tensor (the same bits on every rank)."""
+    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Algorithm 1, Q ← ALLREDUCE-MEAN(Q) = ΣQ / W, then M̂ = P̂ Qᵀ (into ``out`` where it can take it:
+        see :meth:`Compressor.decode_sum`); the mean Q is kept as the next step's warm start for this
+        tensor (the same bits on every rank)."""
         if "values" in packet.tensors or packet.numel == 0:
-            return super().decode_sum(packet, summed, count)
+            return super().decode_sum(packet, summed, count, out)
         qt = summed[0].float()
         divide(qt, count, out=qt)
         if not math.isfinite(float(qt.abs().max())):  # every worker's Q was finite: their sum overflowed
             raise OverflowError(f"{self.spec}: the sum of {count} workers' Q overflowed float32")
         if self.warm_start:
             self._warm[packet.meta["key"]] = qt.clone()
-        return saturate(_product(packet["p"], qt), packet.dtype).to(packet.dtype).view(packet.shape)
+        into = float32_output(out, packet.numel) if packet.dtype == torch.float32 else None
+        return saturate(_product(packet["p"], qt, into), packet.dtype).to(packet.dtype).view(packet.shape)
 
     def state_dict(self) -> dict[str, Any]:
         """The warm start of every tensor: key -> the mean Qᵀ, a float32 (r, n) tensor."""
@@ -247,13 +250,15 @@ def orthonormal_columns(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p).Q
 
 
-def _product(pt: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
-    """M̂ = P̂ Qᵀ from the transposed factors P̂ᵀ (r × m) and Qᵀ (r × n). At rank 1 an outer product, the
-    same bits as the matrix product (each entry is one product p_i·q_j either way) in one streaming
-    pass, where BLAS's product of inner dimension 1 took 1.6× as long (1024 × 1024, one thread)."""
+def _product(pt: torch.Tensor, qt: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """M̂ = P̂ Qᵀ from the transposed factors P̂ᵀ (r × m) and Qᵀ (r × n), into ``out`` (m·n values, flat)
+    if given. At rank 1 an outer product, the same bits as the matrix product (each entry is one product
+    p_i·q_j either way) in one streaming pass, where BLAS's product of inner dimension 1 took 1.6× as
+    long (1024 × 1024, one thread)."""
+    into = None if out is None or out.device != pt.device else out.view(pt.shape[1], qt.shape[1])
     if pt.shape[0] == 1:
-        return torch.outer(pt[0], qt[0])
-    return torch.mm(pt.t(), qt)
+        return torch.outer(pt[0], qt[0], out=into)
+    return torch.mm(pt.t(), qt, out=into)
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:

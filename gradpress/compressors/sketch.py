@@ -43,7 +43,8 @@ from numba.extending import intrinsic
 from gradpress._numba import (
     as_numpy, bits_of_f32, f32_from_bits, gather16, jit, mix32, use_numba, wide_vectors,
 )
-from gradpress.compressor import Compressor, check_finite, count_nonfinite, divide, nonfinite_error, register
+from gradpress.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output, nonfinite_error,
+                                 register)
 from gradpress.compressors.sparsify import keep_count, select_largest, topk_indices
 from gradpress.packet import Packet
 from gradpress.registry import param
@@ -397,10 +398,11 @@ class Sketch(_Blocks):
     def _decompress(self, packet: Packet) -> torch.Tensor:
         return self._query(packet, 1)
 
-    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
+    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """The S2 estimate of the mean over ``count`` workers from their summed tables and OR-ed bitmaps:
         the median over rows, divided by ``count``, saturated at the input dtype's range, rescaled by
-        2^s. Raises ``OverflowError`` if the summed table overflowed float32, which takes more than
+        2^s; on the CPU into ``out`` where it can take it (see :meth:`Compressor.decode_sum`). Raises ``OverflowError`` if the summed table overflowed float32, which takes more than
         :data:`SUM_WORKERS` workers with values near their dtype's largest (every worker's input is
         checked finite before it is sketched, so a NaN/Inf in the sum can only be an overflow)."""
         if packet.numel == 0:
@@ -411,17 +413,19 @@ class Sketch(_Blocks):
                 f"{self.spec}: the sum of {count} workers' sketches overflowed float32 in {bad} of "
                 f"{summed[0].numel()} buckets (the table's scale 2^-{packet.meta['exponent']} leaves room "
                 f"for {SUM_WORKERS} workers' {packet.dtype} values)")
-        return self._query(packet.with_wire(summed), count).to(packet.dtype).view(packet.shape)
+        into = float32_output(out, packet.numel) if packet.dtype == torch.float32 else None
+        return self._query(packet.with_wire(summed), count, into).to(packet.dtype).view(packet.shape)
 
-    def _query(self, packet: Packet, count: int) -> torch.Tensor:
-        """Estimates of the mean of ``count`` workers' values, float32, within the input dtype's range."""
+    def _query(self, packet: Packet, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Estimates of the mean of ``count`` workers' values, float32, within the input dtype's range
+        (the numba kernel's into ``out``, if given)."""
         exponent = packet.meta["exponent"]
         largest = math.ldexp(torch.finfo(packet.dtype).max, -exponent)  # exact: a float32 value scaled
         bitmap = packet["bitmap"]
         marked = bitmap if bitmap.dtype == torch.bool else bitmap != 0
         table, seeds = packet["table"].float(), packet.meta["seeds"]
         return query(marked, packet.meta["block"], packet.numel, table, seeds, count, largest,
-                     math.ldexp(1.0, exponent))
+                     math.ldexp(1.0, exponent), out)
 
 
 # -- block top-K's selection: numba on the CPU, the same blocks as topk_indices(block_norms(...)) ---
@@ -670,13 +674,14 @@ def insert(
 
 def query(
     marked: torch.Tensor, size: int, numel: int, table: torch.Tensor, seeds: tuple[int, ...],
-    count: int = 1, largest: float = math.inf, scale: float = 1.0,
+    count: int = 1, largest: float = math.inf, scale: float = 1.0, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Algorithm 1 lines 9-15: for every value of a marked block, the median over rows of
     s_j(i)·S[j, h_j(i)], divided by ``count``, clamped to ±``largest`` and multiplied by ``scale``
-    (float32 operations in that order); zero elsewhere. ``marked``: one bool per block."""
+    (float32 operations in that order); zero elsewhere. ``marked``: one bool per block. ``out``: a flat
+    float32 CPU tensor of ``numel`` values the numba kernel writes the result into (else a new one)."""
     if use_numba(table) and table.shape[1] <= _MAX_WIDTH:
-        out = torch.empty(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=torch.float32) if out is None else out
         table_np, seeds_np = as_numpy(table.contiguous()), np.array(seeds, dtype=np.uint32)
         inverse = 1 / count if count & (count - 1) == 0 else 0.0
         flags = as_numpy(marked.contiguous()).view(np.uint8)

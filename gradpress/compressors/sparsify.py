@@ -21,7 +21,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from gradpress import _simd as V
 from gradpress._numba import (as_numpy, bits_of_f32, compress_at_least16, finite, jit, mix32, use_numba,
                               wide_vectors)
-from gradpress.compressor import Compressor, check_finite, count_nonfinite, divide, register
+from gradpress.compressor import Compressor, check_finite, count_nonfinite, divide, float32_output, register
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context, mix32_torch, seed32
@@ -32,18 +32,19 @@ def keep_count(numel: int, ratio: float) -> int:
     return min(numel, max(1, math.ceil(ratio * numel)))
 
 
-def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
-    """Dense float32 vector of length ``numel`` with ``values`` at ``indices`` (distinct positions).
+def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense float32 vector of length ``numel`` with ``values`` at ``indices`` (distinct positions), in
+    ``out`` (a flat float32 tensor of ``numel`` values on the values' device) if given.
 
     On the CPU one numba kernel zeroes the vector and writes the values, each index checked against
     the range first (one out of range sends the call to torch's indexed assignment, which raises
     IndexError)."""
+    dense = torch.empty(numel, dtype=torch.float32, device=values.device) if out is None else out
     if use_numba(values) and values.is_contiguous() and indices.is_contiguous() and indices.device.type == "cpu" \
-            and indices.dtype in (torch.int32, torch.int64):
-        dense = torch.empty(numel, dtype=torch.float32)
+            and indices.dtype in (torch.int32, torch.int64) and use_numba(dense):
         if _scatter(dense.numpy(), values.detach().float().numpy(), indices.detach().numpy()):
             return dense
-    dense = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    dense.zero_()
     dense[indices.long()] = values.float()
     return dense
 
@@ -104,10 +105,8 @@ class Sparse(Compressor):
                    and i.dtype in (torch.int32, torch.int64) and v.dtype == torch.float32
                    for p, (i, v) in zip(packets, pairs)):
             return super().aggregate(packets, out)
-        if (out is not None and out.dtype == torch.float32 and out.is_contiguous()
-                and out.numel() == first.numel):
-            total = out.view(-1)
-        else:
+        total = float32_output(out, first.numel)
+        if total is None:
             total = torch.empty(first.numel, dtype=torch.float32)
         indices = torch.cat([i.reshape(-1) for i, _ in pairs]) if len(pairs) > 1 else pairs[0][0].reshape(-1)
         values = torch.cat([v.reshape(-1) for _, v in pairs]) if len(pairs) > 1 else pairs[0][1].reshape(-1)
@@ -553,12 +552,14 @@ class RandomK(Sparse):
             indices = random_subset(n, k, packet.meta["seed"], packet.device)
         return indices
 
-    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
+    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """The mean over ``count`` workers of their scaled values: (d/k·Σ)/count on the k values, the
         float32 operations (and bits) of the base class's dense decode; in float64 where d/k·Σ
-        overflows float32 (values near its largest); saturated at the dtype's range."""
+        overflows float32 (values near its largest); saturated at the dtype's range. Scattered into
+        ``out`` where it can take it (see :meth:`Compressor.decode_sum`)."""
         if not self.scale or packet.numel == 0:
-            return super().decode_sum(packet, summed, count)
+            return super().decode_sum(packet, summed, count, out)
         n = packet.numel
         k = keep_count(n, self.ratio)
         total = summed[0].float()
@@ -567,7 +568,8 @@ class RandomK(Sparse):
         if count_nonfinite(values):  # every worker's values are finite: d/k·Σ overflowed float32
             values = (total.double() * (n / k) / count).clamp(-_F32_MAX, _F32_MAX).float()
         values = _saturated(values, packet.dtype)
-        return scatter(values, self._indices(packet, n, k), n).to(packet.dtype).view(packet.shape)
+        into = float32_output(out, n) if packet.dtype == torch.float32 else None
+        return scatter(values, self._indices(packet, n, k), n, into).to(packet.dtype).view(packet.shape)
 
 
 _F32_MAX = torch.finfo(torch.float32).max

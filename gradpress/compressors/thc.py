@@ -78,7 +78,8 @@ from scipy.stats import norm
 from gradpress import _simd as V
 from gradpress._numba import GOLDEN, as_numpy, bits_of_f32, jit, mix32, squares, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, Preliminary, check_finite, register, saturate, sum_addends
+from gradpress.compressor import (Compressor, Preliminary, check_finite, float32_output, register, saturate,
+                                 sum_addends)
 from gradpress.hadamard import (_PANEL, _STREAMED, DEFAULT_PARTITION, ONE, _columns_but_last, _geometry, _kernel_args,
                                 _last_group, _load_signed, _load_signed_rows, _negative, _quad, _radix_any,
                                 _inverse_store, _row_rest, _row_small, _stages, apply_rht, inverse_columns, inverse_rht,
@@ -707,8 +708,10 @@ class _Homomorphic(Compressor):
             return []
         return [self.grid.lookup(packet["codes"], self.bits, self.coded(packet.numel))]
 
-    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
-        """The mean over ``count`` workers from the sum of their table values (any integer dtype).
+    def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean over ``count`` workers from the sum of their table values (any integer dtype), on the
+        CPU into ``out`` where it can take it (see :meth:`Compressor.decode_sum`).
 
         ``count`` may be smaller than the world size (partial aggregation, Section 6): the sum of the
         values that arrived, divided by how many arrived, is the mean of those workers' decodes."""
@@ -716,14 +719,19 @@ class _Homomorphic(Compressor):
             return self.decompress(packet)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{self.spec}: count must be a positive integer, got {count!r}")
-        return saturate(self._decode(packet, summed[0], count), packet.dtype).to(packet.dtype).view(packet.shape)
+        into = float32_output(out, packet.numel) if packet.dtype == torch.float32 else None
+        mean = self._decode(packet, summed[0], count, into)
+        return saturate(mean, packet.dtype).to(packet.dtype).view(packet.shape)
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         if use_numba(packet["codes"]):  # unpacking, the lookup and the decoding in one kernel
             return self._decode_codes(packet, packet["codes"].contiguous())
         return self._decode(packet, self.summands(packet)[0], 1)
 
-    def _decode(self, packet: Packet, total: torch.Tensor, count: int) -> torch.Tensor:
+    def _decode(self, packet: Packet, total: torch.Tensor, count: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 mean from the integer sums ``total``; the numba kernels write it into ``out`` (flat,
+        float32) when one is given."""
         raise NotImplementedError
 
     def _decode_codes(self, packet: Packet, packed: torch.Tensor) -> torch.Tensor:
@@ -794,12 +802,13 @@ class UniformTHC(_Homomorphic):
         codes = self.grid.quantize(flat.float(), lo, hi - lo, seed)
         return Packet({"codes": pack_bits(codes, self.bits)}, flat.shape, flat.dtype, meta)
 
-    def _decode(self, packet: Packet, total: torch.Tensor, count: int) -> torch.Tensor:
+    def _decode(self, packet: Packet, total: torch.Tensor, count: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Algorithm 1 line 9: m + (X/n)·(M − m)/(2^b − 1), in float64 (then float32)."""
         lo, hi = packet.meta["lo"], packet.meta["hi"]
         step = (hi - lo) / (self.grid.top * count)
         if _kernel_source(total, packet.numel):
-            out = torch.empty(packet.numel, dtype=torch.float32)
+            out = torch.empty(packet.numel, dtype=torch.float32) if out is None else out
             _uniform_decode_sums(as_numpy(total.contiguous()), step, float(lo), as_numpy(out))
             return out
         return total.double().mul_(step).add_(lo).float()
@@ -927,7 +936,8 @@ class THC(_Homomorphic):
         codes = self.grid.quantize(rotated, -bound, 2 * bound, seed)  # lines 12-14
         return Packet({"codes": pack_bits(codes, self.bits)}, flat.shape, flat.dtype, meta)
 
-    def _decode(self, packet: Packet, total: torch.Tensor, count: int) -> torch.Tensor:
+    def _decode(self, packet: Packet, total: torch.Tensor, count: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Algorithm 3 lines 18-20: Y_avg = Y/n, x̂' = m + Y_avg·(M − m)/g, ∇̂ = RHT⁻¹(x̂'); with m = −M,
         by linearity ∇̂ = (2M/(g·n)) · RHT⁻¹(Y − g·n/2).
 
@@ -939,7 +949,7 @@ class THC(_Homomorphic):
         scale = float(np.float32(2.0 * packet.meta["M"] / (self.granularity * count)))
         layout = packet.meta["rht"]
         if _kernel_source(total, layout.padded_numel):
-            return self._kernel_decode(_thc_decode_sums, total.contiguous(), layout, count, scale)
+            return self._kernel_decode(_thc_decode_sums, total.contiguous(), layout, count, scale, out=out)
         centered = torch.sub(total, self.granularity * count / 2,
                              out=torch.empty(total.shape, dtype=torch.float32, device=total.device))
         return inverse_rht(centered, layout).mul_(scale)

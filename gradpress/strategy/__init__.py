@@ -172,7 +172,7 @@ class Strategy:
             return [self.compressor.decompress(p) for p in packets]
         if self.mode == "collective":
             if self.compressor.exchange == "allreduce":
-                return (yield from allreduce.exchange(self, packets, writable, timer, faulty))
+                return (yield from allreduce.exchange(self, packets, outputs, writable, timer, faulty))
             return (yield from allgather.exchange(self, packets, outputs, timer, faulty))
         if self.compressor.summable:
             return (yield from server.sum_at_server(self, packets, ctxs, timer, faulty))

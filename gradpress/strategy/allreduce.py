@@ -4,6 +4,8 @@ ranks (in rank order for floats over 3+ ranks) and decoded once. The fault flag 
 a NaN at position r (no extra bytes), else as n flag slots after the first buffer."""
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import TYPE_CHECKING
 
@@ -14,11 +16,13 @@ from gradpress.protocol import Protocol, flag_slots, flagged_ranks, parallel, ra
 from gradpress.strategy.common import by_dtype, unflatten
 
 if TYPE_CHECKING:
+    from gradpress.compressor import Compressor
     from gradpress.strategy import Strategy
 
 
-def exchange(s: Strategy, packets, writable, timer, faulty) -> Protocol:
-    """GRACE Algorithm 1 lines 7-9: g = Q⁻¹(Allreduce(g̃)) / n."""
+def exchange(s: Strategy, packets, outputs, writable, timer, faulty) -> Protocol:
+    """GRACE Algorithm 1 lines 7-9: g = Q⁻¹(Allreduce(g̃)) / n, decoded into ``outputs`` (the gradients,
+    ``writable`` their storages) where the method can and no sum lies in them."""
     summands = [s.summands(p) for p in packets]
     if len(summands) == 1 and len(summands[0]) == 1:  # one tensor (a DDP bucket exchanged as one): no grouping
         members = [[(0, 0)]]
@@ -43,5 +47,20 @@ def exchange(s: Strategy, packets, writable, timer, faulty) -> Protocol:
     else:
         raise_flagged(flagged_ranks(sums[carrier][:n], "nan"))
     per_item = unflatten(sums, members, summands)
+    if outputs is None or not takes_out(s.compressor) or any(t.untyped_storage().data_ptr() in writable for t in sums):
+        outputs = [None] * len(packets)
     with timer():
-        return [s.compressor.decode_sum(p, summed, s.world_size) for p, summed in zip(packets, per_item)]
+        return [s.compressor.decode_sum(p, summed, s.world_size, out) if out is not None
+                else s.compressor.decode_sum(p, summed, s.world_size)
+                for p, summed, out in zip(packets, per_item, outputs)]
+
+
+@functools.cache
+def _takes_out(method: type) -> bool:
+    return "out" in inspect.signature(method.decode_sum).parameters
+
+
+def takes_out(compressor: Compressor) -> bool:
+    """Whether ``compressor``'s :meth:`~gradpress.compressor.Compressor.decode_sum` takes an ``out`` (a
+    method written before it had one may not)."""
+    return _takes_out(type(compressor))
