@@ -216,8 +216,9 @@ def _kth(values, k):  # pragma: no cover - compiled
 @pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.5", "threshold:v=1.5", "dgc:ratio=0.01"])
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_sparse_aggregate_divides_only_the_positions_sent(spec, workers):
-    """Sparse methods' aggregate (zeros, the values added where sent, each such sum divided once) gives the
-    bits of the dense mean, into an ``out`` that held anything; positions out of range are refused."""
+    """Sparse methods' aggregate (zeros, the values added where sent, each such sum divided once, a chunk of
+    the output at a time) gives the bits of the dense mean, into an ``out`` that held anything, whatever the
+    order of the positions sent; positions out of range are refused."""
     c = gradpress.make(spec)
     g = torch.Generator().manual_seed(workers)
     xs = [torch.randn(50_000, generator=g) for _ in range(workers)]
@@ -229,6 +230,9 @@ def test_sparse_aggregate_divides_only_the_positions_sent(spec, workers):
     expected = total / workers
     got = c.aggregate(packets, out=torch.full((50_000,), -7.0))
     assert torch.equal(bits(got), bits(expected))
+    for p in packets:  # positions sent in another order than ascending (the kernel's): sorted first
+        p.tensors["indices"], p.tensors["values"] = p["indices"].flip(0), p["values"].flip(0)
+    assert torch.equal(bits(c.aggregate(packets, out=torch.full((50_000,), -7.0))), bits(expected))
     packets[-1].tensors["indices"] = packets[-1]["indices"].clone()
     packets[-1]["indices"][-1] = 50_000
     with pytest.raises(IndexError):
