@@ -358,7 +358,8 @@ class AutoPipeline:
                 protocols.append(group.protocol)
         return Group([], _chain(protocols), step) if protocols else None
 
-    def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None) -> list[Group]:
+    def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None,
+               writable: bool = False) -> list[Group]:
         """:meth:`gradpress.runtime.Pipeline.groups`, each key by its chosen method's pipeline."""
         start = time.perf_counter()
         for key, tensor in items:
@@ -372,7 +373,7 @@ class AutoPipeline:
             captured = self._captured = self._captured or {}
             for key, tensor in items:
                 captured[key] = tensor.detach().clone()
-        writable = bucket is not None
+        writable = writable or bucket is not None
         items = list(items)
         for i, (key, tensor) in enumerate(items):
             pending = self._flush.pop(key, None)
@@ -390,7 +391,8 @@ class AutoPipeline:
         out = []
         for spec, positions in split:
             chosen = [items[i] for i in positions]
-            for group in self.pipeline(spec).groups(chosen, bucket=bucket if len(split) == 1 else None):
+            for group in self.pipeline(spec).groups(chosen, bucket=bucket if len(split) == 1 else None,
+                                                    writable=writable):
                 out.append(Group([positions[i] for i in group.members], self._timed(group.protocol, record),
                                  group.step, group.flat))
         return out

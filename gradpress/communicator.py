@@ -58,14 +58,18 @@ class Communicator:
 
     def reduce_many(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The averages of many tensors in one exchange (their packets flattened into shared buffers)."""
-        items = list(tensors.items())
+        return self._reduce(list(tensors.items()))
+
+    def _reduce(self, items: list[tuple[str, torch.Tensor]], writable: bool = False) -> dict[str, torch.Tensor]:
+        """:meth:`reduce_many`; ``writable``: the tensors may be overwritten, and receive their averages
+        where the method can decode into them."""
         self._driver.check()
         agreement = self._pipeline.agreement(items)
         if agreement is not None:  # the first time these tensors are exchanged
             self._driver.run(agreement.protocol, agreement.step, control=True)
         devices = sorted({t.device for _, t in items if t.device.type != "cpu"}, key=str) or None
         started = [(g.members, self._driver.start(g.protocol, g.step, devices))
-                   for g in self._pipeline.groups(items)]
+                   for g in self._pipeline.groups(items, writable=writable)]
         self._driver.advance()
         out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
         for members, future in started:
@@ -76,15 +80,18 @@ class Communicator:
     def reduce_gradients(self, parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         """Replace the gradient of every parameter that requires one by the ranks' average, in one
         exchange. A parameter without a gradient (unused this step) counts as zeros, so every rank
-        ends with the same gradients; parameters with ``requires_grad=False`` are left out."""
+        ends with the same gradients; parameters with ``requires_grad=False`` are left out. The
+        gradients are the exchange's to overwrite, as a DDP bucket is: a method that can write the
+        average into a gradient's own storage does (no copy after); after an error they may hold part
+        of the exchange's work (divided by n, say), as a DDP bucket would."""
         named = parameters.named_parameters() if isinstance(parameters, torch.nn.Module) else parameters
         chosen = [(name, p) for name, p in named if p.requires_grad]
-        grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in chosen}
-        averaged = self.reduce_many(grads)
+        grads = [(name, p.grad.detach() if p.grad is not None else torch.zeros_like(p)) for name, p in chosen]
+        averaged = self._reduce(grads, writable=True)
         for name, p in chosen:
             if p.grad is None:
                 p.grad = averaged[name]
-            else:
+            elif averaged[name].data_ptr() != p.grad.data_ptr() or averaged[name].dtype != p.grad.dtype:
                 p.grad.copy_(averaged[name])
 
     def state_dict(self, gathered: bool = False) -> dict[str, Any]:

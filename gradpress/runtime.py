@@ -256,11 +256,14 @@ class Pipeline:
             return False
         return not any(fnmatch.fnmatchcase(key, pattern) for pattern in o.exclude)
 
-    def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None) -> list[Group]:
+    def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None,
+               writable: bool = False) -> list[Group]:
         """The protocols exchanging ``items`` (key, gradient): the compressed ones, then the plain ones.
 
         Starts the items' steps. ``bucket``: a flat tensor the gradients are views of, which the
         exchange may overwrite (a DDP bucket's buffer): collectives then work in it where they can.
+        ``writable``: without a bucket, the gradients themselves may be overwritten (and receive the
+        averages where a method can write them there: :meth:`Communicator.reduce_gradients`).
         """
         keys = [key for key, _ in items]
         if len(set(keys)) != len(keys):
@@ -278,7 +281,7 @@ class Pipeline:
         steps = [self.steps.get(key, 0) for key in keys]
         for key, step in zip(keys, steps):
             self.steps[key] = step + 1
-        writable = bucket is not None
+        writable = writable or bucket is not None
         groups = []
         for compressed in (True, False):
             members = [i for i, flag in enumerate(flags) if flag == compressed]
@@ -286,7 +289,7 @@ class Pipeline:
                 chosen = [items[i] for i in members]
                 chosen_steps = [steps[i] for i in members]
                 step = max(chosen_steps)
-                flat = self._as_one(compressed, [t for _, t in chosen], bucket) if writable else None
+                flat = self._as_one(compressed, [t for _, t in chosen], bucket) if bucket is not None else None
                 if flat is None:
                     protocol = self._protocol(chosen, chosen_steps, compressed, writable)
                 else:

@@ -514,6 +514,25 @@ def test_communicator_reduces_and_reports(world_of_one):
         comm.reduce(x, "x")
 
 
+@pytest.mark.parametrize("spec", ["thc", "topk:ratio=0.3", "fp16", "none"])
+def test_communicator_averages_gradients_in_their_own_storage(world_of_one, spec):
+    """reduce_gradients lets the exchange overwrite the gradients: they end as reduce_many's averages of the
+    same values, in their own storage, THC's decode and top-k's mean written there by the method (no copy)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 5))
+    model(torch.randn(8, 40)).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    expected = gradpress.Communicator(spec, timeout=10).reduce_many(grads)
+    storage = {name: p.grad.data_ptr() for name, p in model.named_parameters()}
+    gradpress.Communicator(spec, timeout=10).reduce_gradients(model)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[name]) and p.grad.data_ptr() == storage[name], name
+    if spec in ("thc", "topk:ratio=0.3"):
+        items = [(name, g.clone()) for name, g in grads.items()]
+        averaged = gradpress.Communicator(spec, timeout=10)._reduce(items, writable=True)
+        assert all(averaged[name].data_ptr() == g.data_ptr() for name, g in items)
+
+
 def test_ddp_hook_and_register(world_of_one):
     assert gradpress.register_compressor is gradpress.compressor.register
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
