@@ -21,7 +21,8 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from gradpress import _simd as V
 from gradpress._numba import (as_numpy, bits_of_f32, compress_at_least16, finite, jit, mix32, use_numba,
                               wide_vectors)
-from gradpress.compressor import Compressor, check_finite, count_nonfinite, divide, float32_output, register
+from gradpress.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output, register,
+                                 sum_addends)
 from gradpress.packet import Packet
 from gradpress.registry import param
 from gradpress.rng import Context, mix32_torch, seed32
@@ -253,10 +254,8 @@ class TopK(Sparse):
         :meth:`compress`. Other factors β, γ than 1 take the default."""
         flat = out.view(-1)
         k = keep_count(flat.numel(), self.ratio)
-        chosen = None
-        if (beta == 1.0 and gamma == 1.0 and grad.dtype == torch.float32 == memory.dtype
-                and grad.is_contiguous() and memory.is_contiguous() and out.is_contiguous()):
-            chosen = _sampled_top(flat, k, self, (as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1)))
+        addends = sum_addends(memory, grad, out) if beta == 1.0 and gamma == 1.0 else None
+        chosen = None if addends is None else _sampled_top(flat, k, self, addends[:2])
         if chosen is None:
             return super().compress_sum(memory, grad, out, ctx, beta, gamma)
         return Packet({"values": chosen[1], "indices": chosen[0]}, out.shape, out.dtype)
