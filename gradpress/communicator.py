@@ -60,7 +60,8 @@ class Communicator:
         """The averages of many tensors in one exchange (their packets flattened into shared buffers)."""
         return self._reduce(list(tensors.items()))
 
-    def _reduce(self, items: list[tuple[str, torch.Tensor]], writable: bool = False) -> dict[str, torch.Tensor]:
+    def _reduce(self, items: list[tuple[str, torch.Tensor]],
+                writable: bool = False) -> dict[str, torch.Tensor]:
         """:meth:`reduce_many`; ``writable``: the tensors may be overwritten, and receive their averages
         where the method can decode into them."""
         self._driver.check()

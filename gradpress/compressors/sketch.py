@@ -43,8 +43,8 @@ from numba.extending import intrinsic
 from gradpress._numba import (
     as_numpy, bits_of_f32, f32_from_bits, gather16, jit, mix32, use_numba, wide_vectors,
 )
-from gradpress.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output, nonfinite_error,
-                                 register)
+from gradpress.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output,
+                                 nonfinite_error, register)
 from gradpress.compressors.sparsify import keep_count, select_largest, topk_indices
 from gradpress.packet import Packet
 from gradpress.registry import param
@@ -402,7 +402,8 @@ class Sketch(_Blocks):
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """The S2 estimate of the mean over ``count`` workers from their summed tables and OR-ed bitmaps:
         the median over rows, divided by ``count``, saturated at the input dtype's range, rescaled by
-        2^s; on the CPU into ``out`` where it can take it (see :meth:`Compressor.decode_sum`). Raises ``OverflowError`` if the summed table overflowed float32, which takes more than
+        2^s; on the CPU into ``out`` where it can take it (see :meth:`Compressor.decode_sum`). Raises
+        ``OverflowError`` if the summed table overflowed float32, which takes more than
         :data:`SUM_WORKERS` workers with values near their dtype's largest (every worker's input is
         checked finite before it is sketched, so a NaN/Inf in the sum can only be an overflow)."""
         if packet.numel == 0:

@@ -33,7 +33,8 @@ def keep_count(numel: int, ratio: float) -> int:
     return min(numel, max(1, math.ceil(ratio * numel)))
 
 
-def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense float32 vector of length ``numel`` with ``values`` at ``indices`` (distinct positions), in
     ``out`` (a flat float32 tensor of ``numel`` values on the values' device) if given.
 
@@ -93,8 +94,8 @@ class Sparse(Compressor):
         return float32_decompress(self, packet)
 
     def aggregate(self, packets: list[Packet], out: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`Compressor.aggregate` of float32 packets on the CPU in one numba kernel (:func:`_sparse_mean`):
-        the output zeroed, each packet's values added at its positions in packet order, and the sums
+        """:meth:`Compressor.aggregate` of float32 packets on the CPU in one numba kernel
+        (:func:`_sparse_mean`): the output zeroed, each packet's values added at its positions in packet order, and the sums
         divided by n at the positions sent (0 / n = +0 elsewhere), counting NaN/Inf as it goes: the same
         bits, in one pass over the output, without a division pass over all of it. Other packets, and a
         sum that overflowed, take the base class's way."""
@@ -110,9 +111,9 @@ class Sparse(Compressor):
         if total is None:
             total = torch.empty(first.numel, dtype=torch.float32)
         bounds = np.cumsum([0] + [i.numel() for i, _ in pairs], dtype=np.int64)
-        for attempt in range(2):
-            indices = torch.cat([i.reshape(-1) for i, _ in pairs]) if len(pairs) > 1 else pairs[0][0].reshape(-1)
-            values = torch.cat([v.reshape(-1) for _, v in pairs]) if len(pairs) > 1 else pairs[0][1].reshape(-1)
+        for _ in range(2):  # (positions sorted, the second time, where a packet's were not ascending)
+            indices = torch.cat([i.reshape(-1) for i, _ in pairs])
+            values = torch.cat([v.reshape(-1) for _, v in pairs])
             nonfinite = _sparse_mean(as_numpy(total), as_numpy(indices.contiguous()),
                                      as_numpy(values.contiguous()), bounds, len(packets))
             if nonfinite != _UNORDERED:

@@ -47,7 +47,8 @@ def exchange(s: Strategy, packets, outputs, writable, timer, faulty) -> Protocol
     else:
         raise_flagged(flagged_ranks(sums[carrier][:n], "nan"))
     per_item = unflatten(sums, members, summands)
-    if outputs is None or not takes_out(s.compressor) or any(t.untyped_storage().data_ptr() in writable for t in sums):
+    if (outputs is None or not takes_out(s.compressor)
+            or any(t.untyped_storage().data_ptr() in writable for t in sums)):
         outputs = [None] * len(packets)
     with timer():
         return [s.compressor.decode_sum(p, summed, s.world_size, out) if out is not None
