@@ -81,6 +81,11 @@ def test_decode_sum_writes_the_mean_into_out(spec):
     for other in (torch.full_like(x, 7.0, dtype=torch.float64), torch.full((x.numel() + 1,), 7.0)):
         assert torch.equal(c.decode_sum(packet, [t.clone() for t in summed], 2, out=other), expected)
         assert bool((other == 7.0).all())
+    half = c.compress(x.bfloat16(), Context(0, 0, "w", 0))  # a bf16 gradient's: cast from the float32 mean
+    summed = [t if t.dtype == torch.bool else 2 * t for t in c.summands(half)]
+    expected = c.decode_sum(half, [t.clone() for t in summed], 2)
+    mean = c.decode_sum(half, [t.clone() for t in summed], 2, out=torch.empty_like(x))
+    assert mean.dtype == torch.bfloat16 and torch.equal(mean, expected)
 
 
 def test_decode_sum_without_out_still_serves_the_all_reduce():

@@ -211,7 +211,7 @@ class PowerSGD(Compressor):
             raise OverflowError(f"{self.spec}: the sum of {count} workers' Q overflowed float32")
         if self.warm_start:
             self._warm[packet.meta["key"]] = qt.clone()
-        into = float32_output(out, packet.numel) if packet.dtype == torch.float32 else None
+        into = float32_output(out, packet.numel)
         return saturate(_product(packet["p"], qt, into), packet.dtype).to(packet.dtype).view(packet.shape)
 
     def state_dict(self) -> dict[str, Any]:

@@ -414,7 +414,7 @@ class Sketch(_Blocks):
                 f"{self.spec}: the sum of {count} workers' sketches overflowed float32 in {bad} of "
                 f"{summed[0].numel()} buckets (the table's scale 2^-{packet.meta['exponent']} leaves room "
                 f"for {SUM_WORKERS} workers' {packet.dtype} values)")
-        into = float32_output(out, packet.numel) if packet.dtype == torch.float32 else None
+        into = float32_output(out, packet.numel)
         return self._query(packet.with_wire(summed), count, into).to(packet.dtype).view(packet.shape)
 
     def _query(self, packet: Packet, count: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -599,7 +599,7 @@ class RandomK(Sparse):
         if count_nonfinite(values):  # every worker's values are finite: d/k·Σ overflowed float32
             values = (total.double() * (n / k) / count).clamp(-_F32_MAX, _F32_MAX).float()
         values = _saturated(values, packet.dtype)
-        into = float32_output(out, n) if packet.dtype == torch.float32 else None
+        into = float32_output(out, n)
         return scatter(values, self._indices(packet, n, k), n, into).to(packet.dtype).view(packet.shape)
 
 

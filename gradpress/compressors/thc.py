@@ -719,7 +719,7 @@ class _Homomorphic(Compressor):
             return self.decompress(packet)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{self.spec}: count must be a positive integer, got {count!r}")
-        into = float32_output(out, packet.numel) if packet.dtype == torch.float32 else None
+        into = float32_output(out, packet.numel)
         mean = self._decode(packet, summed[0], count, into)
         return saturate(mean, packet.dtype).to(packet.dtype).view(packet.shape)
 
