@@ -87,7 +87,8 @@ class Communicator:
         of the exchange's work (divided by n, say), as a DDP bucket would."""
         named = parameters.named_parameters() if isinstance(parameters, torch.nn.Module) else parameters
         chosen = [(name, p) for name, p in named if p.requires_grad]
-        grads = [(name, p.grad.detach() if p.grad is not None else torch.zeros_like(p)) for name, p in chosen]
+        grads = [(name, p.grad.detach() if p.grad is not None else torch.zeros_like(p))
+                 for name, p in chosen]
         averaged = self._reduce(grads, writable=True)
         for name, p in chosen:
             if p.grad is None:

@@ -385,8 +385,9 @@ class Compressor:
         no storage with ``summed`` (the gradient being averaged, a DDP bucket's): a method that decodes
         into a new float32 tensor (THC, S2's sketch, PowerSGD's P̂ Qᵀ) writes that float32 mean into a
         contiguous float32 ``out`` instead (:func:`float32_output`), so that it need not be copied
-        there (a packet of another dtype is then cast from it). Default: decompress the summed packet and divide by ``count`` in float32
-        (GRACE Algorithm 1 line 9: g = Q⁻¹(Allreduce(g̃)) / n), in place where the dtype allows.
+        there (a packet of another dtype is then cast from it). Default: decompress the summed packet
+        and divide by ``count`` in float32 (GRACE Algorithm 1 line 9: g = Q⁻¹(Allreduce(g̃)) / n), in
+        place where the dtype allows.
         """
         if packet.numel == 0:
             return self.decompress(packet)
