@@ -9,21 +9,74 @@ packing) and a torch implementation elsewhere; tests check that both give the sa
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
+from numba.core.caching import CompileResultCacheImpl, FunctionCache
 from numba.extending import intrinsic
 
 from gradpress import _simd as V
 
 _enabled = os.environ.get("GRADPRESS_NUMBA", "1") != "0"
 
-jit = njit(cache=True, nogil=True)
+
+
+@functools.cache
+def sources_digest() -> str:
+    """SHA-256 of every Python source file of the gradpress package (their paths and contents).
+
+    A numba kernel's on-disk cache is keyed on the file that defines it, but the machine code it holds
+    also contains what the kernel inlined from other modules: the intrinsics here and in ``_simd``,
+    helpers of ``compressor`` or ``bits``, module constants frozen at compile time. With numba's key
+    alone, a change to one of those left the kernels of every other module running their old code
+    (found when a kernel cached with non-temporal stores, which need 64-byte alignment, outlived their
+    removal from an intrinsic and crashed on an unaligned output). :func:`kernel` adds this digest to the
+    key, so that any change to the package compiles its kernels again."""
+    package = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+class _KernelCacheImpl(CompileResultCacheImpl):
+    """numba's cache of compiled kernels, with the source stamp of the defining file paired with
+    :func:`sources_digest`."""
+
+    def __init__(self, py_func: Callable[..., Any]) -> None:
+        super().__init__(py_func)
+        file_stamp = self._locator.get_source_stamp()
+        self._locator.get_source_stamp = lambda: (file_stamp, sources_digest())
+
+
+class KernelCache(FunctionCache):
+    """A kernel's on-disk cache, valid only for the package sources it was compiled from."""
+
+    _impl_class = _KernelCacheImpl
+
+
+def kernel(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``numba.njit(nogil=True, **options)`` with the on-disk cache of :class:`KernelCache` (what
+    ``cache=True`` gives, kept only while no source file of gradpress changed): every numba function of
+    gradpress is compiled through this."""
+
+    def decorate(function: Callable[..., Any]) -> Any:
+        dispatcher = njit(**{"nogil": True, **options})(function)
+        dispatcher._cache = KernelCache(dispatcher.py_func)  # what Dispatcher.enable_caching sets
+        return dispatcher
+
+    return decorate
+
+
+jit = kernel()
 
 
 def use_numba(t: torch.Tensor) -> bool:
@@ -108,7 +161,7 @@ def f32_of_f16_bits(typingctx, value):  # pragma: no cover - compiled
     return types.float32(types.uint16), codegen
 
 
-@njit(cache=True, nogil=True)
+@jit
 def _top_exponent(bits, mask):  # pragma: no cover - compiled
     wide_vectors()
     top = bits.dtype.type(0)
@@ -132,7 +185,7 @@ def finite(t: torch.Tensor) -> bool:
 GOLDEN = np.uint32(0x9E3779B1)  # mix32's multiplier of the index
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def mix32_from(h, seed):  # pragma: no cover - compiled
     """``mix32(i, seed)``, bit for bit, given h = i·GOLDEN mod 2^32.
 
@@ -150,7 +203,7 @@ def mix32_from(h, seed):  # pragma: no cover - compiled
     return u(h ^ u(h >> u(16)))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def mix32(i, seed):  # pragma: no cover - compiled
     """MurmurHash3 fmix32 of ``i * GOLDEN ^ seed``, bit for bit :func:`gradpress.rng.mix32_torch`."""
     return mix32_from(mul32(np.uint32(i), GOLDEN), seed)
@@ -175,7 +228,7 @@ def wide_vectors(typingctx):  # pragma: no cover - compiled
     return sig, codegen
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def uniform24(i, seed):  # pragma: no cover - compiled
     """Uniform float32 in [0, 1) with 24 random bits, equal to :func:`gradpress.rng.uniform24_torch`."""
     return np.float32(mix32(i, seed) >> np.uint32(8)) * np.float32(2.0**-24)
@@ -491,7 +544,7 @@ def squares(x, addends=None, streamed=False):  # pragma: no cover - compiled
 #: the count as arguments and dispatch on the mode once, outside their loops, to code compiled for it
 #: (:func:`fold` with a constant mode: its other branches and the exponent max compile away).
 ADD, STORE, FINISH, FINISH_POW2 = 0, 1, 2, 3
-fused = njit(cache=True, nogil=True, error_model="numpy")  # numpy's division: no zero check per element
+fused = kernel(error_model="numpy")  # numpy's division: no zero check per element
 
 
 def fold_mode(store: bool, count: int) -> int:
@@ -503,7 +556,7 @@ def fold_mode(store: bool, count: int) -> int:
     return ADD
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def fold(old, value, mode, count, reciprocal):  # pragma: no cover - compiled
     """The total's new value (see :data:`ADD`); ``count`` and ``reciprocal`` float32."""
     if mode == STORE:
@@ -515,7 +568,7 @@ def fold(old, value, mode, count, reciprocal):  # pragma: no cover - compiled
     return old + value
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def fold_top(top, mode, value):  # pragma: no cover - compiled
     """``top`` raised to ``value``'s exponent field in the finishing modes (all ones: a NaN or Inf)."""
     if mode >= FINISH:

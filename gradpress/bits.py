@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
 
-from gradpress._numba import as_numpy, jit, load64, store64, use_numba
+from gradpress._numba import as_numpy, jit, kernel, load64, store64, use_numba
 
 # helpers inlined into other modules' kernels (a call per group would cost more than its work)
-_inline = njit(cache=True, nogil=True, inline="always")
+_inline = kernel(inline="always")
 
 
 def packed_nbytes(n: int, bits: int) -> int:

@@ -16,9 +16,8 @@ from typing import Any, Callable, ClassVar, Literal
 
 import numpy as np
 import torch
-from numba import njit
 
-from gradpress._numba import add_into, as_numpy, bits_of_f32, jit, use_numba, wide_vectors
+from gradpress._numba import add_into, as_numpy, bits_of_f32, jit, kernel, use_numba, wide_vectors
 from gradpress.packet import Packet
 from gradpress.registry import Registry, check_params_of, format_spec
 from gradpress.rng import Context
@@ -619,7 +618,7 @@ def sum_addends(memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, bet
     return as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline="always")
 def scaled_into_bits(addends, bits, start, stop):  # pragma: no cover - compiled
     """bits[i] = the float32 pattern of fl32(fl32(m_i·β) + fl32(g_i·γ)) for i in [start, stop), where
     (m, g, β, γ) = ``addends`` (fused error feedback, in the first pass of a kernel); returns the largest
@@ -745,7 +744,7 @@ def divide_counting_nonfinite(flat: torch.Tensor, count: int, out: torch.Tensor 
     return count_nonfinite(result) if top == _EXPONENT_MASKS[torch.float32] else 0
 
 
-@njit(cache=True, nogil=True, error_model="numpy")  # numpy's division: no zero check per element
+@kernel(error_model="numpy")  # numpy's division: no zero check per element
 def _divide_top_exponent(values, out, count, reciprocal, exact):  # pragma: no cover - compiled
     """out = values / count, or in place where ``out`` is None (one array: no possible aliasing, so the
     loop vectorizes; with two, LLVM cannot tell that they do not overlap and keeps it scalar, 8x slower

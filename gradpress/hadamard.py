@@ -32,10 +32,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from numba import njit
 
 from gradpress import _simd as V
-from gradpress._numba import as_numpy, bits_of_f32, jit, mix32, use_numba
+from gradpress._numba import as_numpy, bits_of_f32, jit, kernel, mix32, use_numba
 from gradpress.rng import MASK32, mix32_torch
 
 DEFAULT_PARTITION = 1 << 20
@@ -273,7 +272,7 @@ def _inverse_numba(y, out, numel, partition, size, tail, scale, tail_scale, key)
         start += n
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _inverse_block(y, start, n, s, first, count, key, work, out):  # pragma: no cover - compiled
     """The scalar kernel's block: out[first : first + count] = D·H·y[start : start + n]·s, in ``work``."""
     u = np.uint64
@@ -451,7 +450,7 @@ def _huge_pages(values: int) -> np.ndarray:
     return raw[skip : skip + values]
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _geometry(n):  # pragma: no cover - compiled
     """(values per row C, rows R, row stride) of a block of n = 2^k ≥ 16 values."""
     u = np.uint64
@@ -460,7 +459,7 @@ def _geometry(n):  # pragma: no cover - compiled
     return c, r, c + u(16) if r > u(1) else c
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _log2(n):  # pragma: no cover - compiled
     k = np.uint64(0)
     while (np.uint64(1) << k) < n:
@@ -468,7 +467,7 @@ def _log2(n):  # pragma: no cover - compiled
     return k
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _radix_any(stages, src, src_at, src_stride, dst, dst_at, dst_stride, scale, one, scaled):  # pragma: no cover
     """``stages`` (1 to 4) butterfly stages on 2^stages vectors (gradpress._simd.radix*)."""
     if scaled:
@@ -490,7 +489,7 @@ def _radix_any(stages, src, src_at, src_stride, dst, dst_at, dst_stride, scale, 
         V.radix2(src, src_at, src_stride, dst, dst_at, dst_stride, scale, one)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _row_rest(buf, at, vectors, one):  # pragma: no cover - compiled
     """The row stages after the first four (vector strides 16 … ``vectors``/2) on the row at buf[at:]."""
     u = np.uint64
@@ -502,7 +501,7 @@ def _row_rest(buf, at, vectors, one):  # pragma: no cover - compiled
                 _radix_any(stages, buf, at + u(16) * m, u(256), buf, at + u(16) * m, u(256), one, one, False)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _row_small(buf, at, vectors, one):  # pragma: no cover - compiled
     """Every row stage of a row of fewer than 16 vectors (already loaded, wht16 applied)."""
     stages = _log2(vectors)
@@ -510,7 +509,7 @@ def _row_small(buf, at, vectors, one):  # pragma: no cover - compiled
         _radix_any(stages, buf, at, np.uint64(16), buf, at, np.uint64(16), one, one, False)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _last_group(rows):  # pragma: no cover - compiled
     """(first row bit, stages) of the last group of stages across ``rows`` rows: four where there are
     as many (the groups before it take four each, the first one the rest)."""
@@ -519,7 +518,7 @@ def _last_group(rows):  # pragma: no cover - compiled
     return r - last, last
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _columns_but_last(buf, panel, rows, stride, one):  # pragma: no cover - compiled
     """Every stage across rows but the last group's, on the 64 lanes at ``panel`` of every row, in
     order: first the row bits below the remainder modulo 4, then four at a time."""
@@ -540,7 +539,7 @@ def _columns_but_last(buf, panel, rows, stride, one):  # pragma: no cover - comp
         low += stages
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _sign_bits(g, key):  # pragma: no cover - compiled
     """The sign bits (bit 31 of each lane; D_ii = −1 where set) of the 16 indices g … g + 15: bit i mod 32
     of mix32(⌊i/32⌋, key). Sixteen indices from a multiple of 16 share one word (one scalar hash, a
@@ -562,7 +561,7 @@ def _sign_bits(g, key):  # pragma: no cover - compiled
     return V.and_(V.shl(low, flip), V.isplat(np.uint32(0x80000000)))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _signed(x, first, count, j, m, key):  # pragma: no cover - compiled
     """wht16(D·x[first + j + 16m …]) (zero past ``count``)."""
     u = np.uint64
@@ -574,7 +573,7 @@ def _signed(x, first, count, j, m, key):  # pragma: no cover - compiled
     return V.wht16(V.bits(V.xor(V.bits(v), _sign_bits(first + at, key))))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _load_signed_rows(x, first, count, n, key, buf, one):  # pragma: no cover - compiled
     """Pass A of the forward transform of block x[first : first + count], padded to n: every stage
     within a row, into buf."""
@@ -628,7 +627,7 @@ def _forward_fast(x, out, numel, partition, size, tail, scale, tail_scale, key, 
         start += n
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _inverse_store(out, first, j, count, v, key, factor, scaled, streamed, minuend, subtract):  # pragma: no cover
     """out[first + j + l] = D·v (times ``factor`` if ``scaled``) for the lanes with j + l < count, or
     minuend[first + j + l] − that if ``subtract`` (``minuend`` may be ``out`` itself); whole vectors of an
@@ -650,7 +649,7 @@ def _inverse_store(out, first, j, count, v, key, factor, scaled, streamed, minue
         V.store_first(out, first + j, v, np.int64(count - j))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def inverse_columns(work, n, count, first, key, s, one, scratch, out, factor, scaled, streamed, minuend,
                     subtract):  # pragma: no cover - compiled
     """Pass B of the inverse transform of a block whose rows are done (pass A) in ``work``: the stages
@@ -681,7 +680,7 @@ def inverse_columns(work, n, count, first, key, s, one, scratch, out, factor, sc
                            scaled, streamed, minuend, subtract)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _load_plain_rows(y, start, n, buf, one):  # pragma: no cover - compiled
     """Pass A of the inverse transform of y[start : start + n]: every stage within a row, into buf."""
     u = np.uint64

@@ -13,11 +13,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from gradpress._numba import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, bits_of_f32, bits_of_f64,
-                              f32_from_bits, f64_from_bits, fold, fold_top, fused, jit, mix32, mix32_from,
-                              mul32, wide_vectors)
+                              f32_from_bits, f64_from_bits, fold, fold_top, fused, jit, kernel, mix32,
+                              mix32_from, mul32, wide_vectors)
 from gradpress.bits import pack_groups, unpack_groups
 
 U = np.uint32
@@ -29,7 +28,7 @@ NON_FINITE = U(0x7F800000)  # |x| bit patterns from here up are Inf and NaN
 STANDARD, NATURAL, BELOW = 0, 1, 2  # how _level rounds (BELOW: natural, every value below the first level)
 
 # helpers inlined into the kernels (a call per bucket would cost more than its work: reference counts)
-inline = njit(cache=True, nogil=True, inline="always")
+inline = kernel(inline="always")
 
 
 @inline

@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
 
 from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
-                              gather16, jit, use_numba)
+                              gather16, jit, kernel, use_numba)
 from gradpress.compressor import Compressor, finish_fold, register
 from gradpress.compressors.onebit import as_float32, checked_max_magnitude
 from gradpress.packet import Packet
@@ -164,7 +163,7 @@ def cell_table(edges: np.ndarray) -> tuple[np.ndarray, int]:
     return table, crowded
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def order_key(bits):  # pragma: no cover - compiled
     """uint32 key increasing with the float32 value whose bits are ``bits`` (−0.0 just below +0.0)."""
     bits = np.uint32(bits)
@@ -172,7 +171,7 @@ def order_key(bits):  # pragma: no cover - compiled
     return np.uint32(bits ^ mask)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def rank_in_cell(key, entry):  # pragma: no cover - compiled
     """#{edges < key} from the cell-table ``entry`` of ``key``'s cell (a cell with at most one edge)."""
     below = (entry >> np.uint32(16)) & np.uint32(0xFF)
@@ -219,7 +218,7 @@ def _encode_kernel(bits, cells, out):  # pragma: no cover - compiled
         out[i] = _code(bits[i], cells[(bits[i] | np.uint32(0x80000000)) >> np.uint32(16)])
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _code(b, entry):  # pragma: no cover - compiled
     """sign·128 + #{edges < |x|} for x with bits ``b`` (positive floats order as their bit patterns: the
     order key of |x| is its bits with the top bit set)."""
@@ -236,7 +235,7 @@ def _lookup(values, codes, out):  # pragma: no cover - compiled
         out[i] = values[codes[i]]
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _lookup_fold_loop(values, codes, total, mode, count, reciprocal):  # pragma: no cover - compiled
     """:func:`gradpress._numba.fold` of values[codes] into ``total``, BLOCK values at a time: gathered 16
     at a time into a scratch block, then folded (one vectorized loop); the largest exponent field stored

@@ -33,9 +33,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
-from numba import njit
 
-from gradpress._numba import as_numpy, f32_from_bits, jit, use_numba
+from gradpress._numba import as_numpy, f32_from_bits, jit, kernel, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register
 from gradpress.compressors import inceptionn_simd as simd
@@ -172,7 +171,7 @@ ONE = U32(0x3F800000)  # the bits of 1.0f: |x| ≥ 1 exactly when its magnitude 
 NON_FINITE = U32(0x7F800000)  # magnitude bits from here up: Inf or NaN
 MAGNITUDE = U32(0x7FFFFFFF)
 SIGN = U32(0x80000000)
-inline = njit(cache=True, nogil=True, inline="always")
+inline = kernel(inline="always")
 
 
 def _limits(eps: float) -> tuple[np.uint32, np.uint32]:

@@ -39,8 +39,8 @@ import torch
 from numba import njit
 
 from gradpress._numba import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, as_numpy, bits_of_f32, f32_from_bits,
-                              fold, fold_mode, fold_top, fused, jit, mix32, mix32_from, mul32, use_numba,
-                              wide_vectors)
+                              fold, fold_mode, fold_top, fused, jit, kernel, mix32, mix32_from, mul32,
+                              use_numba, wide_vectors)
 from gradpress.compressor import Compressor, check_finite, finish_fold, register
 from gradpress.packet import Packet
 from gradpress.rng import Context, mix32_torch, seed32
@@ -149,7 +149,7 @@ def _encode_exact(w, i, seed, bottom, deterministic):  # pragma: no cover - comp
     return np.uint8(U(U(w >> U(24)) & U(0x80)) | U((rounded + WINDOW - 1) % WINDOW + 1))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline="always")
 def _encode_block(bits, start, stop, seed, deterministic, out):  # pragma: no cover - compiled
     """Branch-free (vectorized) coding of normal values, before the window is known.
 

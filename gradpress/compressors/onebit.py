@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
 
 from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
-                              jit, select_bits64, use_numba, wide_vectors)
+                              jit, kernel, select_bits64, use_numba, wide_vectors)
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, finish_fold, register, scaled_into_bits, sum_addends
 from gradpress.packet import Packet
@@ -265,7 +264,7 @@ def fold_two_levels(bits: torch.Tensor, low: float, high: float, total: torch.Te
     return finish_fold(total, top, store, count)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _fold_two_levels(packed, low, high, total, mode, count, reciprocal):  # pragma: no cover - compiled
     """:func:`gradpress._numba.fold` of (high if bit i is set, else low) into total_i (float32): 64 values
     per word of bits, one vector select into a 64-value scratch, then one vectorized fold; the largest
@@ -326,7 +325,7 @@ def _encode(x, tau, scale, out):  # pragma: no cover - compiled
     return high_sum, total - high_sum, high_count
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _encode_word(x, start, tau, scale):  # pragma: no cover - compiled
     word = np.uint64(0)
     total = high_sum = high_count = np.int64(0)
@@ -341,7 +340,7 @@ def _encode_word(x, start, tau, scale):  # pragma: no cover - compiled
     return word, total, high_sum, high_count
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _encode_byte(x, start, count, tau, scale):  # pragma: no cover - compiled
     byte = np.uint8(0)
     total = high_sum = high_count = np.int64(0)
@@ -367,7 +366,7 @@ def _decode(bits, low, high, out):  # pragma: no cover - compiled
         _decode_byte(bits[full], np.float32(low), np.float32(high), out, 8 * full, n - 8 * full)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _decode_byte(byte, low, high, out, start, count):  # pragma: no cover - compiled
     byte = np.uint32(byte)
     for k in range(count):

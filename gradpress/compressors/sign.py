@@ -13,13 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from numba import njit
-
 from numba.cpython.unsafe.numbers import leading_zeros
 
 from gradpress import _simd as V
-from gradpress._numba import (as_numpy, f64_from_bits, jit, select_bits64, sign_bits64, sign_flags64, use_numba,
-                              wide_vectors)
+from gradpress._numba import (as_numpy, f64_from_bits, jit, kernel, select_bits64, sign_bits64, sign_flags64,
+                              use_numba, wide_vectors)
 from gradpress.bits import packed_nbytes, unpack_bits
 from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
 from gradpress.compressors.sparsify import float32_decompress
@@ -234,14 +232,14 @@ def top_magnitude(bits):  # pragma: no cover - compiled
     return top
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline="always")
 def _sign_words(bits, start, stop, words):  # pragma: no cover - compiled
     """words[w] = bits [x_i ≥ 0] of x[64w:64w + 64], for the whole words in [start, stop)."""
     for w in range(start // 64, stop // 64):
         words[_U64(w)] = sign_bits64(bits, w * 64)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline="always")
 def _sign_tail(bits, out):  # pragma: no cover - compiled
     """The bytes of ``out`` after the whole 64-bit words, bit by bit."""
     n = bits.size
@@ -350,7 +348,7 @@ def _scaled_signs(bits, out, mean, addends=None):  # pragma: no cover - compiled
     return True
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline="always")
 def _bit_length(v):  # pragma: no cover - compiled
     """Python's int.bit_length for 0 ≤ v < 2^63."""
     return 64 - np.int64(leading_zeros(np.uint64(v)))

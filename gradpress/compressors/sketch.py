@@ -35,14 +35,13 @@ import numpy as np
 import torch
 
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
-from gradpress._numba import (
-    as_numpy, bits_of_f32, f32_from_bits, gather16, jit, mix32, use_numba, wide_vectors,
-)
+from gradpress._numba import (as_numpy, bits_of_f32, f32_from_bits, gather16, jit, kernel, mix32, use_numba,
+                              wide_vectors)
 from gradpress.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output,
                                  nonfinite_error, register)
 from gradpress.compressors.sparsify import keep_count, select_largest, topk_indices
@@ -487,7 +486,7 @@ def gather_blocks(flat: torch.Tensor, chosen: torch.Tensor, size: int) -> torch.
     return out
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _block_norm(x, lo, hi, scale, squares):  # pragma: no cover - compiled
     """:func:`block_norms` of x[lo:hi] times ``scale``: squares, zero-padded to ``squares.size`` (a power
     of two), halved pairwise."""
@@ -740,14 +739,14 @@ def _nonzero_rows(words, mask, out):  # pragma: no cover - compiled
         out[b] = found
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _bucket(hashed, width):  # pragma: no cover - compiled
     """h(i) from hashed = mix32(i, seed), as :func:`_buckets` computes it: the low 31 bits, shifted to
     the top, times c, the high half of the product; as uint32."""
     return np.uint32((np.uint64(np.uint32(hashed << np.uint32(1))) * width) >> np.uint64(32))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _signed(value, hashed):  # pragma: no cover - compiled
     """s(i)·value for s(i) = ±1 from the top bit of hashed = mix32(i, seed), the product's bits: a
     multiplication by ±1 is exact and only sets the sign bit (``value`` is not NaN), so that bit is
@@ -765,7 +764,7 @@ def _insert(indices, values, seeds, table):  # pragma: no cover - compiled
             table[j, _bucket(hashed, width)] += _signed(values[k], hashed)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _count(flags):  # pragma: no cover - compiled
     """How many of the uint8 ``flags`` are set (each 0 or 1)."""
     total = 0
@@ -774,7 +773,7 @@ def _count(flags):  # pragma: no cover - compiled
     return total
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _find_nonzero(words, size, first, end, flags):  # pragma: no cover - compiled
     """flags[b] = whether block b (of ``size`` float32 values, as bits) holds a non-zero value (−0.0 and
     +0.0 are zero), for blocks first..end-1; how many do."""
@@ -845,7 +844,7 @@ def _sketch_insert(values, size, flags, find, seeds, scale, table):  # pragma: n
     return bad
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _insert_range(values, lo, hi, seeds, scale, table, width, buckets, signed):  # pragma: no cover - compiled
     rows = table.shape[0]
     bad = 0
@@ -862,7 +861,7 @@ def _insert_range(values, lo, hi, seeds, scale, table, width, buckets, signed): 
     return bad
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _hash_values(chunk, start, seeds, scale, width, buckets, signed):  # pragma: no cover - compiled
     """buckets[j, k] = h_j(i), signed[j, k] = s_j(i)·(g(i)·scale) for i = start + k (vectorized); how
     many of the chunk's values are NaN/Inf (their exponent bits all ones)."""
@@ -921,7 +920,7 @@ def _sketch_query(flags, size, table, seeds, finish, out):  # pragma: no cover -
             b = run
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _query_range(lo, hi, table, seeds, finish, width, buckets, estimates, signs, out):  # pragma: no cover
     """out[lo:hi] = the estimates of values lo..hi-1, ``finish`` = (count, 1/count or 0, largest, scale)."""
     count, inverse, largest, scale = finish
@@ -969,7 +968,7 @@ def _query_range(lo, hi, table, seeds, finish, width, buckets, estimates, signs,
             _finish_dividing(into, count, largest, scale)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _load(row, numbers, found):  # pragma: no cover - compiled
     """found[k] = row[numbers[k]], 16 at a time by vector gathers (prefetches measured no faster here:
     the table was read by the previous query or written by the insert)."""
@@ -981,7 +980,7 @@ def _load(row, numbers, found):  # pragma: no cover - compiled
         found[k] = row[numbers[k]]
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _bucket_numbers(start, seed, width, buckets, signs):  # pragma: no cover - compiled
     """buckets[k] = h(i) and signs[k] = the hash with s(i) in its top bit, for i = start + k: one hash
     each (vectorized)."""
@@ -992,14 +991,14 @@ def _bucket_numbers(start, seed, width, buckets, signs):  # pragma: no cover - c
         signs[k] = hashed
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _apply_signs(signs, estimates):  # pragma: no cover - compiled
     wide_vectors()
     for k in range(estimates.size):
         estimates[k] = _signed(estimates[k], signs[k])
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _ordered(a, b):  # pragma: no cover - compiled
     """A stable compare-exchange: (b, a) if a > b, else (a, b) (equal values, +0 and −0 among them, keep
     their order, as an insertion sort keeps it)."""
@@ -1007,14 +1006,14 @@ def _ordered(a, b):  # pragma: no cover - compiled
     return (b if swap else a), (a if swap else b)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _clamped(mean, largest, scale):  # pragma: no cover - compiled
     mean = -largest if mean < -largest else mean
     mean = largest if mean > largest else mean
     return mean * scale
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _finish_dividing(out, count, largest, scale):  # pragma: no cover - compiled
     """out = (median / count) clamped to ±largest, times scale: :func:`query`'s torch steps, in float32."""
     wide_vectors()
@@ -1022,7 +1021,7 @@ def _finish_dividing(out, count, largest, scale):  # pragma: no cover - compiled
         out[k] = _clamped(out[k] / count, largest, scale)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _finish_multiplying(out, inverse, largest, scale):  # pragma: no cover - compiled
     """:func:`_finish_dividing` for a power-of-two count, ``inverse`` = 1/count: x·inverse is x/count (both
     the correctly rounded quotient), and a product is cheaper than a division."""
@@ -1031,14 +1030,14 @@ def _finish_multiplying(out, inverse, largest, scale):  # pragma: no cover - com
         out[k] = _clamped(out[k] * inverse, largest, scale)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _median_two(estimates, out):  # pragma: no cover - compiled
     wide_vectors()
     for k in range(out.size):  # the mean of the two (an addition commutes: their order does not matter)
         out[k] = np.float32(0.5) * (estimates[0, k] + estimates[1, k])
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _median_three(estimates, out):  # pragma: no cover - compiled
     wide_vectors()
     for k in range(out.size):  # odd-even transposition: (0,1) (1,2) (0,1)
@@ -1048,7 +1047,7 @@ def _median_three(estimates, out):  # pragma: no cover - compiled
         out[k] = e1
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _median_four(estimates, out):  # pragma: no cover - compiled
     wide_vectors()
     for k in range(out.size):  # odd-even transposition, 4 rounds: (0,1)(2,3) (1,2) (0,1)(2,3) (1,2)
@@ -1061,7 +1060,7 @@ def _median_four(estimates, out):  # pragma: no cover - compiled
         out[k] = np.float32(0.5) * (e1 + e2)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _median_five(estimates, out):  # pragma: no cover - compiled
     wide_vectors()
     for k in range(out.size):  # odd-even transposition, 5 rounds: (0,1)(2,3) (1,2)(3,4) ×2, then (0,1)(2,3)
@@ -1079,7 +1078,7 @@ def _median_five(estimates, out):  # pragma: no cover - compiled
         out[k] = e2
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _median_sorted(estimates, out):  # pragma: no cover - compiled
     rows = estimates.shape[0]
     column = np.empty(rows, dtype=np.float32)

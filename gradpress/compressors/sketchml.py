@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
 
-from gradpress._numba import as_numpy, gather16, jit, use_numba
+from gradpress._numba import as_numpy, gather16, jit, kernel, use_numba
 from gradpress.bits import pack_bits, unpack_bits
 from gradpress.compressor import Compressor, register
 from gradpress.compressors.eightbit import BLOCK, CROWDED, cell_table, lookup, lookup_add, order_key, rank_in_cell
@@ -192,20 +191,20 @@ def _encode(values, edges, cells, probe, scale, codes, sums, counts):  # pragma:
         counts += counts4[copy * m:(copy + 1) * m]
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _add(sums, counts, at, fixed):  # pragma: no cover - compiled
     sums[at] += fixed
     counts[at] += 1
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _code(b, entry):  # pragma: no cover - compiled
     """1 + #{edges < v} for v with bits ``b`` in a cell with at most one edge; 0 for ±0."""
     rank = rank_in_cell(order_key(b), entry)
     return np.uint8((rank + np.uint32(1)) * np.uint32((b & np.uint32(0x7FFFFFFF)) != 0))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _probe(v, b, cells, padded):  # pragma: no cover - compiled
     """:func:`_code` for v (bits ``b``) in a crowded cell: a forward probe over the sorted edges from
     the first edge of the cell."""

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from gradpress import _simd as V
-from gradpress._numba import (as_numpy, bits_of_f32, compress_at_least16, finite, jit, mix32, use_numba,
-                              wide_vectors)
+from gradpress._numba import (as_numpy, bits_of_f32, compress_at_least16, finite, jit, kernel, mix32,
+                              use_numba, wide_vectors)
 from gradpress.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output, register,
                                  sum_addends)
 from gradpress.packet import Packet
@@ -465,7 +464,7 @@ def _keep_largest(values, positions, k, out_values, out_positions):  # pragma: n
     return True
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline="always")
 def select_largest(values, positions, k, out, kept=None, out_kept=None):  # pragma: no cover - compiled
     """out[:k] = the ``k`` of ``positions`` whose ``values`` (float32, ≥ 0) are largest, in their given
     order, ties to the earlier ones: the k-th largest value (:func:`kth_largest`), then one pass; with
@@ -490,7 +489,7 @@ RADIX = 16  # the first digit of kth_largest: the sign, the exponent and 7 bits 
 PARTITIONED = 2048  # up to this many values, kth_largest partitions them as they are
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline="always")
 def kth_largest(values, k):  # pragma: no cover - compiled
     """The k-th largest (1 ≤ k ≤ size) of float32 ``values`` ≥ 0 (NaN: above +Inf), reordering them: a
     radix select on their bit patterns (a non-negative float orders as its bits). One pass counts the

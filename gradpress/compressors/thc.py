@@ -72,11 +72,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from numba import njit
 from scipy.stats import norm
 
 from gradpress import _simd as V
-from gradpress._numba import GOLDEN, as_numpy, bits_of_f32, jit, mix32, squares, use_numba
+from gradpress._numba import GOLDEN, as_numpy, bits_of_f32, jit, kernel, mix32, squares, use_numba
 from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compressor import (Compressor, Preliminary, check_finite, float32_output, register, saturate,
                                  sum_addends)
@@ -224,7 +223,7 @@ _GOLDEN16 = np.uint32((int(GOLDEN) * 16) & 0xFFFFFFFF)
 _U24 = np.float32(2.0**24)  # Grid's inv_gap of a gap of width 1 (uniform THC's)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _uniforms(h, seed):  # pragma: no cover - compiled
     """float32(mix32(k, seed) >> 8) for the 16 lanes' indices k (the 24-bit integers of Grid's draw),
     given h = k·GOLDEN mod 2^32 (a loop over indices a fixed step apart adds to it instead of multiplying)."""
@@ -237,13 +236,13 @@ def _uniforms(h, seed):  # pragma: no cover - compiled
     return V.to_float(V.shr(h, V.isplat(np.uint32(8))))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _golden(k):  # pragma: no cover - compiled
     """k·GOLDEN, …, (k + 15)·GOLDEN mod 2^32."""
     return V.mul(V.iota(k), V.isplat(GOLDEN))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _write_codes(codes, byte, v, bits, valid):  # pragma: no cover - compiled
     """The 16 codes of ``v`` (below 2^bits) packed into the 2·bits bytes at codes[byte:], or only their
     first ``valid`` bytes (gradpress.bits' layout)."""
@@ -266,7 +265,7 @@ def _write_codes(codes, byte, v, bits, valid):  # pragma: no cover - compiled
                 codes[byte + k] = np.uint8((word >> (u(8) * (k % bits))) & u(0xFF))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _read_codes(packed, byte, bits):  # pragma: no cover - compiled
     """The 16 codes of ``bits`` bits packed in the 2·bits bytes at packed[byte:]."""
     u = np.uint64
@@ -289,7 +288,7 @@ def _read_codes(packed, byte, bits):  # pragma: no cover - compiled
     return v
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _code_at(packed, k, bits):  # pragma: no cover - compiled
     """Code k of a packed stream of ``bits``-bit codes (any position)."""
     u = np.uint64
@@ -301,7 +300,7 @@ def _code_at(packed, k, bits):  # pragma: no cover - compiled
     return (word >> (bit & u(7))) & ((u(1) << bits) - u(1))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _or_code(codes, k, bits, code):  # pragma: no cover - compiled
     """OR code k of ``bits`` bits into a zeroed packed stream (any position)."""
     u = np.uint64
@@ -313,7 +312,7 @@ def _or_code(codes, k, bits, code):  # pragma: no cover - compiled
         codes[byte + u(1)] |= np.uint8(word >> u(8))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _quantize16(v, h, pre, origin, scale, top, tables, seed):  # pragma: no cover - compiled
     """Grid.quantize of 16 values at coordinates k … (h = k·GOLDEN …): a = clamp((v·pre − origin)·scale,
     0, top), the gap z of ⌊a⌋ and a step up with probability (a − T[z])·inv[z]; ``tables``: the per-point
@@ -334,7 +333,7 @@ def _quantize16(v, h, pre, origin, scale, top, tables, seed):  # pragma: no cove
     return V.step_up(z, _uniforms(h, seed), V.mul(V.sub(a, low), inv))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _quantize_store(v, k, h, pre, origin, scale, top, tables, seed, bits, codes):  # pragma: no cover - compiled
     """Quantize and pack the 16 coordinates k … (k a multiple of 16, h = k·GOLDEN …)."""
     code = _quantize16(v, h, pre, origin, scale, top, tables, seed)
@@ -342,7 +341,7 @@ def _quantize_store(v, k, h, pre, origin, scale, top, tables, seed, bits, codes)
     return code
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _exponent(exponent, v):  # pragma: no cover - compiled
     """The running largest exponent field, with v's."""
     return V.umax(exponent, V.and_(V.bits(v), V.isplat(_MASK)))
@@ -373,14 +372,14 @@ def _thc_compress_residual(x, numel, partition, size, tail, scale, tail_scale, k
                      point_gap, point_low, point_inv, seed, bits, codes, True, res, centred, factor)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _dequantized(code, bits, centred):  # pragma: no cover - compiled
     """(T[z] − g/2) of the 16 codes z (``centred``: its two vectors and the array)."""
     low, high, table = centred
     return V.permute32(low, high, code) if bits <= np.uint64(5) else V.gather(table, code)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _rows_inverse(work, n, count, first, key, s, one, out, streamed):  # pragma: no cover - compiled
     """The residual's last pass over a block whose stages across rows are done in ``work``: the stages
     within each row, then D and 1/√P (``s``), into out[first : first + count] (pointers)."""
@@ -401,7 +400,7 @@ def _rows_inverse(work, n, count, first, key, s, one, out, streamed):  # pragma:
                            out, False)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
               point_gap, point_low, point_inv, seed, bits, codes, fused, res, centred_values,
               factor):  # pragma: no cover - compiled
@@ -493,7 +492,7 @@ def _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work
     return V.hmax(exponent)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _centred_code(packed, k, bits, centred):  # pragma: no cover - compiled
     """wht16(T[z] − centre) of the 16 packed codes z at coordinates k … (k a multiple of 16), from the
     float32 table of T[z] − centre (``centred``: its two vectors and the array)."""
@@ -502,13 +501,13 @@ def _centred_code(packed, k, bits, centred):  # pragma: no cover - compiled
     return V.wht16(V.permute32(low, high, z) if bits <= np.uint64(5) else V.gather(table, z))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _centred_sum(total, k, centre):  # pragma: no cover - compiled
     """wht16(Y − centre) of the 16 sums Y at total[k …]."""
     return V.wht16(V.sub(V.load_float(total, k), V.fsplat(centre)))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _centred(source, packed, k, bits, values, centre):  # pragma: no cover - compiled
     if packed:
         v = _centred_code(source, k, bits, values)
@@ -517,7 +516,7 @@ def _centred(source, packed, k, bits, values, centre):  # pragma: no cover - com
     return v
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _decode_rows(source, packed, start, n, bits, values, centre, buf, one):  # pragma: no cover - compiled
     """Pass A of the decoding: the centred values of coordinates start … start + n (packed codes, or sums),
     every stage within a row, into buf."""
@@ -535,7 +534,7 @@ def _decode_rows(source, packed, start, n, bits, values, centre, buf, one):  # p
         _row_rest(buf, at, vectors, one)
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _decode(source, packed, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
             centre, factor, minuend, subtract):  # pragma: no cover - compiled
     """THC's decoding (Algorithm 3 lines 18-20): RHT⁻¹(Y − centre)·factor per block into ``out``, Y the

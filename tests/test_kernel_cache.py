@@ -1,0 +1,78 @@
+"""The on-disk cache of gradpress's numba kernels (``gradpress._numba.kernel``): kept between processes while
+the package's sources stay the same, compiled again when any of them changes — also a module other than
+the kernel's own, whose intrinsics or helpers the cached machine code contains. Real processes, a real
+copy of the package, real cache files."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gradpress
+from gradpress._numba import sources_digest
+from gradpress.compressors.sign import _decode_signs
+
+#: run in a child process against the copy of the package: decode 4096 packed signs with the sign
+#: decoder's kernel, report its cache statistics and whether the result is right
+_CHILD = textwrap.dedent("""
+    import json
+    import numpy as np
+    from gradpress.compressors.sign import _decode_signs
+    packed = np.arange(512, dtype=np.uint8)
+    out = np.empty(4096, np.float32)
+    _decode_signs(packed, -1.0, 1.0, out)
+    expected = np.where(np.unpackbits(packed, bitorder="little").astype(bool), 1.0, -1.0)
+    stats = _decode_signs.stats
+    print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
+                      "right": bool((out == expected).all())}))
+""")
+
+
+def _decode_in_a_process(root: Path) -> dict:
+    environment = {key: value for key, value in os.environ.items() if key != "NUMBA_CACHE_DIR"}
+    environment.update(PYTHONPATH=str(root), GRADPRESS_NUMBA="1")
+    done = subprocess.run([sys.executable, "-c", _CHILD], cwd=root, env=environment, capture_output=True,
+                          text=True, timeout=600, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_change_to_any_module_compiles_the_kernels_again(tmp_path):
+    package = Path(gradpress.__file__).parent
+    copy = tmp_path / "gradpress"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    first = _decode_in_a_process(tmp_path)
+    assert first == {"hits": 0, "misses": 1, "right": True}
+    assert list((copy / "compressors" / "__pycache__").glob("sign._decode_signs-*.nbc")), "nothing cached"
+    assert _decode_in_a_process(tmp_path) == {"hits": 1, "misses": 0, "right": True}
+    # a module the kernel does not live in, whose intrinsics it inlines: numba's own key misses this
+    simd = copy / "_simd.py"
+    simd.write_text(simd.read_text() + "\n# changed\n")
+    assert _decode_in_a_process(tmp_path) == {"hits": 0, "misses": 1, "right": True}
+    assert _decode_in_a_process(tmp_path) == {"hits": 1, "misses": 0, "right": True}
+
+
+def test_sources_digest_covers_every_module_of_the_package():
+    package = Path(gradpress.__file__).parent
+    modules = sorted(path.relative_to(package).as_posix() for path in package.rglob("*.py"))
+    assert "_simd.py" in modules and "compressors/sign.py" in modules
+    assert len(sources_digest()) == 64 and sources_digest() == sources_digest()
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3, 16])
+def test_decoding_writes_outputs_at_any_alignment(offset):
+    """A kernel's stores make no assumption on its output's alignment (a cached kernel with aligned
+    non-temporal stores once crashed on a view that starts mid-cache-line)."""
+    packed = torch.randint(0, 256, (8192 // 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    storage = torch.empty(8192 + 16)
+    out = storage[offset:offset + 8192].numpy()
+    _decode_signs(packed.numpy(), -1.0, 1.0, out)
+    expected = np.where(np.unpackbits(packed.numpy(), bitorder="little").astype(bool), 1.0, -1.0)
+    assert np.array_equal(out, expected)
