@@ -17,9 +17,9 @@ Integer lanes are unsigned where it matters (shifts are logical, comparisons uns
 inlined function wherever it cannot pair the updates up, and those atomic updates (each with a
 ``vzeroupper``) cost more than a loop body.
 
-Numba caches a compiled kernel by its own source file: after editing this module or
-:mod:`gradpress.hadamard`, delete the ``__pycache__/*.nbi``/``*.nbc`` files of the modules whose kernels
-inline them (hadamard, compressors/thc), or they keep running the old code.
+A kernel inlines these operations into its machine code; its disk cache is keyed on every source file
+of the package (:func:`gradpress._numba.kernel`), so editing this module compiles the kernels that use it
+again.
 """
 from __future__ import annotations
 

@@ -158,23 +158,28 @@ def test_topk_of_a_mostly_zero_vector_takes_every_value_as_a_candidate():
     assert topk_indices(x, 5).tolist() == [0, 1, 5, 70_000, 199_999]  # ties at 0: the lowest positions
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode", ["plain", "fused", "zeroed"])
 @pytest.mark.parametrize("n", [15, 16, 1000, 4099])
-def test_candidates_are_every_value_at_or_above_the_threshold_and_overflow_says_so(fused, n):
+def test_candidates_are_every_value_at_or_above_the_threshold_and_overflow_says_so(mode, n):
     """The candidate pass (16 at a time, a scalar tail): every value with not |v| < t (NaN included), in
-    order, with its position; −1 when more than fit, the fused sum formed in full all the same."""
+    order, with its position; −1 when more than fit, the fused sum formed in full all the same (with the
+    candidates written as +0 where they are to be zeroed: top-k's residual)."""
     g = torch.Generator().manual_seed(n)
     m, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
     m[n // 2] = float("nan")
-    x = (m + grad) if fused else m.clone()
+    m[n // 3], grad[n // 3] = 1.0, 0.0  # a value at the threshold: a candidate
+    x = (m + grad) if mode != "plain" else m.clone()
     expected = (~(x.abs() < 1.0)).nonzero().squeeze(1)
     count = expected.numel()
+    formed = x.clone()
+    if mode == "zeroed":
+        formed[expected] = 0.0
     for capacity in (count, count - 1):
-        out = torch.empty(n) if fused else x.clone()
+        out = torch.empty(n) if mode != "plain" else x.clone()
         kept, positions = np.empty(capacity + 16, np.float32), np.empty(capacity + 16, np.int32)
-        addends = (m.numpy(), grad.numpy()) if fused else None
-        got = sparsify._collect_at_least(out.numpy(), addends, np.float32(1.0), kept, positions)
-        assert torch.equal(bits(out), bits(x))  # the sum, bit for bit (NaN where m is)
+        addends = (m.numpy(), grad.numpy()) if mode != "plain" else None
+        got = sparsify._collect_at_least(out.numpy(), addends, np.float32(1.0), kept, positions, mode == "zeroed")
+        assert torch.equal(bits(out), bits(formed))  # the sum, bit for bit (NaN where m is), or +0
         if capacity < count:
             assert got == -1
         else:

@@ -12,6 +12,7 @@ import torch
 import gradpress
 from gradpress._numba import numba_disabled
 from gradpress.compressor import NonFiniteError, scaled_sum
+from gradpress.compressors.sparsify import sample_stride
 from gradpress.feedback import compress_with
 from gradpress.rng import Context
 
@@ -51,8 +52,7 @@ def test_every_fallback_leaves_the_sum_formed():
     # (a) the sample misses the large values (none at a multiple of the stride): more candidates than the
     # first buffer holds, so the fused pass overflows it, sums to the end, and the plain pass retries
     memory, grad = _pair(n, 1)
-    stride = n // 16384
-    spots = torch.arange(n) % stride == 1
+    spots = torch.arange(n) % sample_stride(n) == 1
     grad[spots] *= 1000
     fused, plain, out, expected_sum = _both("topk:ratio=0.05", memory, grad)
     _same(fused, plain)
@@ -65,7 +65,7 @@ def test_every_fallback_leaves_the_sum_formed():
     assert torch.equal(out, expected_sum)
 
 
-@pytest.mark.parametrize("where", [0, 5, 77_777])  # in the sample (stride 8), or not
+@pytest.mark.parametrize("where", [0, 5, 77_777])  # in the sample (stride 11), or not
 def test_nonfinite_in_the_gradient_raises_with_the_sum_formed(where):
     memory, grad = _pair(1 << 17, 2)
     grad[where] = float("inf")
@@ -185,6 +185,45 @@ def test_the_residual_formed_in_the_compressors_passes_is_compress_then_residual
     assert formed
     _same(packet, plain)
     assert torch.equal(_bits(out), _bits(c.residual(phi, plain)))
+
+
+@pytest.mark.parametrize("n", [65536, 100_003, 1 << 20])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.001", "topk:ratio=0.3"])
+def test_topks_residual_formed_in_its_candidate_pass_is_compress_then_residual(spec, n):
+    memory, grad = _pair(n, n + 1)
+    c = gradpress.make(spec)
+    out = torch.full_like(memory, float("nan"))
+    packet, formed = c.compress_residual_sum(memory, grad, out, Context(3, 1, "w", 0))
+    phi = memory + grad
+    plain = c.compress(phi, Context(3, 1, "w", 0))
+    assert formed
+    _same(packet, plain)
+    assert torch.equal(_bits(out), _bits(c.residual(phi, plain)))
+    assert int((out == 0).sum()) == packet["values"].numel()  # +0 where sent (nothing else is 0 here)
+
+
+def test_topks_residual_falls_back_to_the_sum_where_the_sample_misleads():
+    """(a) more candidates than the first room holds; (b) a threshold of 0; (c) NaN/Inf outside the sample:
+    φ in ``out`` (formed again in full after a pass that zeroed candidates), the packet of the sum."""
+    n = 1 << 17
+    memory, grad = _pair(n, 1)
+    spots = torch.arange(n) % sample_stride(n) == 1  # never sampled
+    grad[spots] *= 1000
+    c = gradpress.make("topk:ratio=0.05")
+    out = torch.full_like(memory, float("nan"))
+    packet, formed = c.compress_residual_sum(memory, grad, out, Context())
+    assert not formed and torch.equal(out, memory + grad)
+    _same(packet, c.compress(memory + grad, Context()))
+    memory = -grad.clone()
+    memory[:100] += 1.0
+    packet, formed = c.compress_residual_sum(memory, grad, out, Context())
+    assert not formed and torch.equal(out, memory + grad)
+    _same(packet, c.compress(memory + grad, Context()))
+    memory, grad = _pair(n, 2)
+    grad[77_777] = float("nan")
+    with pytest.raises(NonFiniteError, match="NaN/Inf"):
+        c.compress_residual_sum(memory, grad, out, Context())
+    torch.testing.assert_close(out, memory + grad, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.01", "signum", "qsgd"])
