@@ -28,7 +28,6 @@ from gradpress import _simd as V
 _enabled = os.environ.get("GRADPRESS_NUMBA", "1") != "0"
 
 
-
 @functools.cache
 def sources_digest() -> str:
     """SHA-256 of every Python source file of the gradpress package (their paths and contents).

@@ -32,7 +32,6 @@ from functools import cached_property
 import numpy as np
 import torch
 
-
 from gradpress import _simd as V
 from gradpress._numba import as_numpy, bits_of_f32, jit, kernel, mix32, use_numba
 from gradpress.rng import MASK32, mix32_torch

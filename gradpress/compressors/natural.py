@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
 
 from gradpress._numba import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, as_numpy, bits_of_f32, f32_from_bits,
                               fold, fold_mode, fold_top, fused, jit, kernel, mix32, mix32_from, mul32,
@@ -203,7 +202,7 @@ def _recode_blocks(bits, seed, bottom, deterministic, out, least):  # pragma: no
                 out[i] = _encode_exact(bits[i], i, seed, bottom, deterministic)
 
 
-@njit(inline="always")
+@kernel(inline="always")
 def _decode_one(c, bottom, scale):  # pragma: no cover - compiled
     """The value of code ``c`` (see :func:`_decode_numba`)."""
     d = U(U(c & U(0x7F)) - U(1) - bottom)
@@ -226,7 +225,7 @@ def _decode_numba(codes, top, out):  # pragma: no cover - compiled
         out[np.uint64(i)] = _decode_one(U(codes[np.uint64(i)]), bottom, scale)
 
 
-@njit(inline="always")
+@kernel(inline="always")
 def _decode_fold(codes, top, total, mode, count, reciprocal):  # pragma: no cover - compiled
     """:func:`gradpress._numba.fold` of each decoded value into ``total`` (``mode`` a constant)."""
     bottom = U(top % WINDOW)
