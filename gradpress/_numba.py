@@ -29,8 +29,9 @@ _enabled = os.environ.get("GRADPRESS_NUMBA", "1") != "0"
 
 
 @functools.cache
-def sources_digest() -> str:
-    """SHA-256 of every Python source file of the gradpress package (their paths and contents).
+def sources_digest(package: Path = Path(__file__).resolve().parent) -> str:
+    """SHA-256 of every Python source file of the gradpress package (their paths and contents; the
+    ``package`` folder, this one by default).
 
     A numba kernel's on-disk cache is keyed on the file that defines it, but the machine code it holds
     also contains what the kernel inlined from other modules: the intrinsics here and in ``_simd``,
@@ -39,7 +40,6 @@ def sources_digest() -> str:
     (found when a kernel cached with non-temporal stores, which need 64-byte alignment, outlived their
     removal from an intrinsic and crashed on an unaligned output). :func:`kernel` adds this digest to the
     key, so that any change to the package compiles its kernels again."""
-    package = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
         digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
