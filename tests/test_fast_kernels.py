@@ -178,7 +178,8 @@ def test_candidates_are_every_value_at_or_above_the_threshold_and_overflow_says_
         out = torch.empty(n) if mode != "plain" else x.clone()
         kept, positions = np.empty(capacity + 16, np.float32), np.empty(capacity + 16, np.int32)
         addends = (m.numpy(), grad.numpy()) if mode != "plain" else None
-        got = sparsify._collect_at_least(out.numpy(), addends, np.float32(1.0), kept, positions, mode == "zeroed")
+        zeroed = mode == "zeroed"
+        got = sparsify._collect_at_least(out.numpy(), addends, np.float32(1.0), kept, positions, zeroed)
         assert torch.equal(bits(out), bits(formed))  # the sum, bit for bit (NaN where m is), or +0
         if capacity < count:
             assert got == -1

@@ -82,7 +82,8 @@ def test_the_digest_follows_every_source_file_and_nothing_else(tmp_path):
 def test_decoding_writes_outputs_at_any_alignment(offset):
     """A kernel's stores make no assumption on its output's alignment (a cached kernel with aligned
     non-temporal stores once crashed on a view that starts mid-cache-line)."""
-    packed = torch.randint(0, 256, (8192 // 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (8192 // 8,), dtype=torch.uint8, generator=generator)
     storage = torch.empty(8192 + 16)
     out = storage[offset:offset + 8192].numpy()
     _decode_signs(packed.numpy(), -1.0, 1.0, out)

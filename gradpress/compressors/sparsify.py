@@ -463,7 +463,8 @@ def _collect_at_least(x, addends, threshold, kept, positions, zeroed=False):  # 
     full = n - n % 16
     if addends is not None:
         m, g, phi = V.pointer(addends[0]), V.pointer(addends[1]), V.pointer(x)
-        limit, magnitude, zero = V.isplat(bits_of_f32(threshold)), V.isplat(np.uint32(0x7FFFFFFF)), V.fsplat(np.float32(0))
+        limit, magnitude = V.isplat(bits_of_f32(threshold)), V.isplat(np.uint32(0x7FFFFFFF))
+        zero = V.fsplat(np.float32(0))
         for start in range(0, full, 16):
             v = V.add(V.load(m, start), V.load(g, start))
             if zeroed:  # lanes below the threshold (|v|'s pattern below the threshold's: NaN is not) keep v
