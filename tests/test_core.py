@@ -191,6 +191,20 @@ def test_residual_compensates_large_tensors_in_the_bits_of_torch_add(numel):
 
 
 # -- CLI ------------------------------------------------------------------------------------------
+def test_bench_ops_times_compress_decompress_and_copy_round_by_round():
+    """One warm-up call of each, then one call of each per round: the copy a ratio divides by is timed
+    beside the calls it divides, not in a block of its own after them."""
+    from gradpress.bench.ops import interleaved_ms, median_ms
+
+    order: list[str] = []
+    ms = interleaved_ms({"compress": lambda: order.append("c"), "decompress": lambda: order.append("d"),
+                         "copy": lambda: order.append("x")}, 3)
+    assert order == ["c", "d", "x"] * 4
+    assert set(ms) == {"compress", "decompress", "copy"} and all(v >= 0 for v in ms.values())
+    calls: list[int] = []
+    assert median_ms(lambda: calls.append(1), 5) >= 0 and len(calls) == 6
+
+
 def test_bench_ops_writes_records(tmp_path, capsys):
     out = tmp_path / "ops.json"
     assert cli(["bench", "ops", "--compressors", "topk:ratio=0.1,randomk:ratio=0.1,scale=true,none",

@@ -5,8 +5,8 @@ For every (compressor, size) it reports bits per element (from ``Packet.nbytes``
 ‖x̂ − x‖²/‖x‖² of one worker, the NMSE of the aggregate of n workers that compress the same vector with
 independent private randomness (``compressor.aggregate``, so unbiased methods average their errors out
 and biased ones don't), and the median compress and decompress times beside the median time of a plain
-copy of the same tensor (``x.clone()``, which allocates its output as every compressor does), measured
-in the same run so ratios stay meaningful on a noisy machine.
+copy of the same tensor (``x.clone()``, which allocates its output as every compressor does), the three
+timed round by round (:func:`interleaved_ms`), so that ratios stay meaningful on a noisy machine.
 
 ``--device cuda`` runs the same on a GPU (the torch implementations every method has beside its numba
 CPU kernels): each timed call is bracketed by ``torch.cuda.synchronize()``, so a time is the call's
@@ -72,15 +72,25 @@ def median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None] =
     """The median wall time of ``fn()`` over ``repeats`` calls after one warm-up (numba compile,
     allocator); ``sync`` (``torch.cuda.synchronize`` on a GPU) runs before and inside each timing, so
     a call's queued kernels count towards it."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+    return interleaved_ms({"fn": fn}, repeats, sync)["fn"]
+
+
+def interleaved_ms(calls: dict[str, Callable[[], object]], repeats: int,
+                   sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """:func:`median_ms` of each of ``calls``, timed round by round (one call of each per round, after
+    one warm-up of each), so that the machine's drift (the copy of 16 MB took 0.7–2.2 ms within one run)
+    reaches all of them alike and their ratios hold."""
+    for fn in calls.values():
         fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
 def host_traffic(fn: Callable[[], object]) -> tuple[int, list[str]]:
@@ -125,6 +135,8 @@ def bench_one(spec: str, numel: int, workers: int, repeats: int, seed: int,
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     compress_audit = host_traffic(lambda: compressor.compress(x, ctx)) if on_gpu else (None, None)
     decompress_audit = host_traffic(lambda: compressor.decompress(packet)) if on_gpu else (None, None)
+    ms = interleaved_ms({"compress": lambda: compressor.compress(x, ctx),
+                         "decompress": lambda: compressor.decompress(packet), "copy": x.clone}, repeats, sync)
     return OpsRecord(
         name=compressor.name or spec,
         spec=compressor.spec,
@@ -133,9 +145,9 @@ def bench_one(spec: str, numel: int, workers: int, repeats: int, seed: int,
         nmse=nmse(compressor.decompress(packet), x),
         nmse_avg_n=nmse(compressor.aggregate(packets), x),
         workers=workers,
-        compress_ms=median_ms(lambda: compressor.compress(x, ctx), repeats, sync),
-        decompress_ms=median_ms(lambda: compressor.decompress(packet), repeats, sync),
-        copy_ms=median_ms(x.clone, repeats, sync),
+        compress_ms=ms["compress"],
+        decompress_ms=ms["decompress"],
+        copy_ms=ms["copy"],
         device=str(device),
         compress_syncs=compress_audit[0], compress_host_ops=compress_audit[1],
         decompress_syncs=decompress_audit[0], decompress_host_ops=decompress_audit[1],
@@ -221,4 +233,4 @@ def add_bench_parser(bench: argparse._SubParsersAction) -> None:
     ops.set_defaults(func=main)
 
 
-__all__ = ["OpsRecord", "add_bench_parser", "bench_one", "median_ms", "run"]
+__all__ = ["OpsRecord", "add_bench_parser", "bench_one", "interleaved_ms", "median_ms", "run"]
