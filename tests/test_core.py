@@ -208,7 +208,8 @@ def test_bench_ops_times_compress_decompress_and_copy_round_by_round():
 def test_bench_ops_writes_records(tmp_path, capsys):
     out = tmp_path / "ops.json"
     assert cli(["bench", "ops", "--compressors", "topk:ratio=0.1,randomk:ratio=0.1,scale=true,none",
-                "--sizes", "1000,2^12", "--repeats", "1", "--workers", "3", "--json", str(out)]) == 0
+                "--sizes", "1000,2^12", "--repeats", "1", "--workers", "3", "--json", str(out),
+                "--glibc-defaults"]) == 0  # (this test process's allocator left as it is)
     records = json.loads(out.read_text())
     assert [(r["spec"], r["numel"]) for r in records] == [
         ("topk:ratio=0.1", 1000), ("topk:ratio=0.1", 4096), ("randomk:ratio=0.1,scale=true", 1000),

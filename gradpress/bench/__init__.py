@@ -3,6 +3,7 @@ with ``add_bench_parser(bench_subparsers)``. Timings live here, never in test as
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import importlib
 import json
@@ -16,6 +17,22 @@ from typing import Any, Callable
 from gradpress import cli
 
 Main = Callable[[argparse.Namespace], int]
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc (this process only) to keep the memory it frees: no trimming of the heap's top, no mmap for
+    large blocks. A benchmark's calls allocate and free tensors of the tensor's size, and glibc's dynamic
+    thresholds otherwise hand some of them back to the kernel between calls, so that a call pays page
+    faults (microseconds per 4 KiB page on a virtual machine) depending on the other calls' pattern of
+    allocations (``bench ops`` measured a 16 MB copy at 7 ms in one row, 1.0–1.6 ms in the others).
+    False where mallopt is not available (not glibc); ``bench grace`` and ``bench ops`` call it unless
+    given ``--glibc-defaults``."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 BENCHES = [
     "gradpress.bench.ops",

@@ -25,7 +25,6 @@ momentum inside ``compress``: its gradpress row includes the ``signum`` memory's
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import json
 import statistics
@@ -39,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from gradpress import cli
-from gradpress.bench import add_bench, run_as_script
+from gradpress.bench import add_bench, keep_freed_memory, run_as_script
 
 #: modules a GRACE compressor module may import at import time without needing them on the CPU
 STUBBABLE = ("horovod", "cupy", "tensorflow", "cnat_cuda", "qsgd_cuda", "rdxtopk")
@@ -277,20 +276,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "see keep_freed_memory)")
     parser.add_argument("--seed", type=cli.seed, default=0)
     parser.add_argument("--json", type=cli.output_file, help="write one record per method to this file")
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc (this process only) to keep the memory it frees: no trimming of the heap's top, no mmap for
-    large blocks. Each call of both sides allocates and frees tensors of the tensor's size, and glibc's
-    dynamic thresholds otherwise hand some of them back to the kernel between calls, so that a call
-    pays page faults (microseconds per 4 KiB page on a virtual machine) depending on the other calls'
-    pattern of allocations. False where mallopt is not available (not glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,7 +6,9 @@ For every (compressor, size) it reports bits per element (from ``Packet.nbytes``
 independent private randomness (``compressor.aggregate``, so unbiased methods average their errors out
 and biased ones don't), and the median compress and decompress times beside the median time of a plain
 copy of the same tensor (``x.clone()``, which allocates its output as every compressor does), the three
-timed round by round (:func:`interleaved_ms`), so that ratios stay meaningful on a noisy machine.
+timed round by round (:func:`interleaved_ms`) with glibc keeping the memory it frees
+(:func:`~gradpress.bench.keep_freed_memory`; ``--glibc-defaults`` leaves it), so that ratios stay
+meaningful on a noisy machine.
 
 ``--device cuda`` runs the same on a GPU (the torch implementations every method has beside its numba
 CPU kernels): each timed call is bracketed by ``torch.cuda.synchronize()``, so a time is the call's
@@ -31,6 +33,7 @@ import torch
 
 import gradpress
 from gradpress import cli
+from gradpress.bench import keep_freed_memory
 from gradpress.registry import split_specs
 from gradpress.rng import Context
 
@@ -200,6 +203,8 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
+    if not args.glibc_defaults and not keep_freed_memory():
+        console.print("gradpress bench ops: glibc's mallopt is not available: allocator defaults kept")
     with console.status("benchmarking") as status:
         records = run(specs, sizes, args.workers, args.repeats, args.seed,
                       progress=lambda what: status.update(f"benchmarking {what}"), device=args.device)
@@ -230,6 +235,9 @@ def add_bench_parser(bench: argparse._SubParsersAction) -> None:
     ops.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="where the tensor lives (cuda: the torch path on a GPU, timed to completion)")
     ops.add_argument("--json", type=cli.output_file, help="write one record per (compressor, size) to this file")
+    ops.add_argument("--glibc-defaults", action="store_true",
+                     help="leave glibc's allocator thresholds as they are (by default freed memory is kept: "
+                          "no call's time includes page faults that depend on the other calls' allocations)")
     ops.set_defaults(func=main)
 
 
