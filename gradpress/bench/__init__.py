@@ -34,6 +34,15 @@ def keep_freed_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3
     return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
+
+def add_glibc_defaults(parser: argparse.ArgumentParser) -> None:
+    """The ``--glibc-defaults`` flag of a benchmark that calls :func:`keep_freed_memory` by default."""
+    parser.add_argument("--glibc-defaults", action="store_true",
+                        help="leave glibc's allocator thresholds as they are (by default freed memory is kept, "
+                             "so that no call's time includes page faults that depend on the other calls' "
+                             "allocations)")
+
+
 BENCHES = [
     "gradpress.bench.ops",
     "gradpress.bench.ddp_overhead",

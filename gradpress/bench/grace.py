@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from gradpress import cli
-from gradpress.bench import add_bench, keep_freed_memory, run_as_script
+from gradpress.bench import add_bench, add_glibc_defaults, keep_freed_memory, run_as_script
 
 #: modules a GRACE compressor module may import at import time without needing them on the CPU
 STUBBABLE = ("horovod", "cupy", "tensorflow", "cnat_cuda", "qsgd_cuda", "rdxtopk")
@@ -271,9 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", help="comma-separated methods or specs of the table (default: all)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall clock (default) or this thread's CPU time (steadier on a shared machine)")
-    parser.add_argument("--glibc-defaults", action="store_true",
-                        help="leave glibc's allocator thresholds as they are (by default freed memory is kept: "
-                             "see keep_freed_memory)")
+    add_glibc_defaults(parser)
     parser.add_argument("--seed", type=cli.seed, default=0)
     parser.add_argument("--json", type=cli.output_file, help="write one record per method to this file")
 

@@ -33,7 +33,7 @@ import torch
 
 import gradpress
 from gradpress import cli
-from gradpress.bench import keep_freed_memory
+from gradpress.bench import add_glibc_defaults, keep_freed_memory
 from gradpress.registry import split_specs
 from gradpress.rng import Context
 
@@ -235,9 +235,7 @@ def add_bench_parser(bench: argparse._SubParsersAction) -> None:
     ops.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="where the tensor lives (cuda: the torch path on a GPU, timed to completion)")
     ops.add_argument("--json", type=cli.output_file, help="write one record per (compressor, size) to this file")
-    ops.add_argument("--glibc-defaults", action="store_true",
-                     help="leave glibc's allocator thresholds as they are (by default freed memory is kept: "
-                          "no call's time includes page faults that depend on the other calls' allocations)")
+    add_glibc_defaults(ops)
     ops.set_defaults(func=main)
 
 
