@@ -13,7 +13,7 @@ from torch import nn
 
 import gradpress
 from dist_utils import run_workers
-from gradpress.compressors.powersgd import PowerSGD, orthonormal_columns
+from gradpress.compressors.powersgd import PowerSGD, orthonormal_rows
 from gradpress.rng import Context
 from numerics import gamma, unit_roundoff
 
@@ -117,8 +117,8 @@ def test_warm_start_converges_to_the_best_rank_r_approximation():
     Eckart-Young optimum ‖M − M_r‖ (singular values halving: the subspace error halves per step),
     which one power iteration from a fresh random Q does not."""
     m, n, r = 40, 30, 2
-    u = orthonormal_columns(randn(m, n, seed=2))
-    v = orthonormal_columns(randn(n, n, seed=3))
+    u = orthonormal_rows(randn(m, n, seed=2).t()).t()
+    v = orthonormal_rows(randn(n, n, seed=3).t()).t()
     s = 2.0 ** -torch.arange(n, dtype=torch.float32)
     matrix = u @ torch.diag(s) @ v.t()
     singular = torch.linalg.svdvals(matrix.double())  # the float32 matrix's own (u, v are orthonormal to ~u)
@@ -214,6 +214,42 @@ def test_two_rounds_p_then_q_and_their_bytes():
     assert last["packet_bytes"] == c.nbytes_for((64, 32)) + c.nbytes_for((64,)) == (64 + 32) * 2 * 4 + 64 * 4
     assert last["collectives"] == 2  # P; then Q and the bias's values, concatenated in one all-reduce
     assert last["sent_bytes"] == last["packet_bytes"] + 2 * 4  # and P's two fault-flag slots (float32)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("scale", [1.0, 2.0**-120, 2.0**110, 5.0e37])
+def test_orthogonalization_keeps_p_directions_at_any_scale(rank, scale):
+    """P̂ is orthonormal and spans P's columns for P of any finite scale: at rank 1 P / ‖P‖ (the paper's
+    normalization; in float32 where ‖P‖ lies in NORM_RANGE, else in float64), at rank 3 Householder QR
+    of P scaled by a power of two where |P| lies outside QR_RANGE (MKL's QR returns NaN for a column
+    whose norm exceeds float32's largest, as P's does at 5e37). Checked against float64: ‖P̂ᵀP̂ − I‖
+    and the projection P̂ P̂ᵀ to float32's rounding of m terms, whatever P̂'s signs."""
+    from gradpress.compressors.powersgd import NORM_RANGE, rank_one_norm
+
+    m = 500
+    pt = (randn(rank, m, seed=8).double() * scale).float()
+    assert bool(pt.isfinite().all()) and bool(pt.abs().min() > 0)  # (5e37: ‖P‖ beyond float32's largest)
+    basis = torch.linalg.qr(pt.double().t()).Q  # m × r, float64
+    got = orthonormal_rows(pt)
+    assert got.shape == (rank, m) and got.is_contiguous() and got.dtype == torch.float32
+    tolerance = 2 * gamma(m + 2) * rank
+    torch.testing.assert_close(got.double() @ got.double().t(), torch.eye(rank, dtype=torch.float64),
+                               rtol=0, atol=tolerance)
+    torch.testing.assert_close(got.double().t() @ got.double(), basis @ basis.t(), rtol=0, atol=tolerance)
+    if rank == 1:
+        norm = rank_one_norm(pt)
+        assert norm == pytest.approx(float(pt.double().norm()), rel=gamma(m + 2))
+        inside = NORM_RANGE[0] <= norm <= NORM_RANGE[1]
+        assert inside == (scale == 1.0)
+        assert torch.equal(got, pt / norm if inside else (pt.double() / norm).float())  # the division, not QR
+        # the same bits wherever ΣP lies (a view into the preliminary exchange's buffer, at any offset; MKL's
+        # dot, for one, sums in an order that depends on the address)
+        for offset in range(1, 17):
+            buffer = torch.zeros(m + offset)
+            buffer[offset:] = pt[0]
+            assert torch.equal(orthonormal_rows(buffer[offset:].view(1, m)), got), offset
+    # a zero P: QR's completion by unit vectors, no NaN
+    assert torch.equal(orthonormal_rows(torch.zeros(rank, m)).abs(), torch.eye(rank, m))
 
 
 def test_all_zero_gradient_gives_zeros_and_the_iteration_recovers(drawn):

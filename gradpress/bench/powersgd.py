@@ -110,7 +110,7 @@ def bench_matrix(rows: int = 2048, cols: int = 2048, rank: int = 1, repeats: int
                  seed: int = 0) -> MatrixRecord:
     """Time ``powersgd:rank=rank`` on one float32 matrix beside its matrix products (module docstring)."""
     import gradpress
-    from gradpress.compressors.powersgd import orthonormal_columns
+    from gradpress.compressors.powersgd import orthonormal_rows
     from gradpress.rng import Context
 
     previous = torch.get_num_threads()
@@ -125,7 +125,7 @@ def bench_matrix(rows: int = 2048, cols: int = 2048, rank: int = 1, repeats: int
         r = dims[2]
         # the factors as the compressor holds them, Qᵀ (r × n) and P̂ᵀ (r × m), and its products' forms
         qt = torch.randn(r, cols, generator=generator)
-        pt = orthonormal_columns(torch.randn(rows, r, generator=generator)).t().contiguous()
+        pt = orthonormal_rows(torch.randn(r, rows, generator=generator))
         ctx = Context(seed=seed, key="bench")
         packet = compressor.compress(matrix, ctx)
         ms = _interleaved_ms({

@@ -24,7 +24,8 @@ their sum: both rules give the same aggregates.)
 
 Choices beyond the paper, each stated where it is made: orthogonalization by Householder QR, which
 returns orthonormal columns (identity columns for a zero P) and never divides by a vanishing norm, so
-an all-zero gradient gives zeros, not NaN; a warm-start column that has become all zero (after an
+an all-zero gradient gives zeros, not NaN (at rank 1, the paper's normalization P / ‖P‖ wherever ‖P‖ is
+safely away from zero and from float32's largest); a warm-start column that has become all zero (after an
 all-zero gradient) is drawn afresh, or the power iteration would stay at zero; P and Q are float32
 whatever the gradient's dtype (P scales with the square of the gradient and overflows fp16); 1-D
 tensors and matrices for which (m + n)·r·``min_compression_rate`` ≥ m·n are sent uncompressed (PyTorch's
@@ -164,10 +165,15 @@ class PowerSGD(Compressor):
         if prepared.dim() != 2 or flat.numel() % m:
             raise ValueError(f"powersgd: prepared Pᵀ of shape {tuple(prepared.shape)} does not fit a tensor "
                              f"of {flat.numel()} elements")
-        bad = 0 if math.isfinite(float(prepared.sum())) else int((~torch.isfinite(prepared)).sum())
-        if bad:  # (a finite sum is the one-reduction test; a sum that overflowed alone is no error)
-            self._raise_for_summed_p(flat, ctx, prepared, bad)
-        pt = orthonormal_columns(prepared.t()).t().contiguous()  # P̂ᵀ (QR's factor is column-major: a view)
+        # one reduction tells a finite ΣP: at rank 1 its norm, which the orthogonalization divides by (in
+        # float64, where no square of a float32 over- or underflows), else its sum (whose overflow alone is
+        # no error)
+        norm = rank_one_norm(prepared)
+        if not math.isfinite(float(prepared.sum()) if norm is None else norm):
+            bad = int((~torch.isfinite(prepared)).sum())
+            if bad:
+                self._raise_for_summed_p(flat, ctx, prepared, bad)
+        pt = orthonormal_rows(prepared, norm)  # P̂ᵀ
         qt = torch.mm(pt, _float32(flat).view(m, -1))  # Qᵀ = P̂ᵀ M
         if not math.isfinite(float(qt.sum())) and not bool(torch.isfinite(qt).all()):  # M is finite (its P was)
             raise OverflowError(f"{self.spec}: Q = Mᵀ P̂ overflows float32: the gradient's values (up to "
@@ -239,15 +245,51 @@ class PowerSGD(Compressor):
         self._warm = {key: q.clone() for key, q in warm.items()}
 
 
-def orthonormal_columns(p: torch.Tensor) -> torch.Tensor:
-    """ORTHOGONALIZE of Algorithm 1: an orthonormal basis of P's columns (Householder QR's Q factor).
+#: where a rank-1 P's float32 norm is trusted: within [2^-45, 2^50] no square overflowed and the squares
+#: that underflowed (|p| < 2^-75) weigh less than m·2^-60 of the sum; there P / ‖P‖ is formed in float32;
+#: outside it (or for NaN/Inf) the norm is summed in float64 instead
+NORM_RANGE = (2.0**-45, 2.0**50)
+#: the largest |P| Householder QR is handed as it is; outside it P is first scaled by a power of two
+#: (exactly), since MKL's float32 QR returns NaN for a column whose norm exceeds float32's largest
+QR_RANGE = (2.0**-60, 2.0**60)
 
-    Unlike Gram-Schmidt with a norm in the denominator (the paper's code; PyTorch's hook, whose
-    default epsilon 0 turns an all-zero column into NaN), Householder QR always returns orthonormal
-    columns: for a rank-deficient or zero P the missing directions are completed by unit vectors,
-    so P̂ P̂ᵀ stays an orthogonal projection and nothing is divided by zero.
+
+def rank_one_norm(pt: torch.Tensor) -> float | None:
+    """‖P‖ of a rank-1 factor Pᵀ (1 × m): torch's float32 norm where it lies in :data:`NORM_RANGE`, else
+    summed in float64 (where no square of a float32 value over- or underflows: the norm is finite exactly
+    when P is); None at higher ranks. torch's reductions, whose order of additions does not depend on
+    the tensor's address (BLAS's dot's does, with MKL), so that every path to the same ΣP gives the same
+    P̂."""
+    if pt.shape[0] != 1:
+        return None
+    norm = float(torch.linalg.vector_norm(pt))
+    if NORM_RANGE[0] <= norm <= NORM_RANGE[1]:
+        return norm
+    return float(torch.linalg.vector_norm(pt, dtype=torch.float64))
+
+
+def orthonormal_rows(pt: torch.Tensor, norm: float | None = None) -> torch.Tensor:
+    """ORTHOGONALIZE of Algorithm 1 on the transposed factor: P̂ᵀ (r × m, contiguous), whose rows are an
+    orthonormal basis of Pᵀ's rows (the columns of P), for a finite P.
+
+    At rank 1 and P ≠ 0, P̂ = P / ‖P‖ (Gram-Schmidt of one column, as the paper's code and GRACE's),
+    ``norm`` being :func:`rank_one_norm` if the caller has it (in float64 outside :data:`NORM_RANGE`). At every higher rank, and for a zero P,
+    Householder QR's Q factor: unlike Gram-Schmidt with a norm in the denominator (PyTorch's hook, whose
+    default epsilon 0 turns an all-zero column into NaN), it always returns orthonormal columns: for a
+    rank-deficient or zero P the missing directions are completed by unit vectors, so P̂ P̂ᵀ stays an
+    orthogonal projection and nothing is divided by zero. (The two may give P̂ opposite signs; P̂ P̂ᵀ,
+    and M̂ = P̂ P̂ᵀ M, are the same.)
     """
-    return torch.linalg.qr(p).Q
+    if pt.shape[0] == 1:
+        norm = rank_one_norm(pt) if norm is None else norm
+        if NORM_RANGE[0] <= norm <= NORM_RANGE[1]:
+            return pt / norm
+        if norm > 0:
+            return (pt.double() / norm).float()
+    top = float(pt.abs().max()) if pt.numel() else 0.0
+    if top > 0 and not QR_RANGE[0] <= top <= QR_RANGE[1]:
+        pt = (pt.double() * 2.0 ** -math.frexp(top)[1]).float()  # a power of two: exact
+    return torch.linalg.qr(pt.t()).Q.t().contiguous()  # (QR's factor is column-major: its transpose a view)
 
 
 def _product(pt: torch.Tensor, qt: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
