@@ -224,7 +224,7 @@ def test_orthogonalization_keeps_p_directions_at_any_scale(rank, scale):
     of P scaled by a power of two where |P| lies outside QR_RANGE (MKL's QR returns NaN for a column
     whose norm exceeds float32's largest, as P's does at 5e37). Checked against float64: ‖P̂ᵀP̂ − I‖
     and the projection P̂ P̂ᵀ to float32's rounding of m terms, whatever P̂'s signs."""
-    from gradpress.compressors.powersgd import NORM_RANGE, rank_one_norm
+    from gradpress.compressors.powersgd import NORM_RANGE, magnitude
 
     m = 500
     pt = (randn(rank, m, seed=8).double() * scale).float()
@@ -237,7 +237,7 @@ def test_orthogonalization_keeps_p_directions_at_any_scale(rank, scale):
                                rtol=0, atol=tolerance)
     torch.testing.assert_close(got.double().t() @ got.double(), basis @ basis.t(), rtol=0, atol=tolerance)
     if rank == 1:
-        norm = rank_one_norm(pt)
+        norm = magnitude(pt)
         assert norm == pytest.approx(float(pt.double().norm()), rel=gamma(m + 2))
         inside = NORM_RANGE[0] <= norm <= NORM_RANGE[1]
         assert inside == (scale == 1.0)

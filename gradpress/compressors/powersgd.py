@@ -165,15 +165,10 @@ class PowerSGD(Compressor):
         if prepared.dim() != 2 or flat.numel() % m:
             raise ValueError(f"powersgd: prepared Pᵀ of shape {tuple(prepared.shape)} does not fit a tensor "
                              f"of {flat.numel()} elements")
-        # one reduction tells a finite ΣP: at rank 1 its norm, which the orthogonalization divides by (in
-        # float64, where no square of a float32 over- or underflows), else its sum (whose overflow alone is
-        # no error)
-        norm = rank_one_norm(prepared)
-        if not math.isfinite(float(prepared.sum()) if norm is None else norm):
-            bad = int((~torch.isfinite(prepared)).sum())
-            if bad:
-                self._raise_for_summed_p(flat, ctx, prepared, bad)
-        pt = orthonormal_rows(prepared, norm)  # P̂ᵀ
+        size = magnitude(prepared)  # the one reduction that tells a finite ΣP, which ORTHOGONALIZE needs too
+        if not math.isfinite(size):
+            self._raise_for_summed_p(flat, ctx, prepared, int((~torch.isfinite(prepared)).sum()))
+        pt = orthonormal_rows(prepared, size)  # P̂ᵀ
         qt = torch.mm(pt, _float32(flat).view(m, -1))  # Qᵀ = P̂ᵀ M
         if not math.isfinite(float(qt.sum())) and not bool(torch.isfinite(qt).all()):  # M is finite (its P was)
             raise OverflowError(f"{self.spec}: Q = Mᵀ P̂ overflows float32: the gradient's values (up to "
@@ -254,41 +249,40 @@ NORM_RANGE = (2.0**-45, 2.0**50)
 QR_RANGE = (2.0**-60, 2.0**60)
 
 
-def rank_one_norm(pt: torch.Tensor) -> float | None:
-    """‖P‖ of a rank-1 factor Pᵀ (1 × m): torch's float32 norm where it lies in :data:`NORM_RANGE`, else
-    summed in float64 (where no square of a float32 value over- or underflows: the norm is finite exactly
-    when P is); None at higher ranks. torch's reductions, whose order of additions does not depend on
-    the tensor's address (BLAS's dot's does, with MKL), so that every path to the same ΣP gives the same
-    P̂."""
+def magnitude(pt: torch.Tensor) -> float:
+    """What :func:`orthonormal_rows` scales P by, finite exactly when P is: at rank 1 ‖P‖ (torch's float32
+    norm where it lies in :data:`NORM_RANGE`, else summed in float64, where no square of a float32 value
+    over- or underflows), at higher ranks max |P|. torch's reductions, whose order of additions does not
+    depend on the tensor's address (BLAS's dot's does, with MKL), so that every path to the same ΣP gives
+    the same P̂."""
+    if pt.numel() == 0:
+        return 0.0
     if pt.shape[0] != 1:
-        return None
+        return float(pt.abs().max())
     norm = float(torch.linalg.vector_norm(pt))
     if NORM_RANGE[0] <= norm <= NORM_RANGE[1]:
         return norm
     return float(torch.linalg.vector_norm(pt, dtype=torch.float64))
 
 
-def orthonormal_rows(pt: torch.Tensor, norm: float | None = None) -> torch.Tensor:
+def orthonormal_rows(pt: torch.Tensor, size: float | None = None) -> torch.Tensor:
     """ORTHOGONALIZE of Algorithm 1 on the transposed factor: P̂ᵀ (r × m, contiguous), whose rows are an
-    orthonormal basis of Pᵀ's rows (the columns of P), for a finite P.
+    orthonormal basis of Pᵀ's rows (the columns of P), for a finite P; ``size``: :func:`magnitude` of
+    ``pt``, if the caller has it.
 
-    At rank 1 and P ≠ 0, P̂ = P / ‖P‖ (Gram-Schmidt of one column, as the paper's code and GRACE's),
-    ``norm`` being :func:`rank_one_norm` if the caller has it (in float64 outside :data:`NORM_RANGE`). At every higher rank, and for a zero P,
+    At rank 1 and P ≠ 0, P̂ = P / ‖P‖ (Gram-Schmidt of one column, as the paper's code and GRACE's), in
+    float64 where ‖P‖ lies outside :data:`NORM_RANGE`. At every higher rank, and for a zero P,
     Householder QR's Q factor: unlike Gram-Schmidt with a norm in the denominator (PyTorch's hook, whose
     default epsilon 0 turns an all-zero column into NaN), it always returns orthonormal columns: for a
     rank-deficient or zero P the missing directions are completed by unit vectors, so P̂ P̂ᵀ stays an
     orthogonal projection and nothing is divided by zero. (The two may give P̂ opposite signs; P̂ P̂ᵀ,
     and M̂ = P̂ P̂ᵀ M, are the same.)
     """
-    if pt.shape[0] == 1:
-        norm = rank_one_norm(pt) if norm is None else norm
-        if NORM_RANGE[0] <= norm <= NORM_RANGE[1]:
-            return pt / norm
-        if norm > 0:
-            return (pt.double() / norm).float()
-    top = float(pt.abs().max()) if pt.numel() else 0.0
-    if top > 0 and not QR_RANGE[0] <= top <= QR_RANGE[1]:
-        pt = (pt.double() * 2.0 ** -math.frexp(top)[1]).float()  # a power of two: exact
+    size = magnitude(pt) if size is None else size
+    if pt.shape[0] == 1 and size > 0:
+        return pt / size if NORM_RANGE[0] <= size <= NORM_RANGE[1] else (pt.double() / size).float()
+    if size > 0 and not QR_RANGE[0] <= size <= QR_RANGE[1]:
+        pt = (pt.double() * 2.0 ** -math.frexp(size)[1]).float()  # a power of two: exact
     return torch.linalg.qr(pt.t()).Q.t().contiguous()  # (QR's factor is column-major: its transpose a view)
 
 
