@@ -437,6 +437,13 @@ def add_squares64(typingctx, acc, v):  # pragma: no cover - compiled
     return vf64(acc, v), codegen
 
 
+def _sum_in_lane_order(builder, vector):  # noqa: ANN001, ANN202
+    total = builder.extract_element(vector, ir.Constant(_i32, 0))
+    for lane in range(1, LANES):
+        total = builder.fadd(total, builder.extract_element(vector, ir.Constant(_i32, lane)))
+    return total
+
+
 @intrinsic
 def hsum64(typingctx, acc):  # pragma: no cover - compiled
     """The sum of the 16 float64 lanes, in lane order (one fixed rounding order)."""
@@ -444,12 +451,21 @@ def hsum64(typingctx, acc):  # pragma: no cover - compiled
         return None
 
     def codegen(context, builder, sig, args):
-        total = builder.extract_element(args[0], ir.Constant(_i32, 0))
-        for lane in range(1, LANES):
-            total = builder.fadd(total, builder.extract_element(args[0], ir.Constant(_i32, lane)))
-        return total
+        return _sum_in_lane_order(builder, args[0])
 
     return types.float64(acc), codegen
+
+
+@intrinsic
+def hsum(typingctx, v):  # pragma: no cover - compiled
+    """The sum of the 16 float32 lanes, in lane order (one fixed rounding order), as a float32."""
+    if v != vf32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _sum_in_lane_order(builder, args[0])
+
+    return types.float32(v), codegen
 
 
 # -- the Walsh–Hadamard butterflies ----------------------------------------------------------------------

@@ -252,6 +252,59 @@ def test_orthogonalization_keeps_p_directions_at_any_scale(rank, scale):
     assert torch.equal(orthonormal_rows(torch.zeros(rank, m)).abs(), torch.eye(rank, m))
 
 
+# -- the products on the CPU: one pass over M (numba), bits set by the shapes alone --------------------
+STREAMED_SHAPES = [(1024, 1024, 1), (257, 131, 2), (130, 300, 3), (64, 512, 4), (9, 4099, 1)]
+
+
+def _reference_products(qt: torch.Tensor, pt: torch.Tensor, matrix: torch.Tensor):
+    """The kernels' documented orders in float32 torch operations (one rounding each, no fused
+    multiply-add): Pᵀ[k, i] as 16 partial sums (lane l: j ≡ l mod 16, in order) added lane by lane in
+    order; Qᵀ[k] as the rows of M scaled and added in order."""
+    (r, n), m = qt.shape, matrix.shape[0]
+    padded = -(-n // 16) * 16
+    products = torch.zeros(r, m, padded)
+    products[:, :, :n] = qt[:, None, :] * matrix[None, :, :]  # float32 products, exact as the kernel's
+    lanes = torch.zeros(r, m, 16)
+    for chunk in products.view(r, m, padded // 16, 16).unbind(2):
+        lanes = lanes + chunk
+    p = lanes[..., 0].clone()
+    for lane in range(1, 16):
+        p = p + lanes[..., lane]
+    q = torch.zeros(r, n)
+    for i in range(m):
+        q = q + pt[:, i:i + 1] * matrix[i]
+    return p, q
+
+
+@pytest.mark.parametrize("m, n, r", STREAMED_SHAPES)
+def test_streamed_products_have_their_documented_bits_at_any_address(m, n, r):
+    """Pᵀ = Qᵀ Mᵀ and Qᵀ = P̂ᵀ M through the numba kernels (rows four at a time and one by one, n not a
+    multiple of 16, ranks 1 to STREAMED_RANK) give the bits of their documented summation orders, whatever
+    the address of M (MKL's may not), and lie within the dot product's bound γ_n·|Qᵀ|·|Mᵀ| of the exact
+    products, as torch.mm does (numba disabled)."""
+    from gradpress._numba import numba_disabled
+    from gradpress.compressors.powersgd import STREAMED_NUMEL, STREAMED_RANK, p_product, q_product
+
+    assert r <= STREAMED_RANK and m * n >= STREAMED_NUMEL  # the kernels' path
+    matrix, qt, pt = randn(m, n, seed=m), randn(r, n, seed=n), randn(r, m, seed=r)
+    expected_p, expected_q = _reference_products(qt, pt, matrix)
+    for offset in (0, 1, 5, 16):
+        storage = torch.zeros(m * n + offset)
+        storage[offset:] = matrix.reshape(-1)
+        shifted = storage[offset:].view(m, n)
+        assert torch.equal(p_product(qt, shifted), expected_p), offset
+        assert torch.equal(q_product(pt, shifted), expected_q), offset
+    exact_p = qt.double() @ matrix.double().t()
+    bound_p = gamma(n) * (qt.double().abs() @ matrix.double().abs().t())
+    exact_q, bound_q = pt.double() @ matrix.double(), gamma(m) * (pt.double().abs() @ matrix.double().abs())
+    with numba_disabled():
+        blas_p, blas_q = p_product(qt, matrix), q_product(pt, matrix)
+    for got in (expected_p, blas_p):
+        assert bool(((got.double() - exact_p).abs() <= bound_p).all())
+    for got in (expected_q, blas_q):
+        assert bool(((got.double() - exact_q).abs() <= bound_q).all())
+
+
 def test_all_zero_gradient_gives_zeros_and_the_iteration_recovers(drawn):
     """A zero gradient decodes to zeros (not NaN) and leaves a zero mean Q; the next step redraws it,
     so a rank-1 gradient whose first row is zero (where QR's completion e₁ would find nothing) is still

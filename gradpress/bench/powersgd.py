@@ -24,7 +24,8 @@ the sum), so their figures differ by the random initial Q and by rounding.
 **One matrix.** On one thread, compress + decompress of a ``--matrix`` (default 2048×2048 = 2^22)
 float32 matrix by ``powersgd:rank=r`` as a world of one, beside the two matrix products of its
 compression, P = M Q and Q = Mᵀ P̂, and the product of its decompression, P̂ Qᵀ, timed in the same run
-in the form the compressor computes them (Pᵀ = Qᵀ Mᵀ, Qᵀ = P̂ᵀ M: the fastest with MKL). Compression makes
+in the form the compressor computes them (Pᵀ = Qᵀ Mᵀ, Qᵀ = P̂ᵀ M: on the CPU up to rank 4 its numba kernels,
+one pass over M each, else BLAS's products). Compression makes
 no NaN/Inf pass over M of its own: it looks for them in the r × m values of P (``checks_finite``). The
 decompression writes the dense m × n matrix, a cost of the order of a copy's, so ``ratio`` cannot be
 less than 1 + (P̂ Qᵀ)/products; ``ratio_all`` sets compress + decompress beside all three products.
@@ -110,7 +111,7 @@ def bench_matrix(rows: int = 2048, cols: int = 2048, rank: int = 1, repeats: int
                  seed: int = 0) -> MatrixRecord:
     """Time ``powersgd:rank=rank`` on one float32 matrix beside its matrix products (module docstring)."""
     import gradpress
-    from gradpress.compressors.powersgd import orthonormal_rows
+    from gradpress.compressors.powersgd import _product, orthonormal_rows, p_product, q_product
     from gradpress.rng import Context
 
     previous = torch.get_num_threads()
@@ -129,8 +130,8 @@ def bench_matrix(rows: int = 2048, cols: int = 2048, rank: int = 1, repeats: int
         ctx = Context(seed=seed, key="bench")
         packet = compressor.compress(matrix, ctx)
         ms = _interleaved_ms({
-            "products": lambda: (torch.mm(qt, matrix.t()), torch.mm(pt, matrix)),
-            "outer": lambda: torch.mm(pt.t(), qt),
+            "products": lambda: (p_product(qt, matrix), q_product(pt, matrix)),
+            "outer": lambda: _product(pt, qt),
             "compress": lambda: compressor.compress(matrix, ctx),
             "decompress": lambda: compressor.decompress(packet),
             "copy": matrix.clone,
