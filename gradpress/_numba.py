@@ -527,7 +527,7 @@ def squares(x, addends=None, streamed=False):  # pragma: no cover - compiled
             else:
                 V.store(xp, k, v)
             acc = V.add_squares64(acc, v)
-    total = V.hsum64(acc)
+    total = V.hsum(acc)
     for k in range(whole, n):
         if addends is not None:
             x[k] = addends[0][k] * addends[2] + addends[1][k] * addends[3]

@@ -34,7 +34,7 @@ LANES = 16
 
 class Vec(types.Type):
     """A numba type for 16 lanes held in one LLVM vector value: ``kind`` is "f32", "i32" or "f64" (the
-    last only as an accumulator: :func:`zeros64`, :func:`add_squares64`, :func:`hsum64`)."""
+    last only as an accumulator: :func:`zeros64`, :func:`add_squares64`, :func:`hsum`)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -437,35 +437,20 @@ def add_squares64(typingctx, acc, v):  # pragma: no cover - compiled
     return vf64(acc, v), codegen
 
 
-def _sum_in_lane_order(builder, vector):  # noqa: ANN001, ANN202
-    total = builder.extract_element(vector, ir.Constant(_i32, 0))
-    for lane in range(1, LANES):
-        total = builder.fadd(total, builder.extract_element(vector, ir.Constant(_i32, lane)))
-    return total
-
-
-@intrinsic
-def hsum64(typingctx, acc):  # pragma: no cover - compiled
-    """The sum of the 16 float64 lanes, in lane order (one fixed rounding order)."""
-    if acc != vf64:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _sum_in_lane_order(builder, args[0])
-
-    return types.float64(acc), codegen
-
-
 @intrinsic
 def hsum(typingctx, v):  # pragma: no cover - compiled
-    """The sum of the 16 float32 lanes, in lane order (one fixed rounding order), as a float32."""
-    if v != vf32:
+    """The sum of the 16 lanes of a float32 or float64 vector, in lane order (one fixed rounding order), in
+    the lanes' precision."""
+    if v not in (vf32, vf64):
         return None
 
     def codegen(context, builder, sig, args):
-        return _sum_in_lane_order(builder, args[0])
+        total = builder.extract_element(args[0], ir.Constant(_i32, 0))
+        for lane in range(1, LANES):
+            total = builder.fadd(total, builder.extract_element(args[0], ir.Constant(_i32, lane)))
+        return total
 
-    return types.float32(v), codegen
+    return (types.float32 if v == vf32 else types.float64)(v), codegen
 
 
 # -- the Walsh–Hadamard butterflies ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ import gradpress
 from dist_utils import run_workers
 from gradpress.compressors.powersgd import PowerSGD, orthonormal_rows
 from gradpress.rng import Context
-from numerics import gamma, unit_roundoff
+from numerics import gamma, powersgd_step_error, unit_roundoff
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
@@ -59,33 +59,12 @@ def starting_q(sim: gradpress.Simulator, key: str = "") -> torch.Tensor | None:
 
 
 # -- float32 error bounds -----------------------------------------------------------------------------
-def step_error_bound(deltas: list[torch.Tensor], qt: torch.Tensor) -> float:
-    """A first-order bound, in Frobenius norm, on how far one float32 PowerSGD step from Qᵀ = ``qt`` on the
-    workers' Δ_w lands from the same step in exact arithmetic, for each of the aggregate P̂ P̂ᵀ mean(Δ_w),
-    the memories Δ_w − P̂ P̂ᵀ Δ_w and the mean Q. Higham's bounds (tests/numerics.py), u = eps/2:
-
-    * P = Σ_w Δ_w Q, n products and W workers per value (and Δ_w = g_w + e_w's own rounding):
-      ‖δP‖_F ≤ γ_{n+W+1}·‖Σ_w |Δ_w||Q|‖_F; Householder QR adds a backward error γ_{2mr}·‖P‖₂ (Higham
-      Thm 19.4). Together they turn span(P̂) by sin θ ≤ (‖δP‖ + γ_{2mr}‖P‖₂) / σ_r(P) (Wedin): the
-      conditioning of the step, large when Q is nearly orthogonal to the row space (cancellation in Δ Q).
-    * the products after it: Q_w = Δ_wᵀ P̂ (m products), their mean (W), P̂ Qᵀ (r) and the final rounding,
-      γ_{m+W+r+1}·√r relative to the Δ_w (the columns of P̂ are orthonormal: ‖|P̂|‖₂ ≤ √r).
-    """
-    ds = [d.double().reshape(d.shape[0], -1) for d in deltas]
-    w, (m, n), q = len(ds), ds[0].shape, qt.double().t()
-    r = q.shape[1]
-    p = sum(d @ q for d in ds)
-    singular = torch.linalg.svdvals(p)
-    rounded = gamma(n + w + 1) * float(sum(d.abs() @ q.abs() for d in ds).norm())
-    sin_theta = (rounded + gamma(2 * m * r) * float(singular[0])) / float(singular[r - 1])
-    return (sin_theta + gamma(m + w + r + 1) * r**0.5) * max(float(d.norm()) for d in ds)
-
-
 def recovery_bound(workers: list[torch.Tensor], qt: torch.Tensor) -> float:
     """A first-order bound on ‖M̂ − M‖_F / ‖M‖_F for one float32 step on workers whose mean M has rank r:
     exact in exact arithmetic (M = P̂ P̂ᵀ M once span(P) = span(M Q) is M's column space). The float32
     inputs have rank r only up to their own rounding: the tail T beyond σ_r (measured in float64) is lost by
-    any rank-r projection and turns span(M Q) by ‖T‖₂‖Q‖₂ / σ_r(M Q); the rest is :func:`step_error_bound`."""
+    any rank-r projection and turns span(M Q) by ‖T‖₂‖Q‖₂ / σ_r(M Q); the rest is
+    :func:`numerics.powersgd_step_error`."""
     mean = sum(x.double() for x in workers) / len(workers)
     q = qt.double().t()
     r = q.shape[1]
@@ -93,7 +72,7 @@ def recovery_bound(workers: list[torch.Tensor], qt: torch.Tensor) -> float:
     tail = float(singular[r:].square().sum().sqrt())
     turned = tail * float(torch.linalg.matrix_norm(q, 2)) / float(torch.linalg.svdvals(mean @ q)[r - 1])
     exact_step_error = tail + turned * float(singular[0])
-    return (step_error_bound(workers, qt) + exact_step_error) / float(mean.norm())
+    return (powersgd_step_error(workers, qt) + exact_step_error) / float(mean.norm())
 
 
 # -- the power iteration ------------------------------------------------------------------------------
@@ -158,7 +137,7 @@ def test_error_feedback_solves_least_squares():
 def test_simulate_is_the_powersgd_step_by_hand():
     """Three workers, two steps with error feedback, each against Algorithm 1 and 2 in float64 from the
     simulator's own state (its warm start and memories, so that each comparison carries one step's
-    float32 rounding: :func:`step_error_bound`):
+    float32 rounding: :func:`powersgd_step_error`):
     Δ_w = M_w + e_w, P = Σ Δ_w Q, P̂ = orth(P), Q' = mean(Δ_wᵀ) P̂, M̂ = P̂ Q'ᵀ, e_w = Δ_w − P̂ P̂ᵀ Δ_w."""
     workers, (m, n), r = 3, (24, 18), 2
     sim = gradpress.Simulator(f"powersgd:rank={r}", workers, seed=5)
@@ -173,7 +152,7 @@ def test_simulate_is_the_powersgd_step_by_hand():
         q = sum(d.t() @ p_hat for d in deltas) / workers
         expected = p_hat @ q.t()
         memory = [d - p_hat @ (p_hat.t() @ d) for d in deltas]
-        atol = step_error_bound(deltas, qt)
+        atol = powersgd_step_error(deltas, qt)
         got = sim.step([{"w": g} for g in grads])["w"]
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=atol)
         for rank, pipeline in enumerate(sim.pipelines):

@@ -299,23 +299,25 @@ STREAMED_RANK, STREAMED_NUMEL = 4, 1 << 15
 def p_product(qt: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """Pᵀ = Qᵀ Mᵀ (r × m) for Qᵀ (r × n) and float32 M (m × n): on the CPU, up to :data:`STREAMED_RANK`,
     one pass over M (:func:`_row_dots`), else ``torch.mm``."""
-    (r, n), m = qt.shape, matrix.shape[0]
     if _streams(matrix, qt):
-        out = torch.empty(r, m, dtype=torch.float32)
-        _row_dots(matrix.numpy().reshape(-1), qt.numpy().reshape(-1), out.numpy().reshape(-1), m, n, r)
-        return out
+        return _streamed(_row_dots, qt, matrix, matrix.shape[0])
     return torch.mm(qt, matrix.t())
 
 
 def q_product(pt: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """Qᵀ = P̂ᵀ M (r × n) for P̂ᵀ (r × m) and float32 M (m × n): on the CPU, up to :data:`STREAMED_RANK`,
     one pass over M (:func:`_row_sums`), else ``torch.mm``."""
-    (r, m), n = pt.shape, matrix.shape[1]
     if _streams(matrix, pt):
-        out = torch.empty(r, n, dtype=torch.float32)
-        _row_sums(matrix.numpy().reshape(-1), pt.numpy().reshape(-1), out.numpy().reshape(-1), m, n, r)
-        return out
+        return _streamed(_row_sums, pt, matrix, matrix.shape[1])
     return torch.mm(pt, matrix)
+
+
+def _streamed(kernel: Any, factor: torch.Tensor, matrix: torch.Tensor, columns: int) -> torch.Tensor:
+    """The r × ``columns`` product of the thin factor (r rows) and M that ``kernel`` computes."""
+    out = torch.empty(factor.shape[0], columns, dtype=torch.float32)
+    (m, n), r = matrix.shape, factor.shape[0]
+    kernel(matrix.numpy().reshape(-1), factor.numpy().reshape(-1), out.numpy().reshape(-1), m, n, r)
+    return out
 
 
 def _streams(matrix: torch.Tensor, factor: torch.Tensor) -> bool:
