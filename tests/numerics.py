@@ -75,12 +75,14 @@ def rht_residual_error(d: int, x: torch.Tensor, decoded: torch.Tensor) -> float:
 def powersgd_step_error(deltas: list[torch.Tensor], qt: torch.Tensor) -> float:
     """A first-order bound, in Frobenius norm, on how far one float32 PowerSGD step from Qᵀ = ``qt`` on the
     workers' Δ_w lands from the same step in exact arithmetic, for each of the aggregate P̂ P̂ᵀ mean(Δ_w),
-    the memories Δ_w − P̂ P̂ᵀ Δ_w and the mean Q, whatever order each sum is taken in. Higham's bounds, u = eps/2:
+    the memories Δ_w − P̂ P̂ᵀ Δ_w and the mean Q, whatever order each sum is taken in. Higham's bounds,
+    u = eps/2:
 
     * P = Σ_w Δ_w Q, n products and W workers per value (and Δ_w = g_w + e_w's own rounding):
       ‖δP‖_F ≤ γ_{n+W+1}·‖Σ_w |Δ_w||Q|‖_F; Householder QR adds a backward error γ_{2mr}·‖P‖₂ (Higham
-      Thm 19.4; at rank 1 P / ‖P‖ adds less, γ_{m+2}·‖P‖₂). Together they turn span(P̂) by sin θ ≤ (‖δP‖ + γ_{2mr}‖P‖₂) / σ_r(P) (Wedin): the
-      conditioning of the step, large when Q is nearly orthogonal to the row space (cancellation in Δ Q).
+      Thm 19.4; at rank 1 P / ‖P‖ adds less, γ_{m+2}·‖P‖₂). Together they turn span(P̂) by
+      sin θ ≤ (‖δP‖ + γ_{2mr}‖P‖₂) / σ_r(P) (Wedin): the conditioning of the step, large when Q is nearly
+      orthogonal to the row space (cancellation in Δ Q).
     * the products after it: Q_w = Δ_wᵀ P̂ (m products), their mean (W), P̂ Qᵀ (r) and the final rounding,
       γ_{m+W+r+1}·√r relative to the Δ_w (the columns of P̂ are orthonormal: ‖|P̂|‖₂ ≤ √r).
     """
