@@ -23,4 +23,4 @@ __all__ = [
     "thc_table",
     "Communicator", "Preliminary", "Simulator", "ddp_comm_hook", "register_compressor", "simulate",
 ]
-__version__ = "0.1.0"
+from gradpress._version import __version__  # noqa: E402
