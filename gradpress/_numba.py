@@ -422,11 +422,13 @@ def _compress16(predicate: str, doc: str):  # noqa: ANN202
                 else builder.fcmp_ordered(predicate, magnitude, t)
             base = builder.trunc(args[1], i32) if args[1].type.width > 32 else args[1]
             positions = builder.add(splat(base, ints), ir.Constant(ints, list(range(16))))
-            compress = "llvm.experimental.vector.compress.v16"
-            compress_f = function(compress + "f32", floats, [floats, mask_type, floats])
-            compress_i = function(compress + "i32", ints, [ints, mask_type, ints])
-            builder.store(builder.call(compress_f, [x_v, mask, ir.Constant(floats, None)]),
-                          _vector_pointer(context, builder, kinds[3], args[3], args[5], floats), align=4)
+            # the values compressed as their bits: LLVM's expansion of a float vector.compress for CPUs
+            # without AVX-512 fails an assertion (SelectionDAG::getConstant, "Cannot create FP integer
+            # constant") and aborts the process; the integer form compiles everywhere, to the same
+            # vpcompressd where AVX-512 has it
+            compress_i = function("llvm.experimental.vector.compress.v16i32", ints, [ints, mask_type, ints])
+            builder.store(builder.call(compress_i, [builder.bitcast(x_v, ints), mask, ir.Constant(ints, None)]),
+                          _vector_pointer(context, builder, kinds[3], args[3], args[5], ints), align=4)
             builder.store(builder.call(compress_i, [positions, mask, ir.Constant(ints, None)]),
                           _vector_pointer(context, builder, kinds[4], args[4], args[5], ints), align=4)
             ctpop = function("llvm.ctpop.i16", ir.IntType(16), [ir.IntType(16)])
