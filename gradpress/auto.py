@@ -326,9 +326,16 @@ class AutoPipeline:
 
     def _fresh(self, spec: str) -> Pipeline:
         pipeline = Pipeline(make(spec), self.options, self.rank, self.world_size)
-        pipeline.agreement_parts = {"auto": self.auto.text()}
         pipeline.stats, pipeline.steps, pipeline.shapes = self.stats, self.steps, self.shapes
         return pipeline
+
+    def _agreed_on(self, spec: str) -> dict[str, str]:
+        """What the ranks agree on beyond a chosen pipeline's own components: that the method is
+        ``auto``'s choice, ``auto``'s options and its schedule (a rank that decides alone waits forever)."""
+        decided = "not decided yet" if self.decided_at is None else f"decided at step {self.decided_at}"
+        next_check = "never" if math.isinf(self.next_decision) else f"step {int(self.next_decision)}"
+        return {"the compressor": f"'auto' (now {spec!r})", "auto": self.auto.text(),
+                "auto's schedule": f"{decided}, next decision at {next_check}"}
 
     def _split(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, list[int]]]:
         """The items' positions by chosen method, methods in order of first appearance."""
@@ -353,7 +360,7 @@ class AutoPipeline:
             self.next_decision = step + self.auto.measure_steps  # (after a resume: nothing measured yet)
         protocols = []
         for spec, positions in self._split(items):
-            group = self.pipeline(spec).agreement([items[i] for i in positions])
+            group = self.pipeline(spec).agreement([items[i] for i in positions], self._agreed_on(spec))
             if group is not None:
                 protocols.append(group.protocol)
         return Group([], _chain(protocols), step) if protocols else None
@@ -468,7 +475,7 @@ class AutoPipeline:
         if self._records:  # this step's buckets are timed from now, not from before the decision
             self._records[-1].first = time.perf_counter()
         for spec, positions in self._split(items):
-            group = self.pipeline(spec).agreement([items[i] for i in positions])
+            group = self.pipeline(spec).agreement([items[i] for i in positions], self._agreed_on(spec))
             if group is not None:
                 yield from group.protocol
 

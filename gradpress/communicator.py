@@ -105,7 +105,8 @@ class Communicator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's, or a gathered one); ``ValueError`` if it is another
-        rank's, method's or shape's."""
+        rank's, method's or shape's. The next exchange agrees on the loaded step counters
+        (:mod:`gradpress.agreement`): ranks resumed from different steps raise there."""
         self._pipeline.load_state_dict(state)
 
     def stats(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ Accelerate's ``comm_hook`` takes only its built-in hooks; see :mod:`gradpress.li
 """
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 import weakref
@@ -40,9 +41,12 @@ from gradpress.auto import AUTO, AutoOptions, AutoPipeline, is_auto
 from gradpress.compressor import Compressor
 from gradpress.driver import Driver
 from gradpress.runtime import Options, Pipeline, Stats, build
-from gradpress.state import gathered, own_state
+from gradpress.state import gathered, own_state, shapes_of
 from gradpress.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
 from gradpress.distributed import process_group as resolve_group
+
+
+_PLAIN_KEY = re.compile(r"param\d+")  # the keys of a hook that does not know the module's names
 
 
 class GradpressState:
@@ -164,15 +168,40 @@ class GradpressState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's, or a gathered one; before training resumes: it
         applies at the first bucket if the hook has not run yet). Checked at once: a state of another
-        rank, method or shape raises ``ValueError``. Load tensors onto the gradients' device
+        rank, method or shape raises ``ValueError``, and so does one keyed another way than this hook keys
+        the parameters (by name with ``model=`` or :func:`register`, else ``"param<i>"``). The next
+        exchange agrees on the loaded step counters (:mod:`gradpress.agreement`): ranks resumed from
+        different steps raise there. Load tensors onto the gradients' device
         (``torch.load(map_location=…)``)."""
+        pipeline = self._pipeline if self._pipeline is not None else self._local_pipeline()
+        mine = own_state(state, pipeline.rank, pipeline.world_size)
+        self._check_keys(mine)
+        pipeline.load_state_dict(mine)  # checked before anything is loaded
         if self._pipeline is not None:
-            self._pipeline.load_state_dict(state)
             self._plans.clear()  # the next step goes the general way, which checks the loaded shapes
         else:
-            rank, size = rank_and_size(self._group)
-            self._local_pipeline().load_state_dict(state)  # validate now
-            self._loaded = own_state(state, rank, size)  # this rank's part: state_dict() returns it
+            self._loaded = mine  # this rank's part, loaded at the first bucket (state_dict() returns it)
+
+    def _check_keys(self, state: dict[str, Any]) -> None:
+        """A state keyed as this hook keys the parameters (by name where it knows the module, else
+        ``"param<i>"``): one keyed the other way would never apply, so it is refused, saying how to fix."""
+        steps = state["steps"] if isinstance(state["steps"], dict) else {}
+        recorded = list(dict.fromkeys([*shapes_of(state), *steps]))
+        if self._names is not None:
+            names = set(self._names.values())
+            foreign = [key for key in recorded if key not in names]
+            how = ("this hook keys the parameters by name (it was given the model): a state saved by a hook "
+                   "made without model= is keyed 'param<i>'; make both hooks with model=<the module> (or "
+                   "gradpress.register(ddp_model, …))")
+        else:
+            foreign = [key for key in recorded if not _PLAIN_KEY.fullmatch(key)]
+            how = ("this hook keys the parameters 'param<i>' (it was made without model=): a state saved by "
+                   "gradpress.register(ddp_model, …) or with model= is keyed by parameter names; pass "
+                   "model=<the module> to ddp_comm_hook (or use gradpress.register(ddp_model, …))")
+        if foreign:
+            shown = ", ".join(repr(key) for key in foreign[:4]) + (f", … ({len(foreign)} in all)"
+                                                                   if len(foreign) > 4 else "")
+            raise ValueError(f"gradpress state: keys {shown} match no parameter of this hook; {how}")
 
     def _local_pipeline(self) -> Pipeline | AutoPipeline:
         """A pipeline of this rank's, before the hook has run (for its state)."""

@@ -223,12 +223,13 @@ class Pipeline:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._expected_shapes: dict[str, tuple[int, ...]] = {}  # from a loaded state, checked on first use
         self.stats = Stats()
-        self._agreed: set[tuple] = set()
-        self.agreement_parts: dict[str, str] = {}  # more components the ranks agree on (auto's settings)
+        self._agreed: set[tuple] = set()  # (emptied by load_state_dict: a loaded state is agreed on again)
 
-    def agreement(self, items: Sequence[tuple[str, torch.Tensor]]) -> Group | None:
+    def agreement(self, items: Sequence[tuple[str, torch.Tensor]],
+                  more: dict[str, str] | None = None) -> Group | None:
         """The ranks' agreement on these items (see :mod:`gradpress.agreement`) the first time this set
-        of keys, shapes and dtypes is exchanged; None after that."""
+        of keys, shapes and dtypes is exchanged, and the first time after :meth:`load_state_dict`; None
+        otherwise. ``more``: further components (name -> text) the ranks must agree on (``"auto"``'s)."""
         signature = tuple((key, t.shape, t.dtype, t.get_device()) for key, t in items)  # (-1: the CPU)
         if signature in self._agreed:
             return None
@@ -243,8 +244,10 @@ class Pipeline:
             "the keys": repr([key for key, _ in items]),
             "the shapes": repr([tuple(t.shape) for _, t in items]),
             "the dtypes and devices": repr([f"{t.dtype} on {t.device.type}" for _, t in items]),
+            # each tensor's step seeds its shared random streams and decides its warm-up
+            "the steps": _steps_text([key for key, _ in items], self.steps),
         }
-        parts.update(self.agreement_parts)
+        parts.update(more or {})
         device = items[0][1].device if items else torch.device("cpu")
         step = max((self.steps.get(key, 0) for key, _ in items), default=0)
         return Group(list(range(len(items))), agree(parts, self.world_size, device), step)
@@ -442,12 +445,21 @@ class Pipeline:
                     "world_size": self.world_size, "rank": self.rank}
         state = check(state, expected, {"compressor": self.compressor, "master": self.master})
         self.steps = dict(state["steps"])
+        self._agreed.clear()  # the next exchange agrees on the loaded steps
         self.shapes = shapes_of(state)
         self._expected_shapes = dict(self.shapes)
         self.feedback.load_state_dict(state["feedback"])
         self.compressor.load_state_dict(state["compressor"])
         if self.master is not None and "master" in state:
             self.master.load_state_dict(state["master"])
+
+
+def _steps_text(keys: Sequence[str], steps: dict[str, int]) -> str:
+    """The keys' step counters as the agreement compares them: one number where they are all equal."""
+    counts = [steps.get(key, 0) for key in keys]
+    if len(set(counts)) <= 1:
+        return str(counts[0]) if counts else "none"
+    return ", ".join(f"{key!r} {count}" for key, count in zip(keys, counts))
 
 
 def _names(keys: Sequence[str]) -> str:
