@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from gradpress.protocol import AllGather, Protocol, Round
+from gradpress.exchange.protocol import AllGather, Protocol, Round
 
 
 def fingerprint(parts: Mapping[str, str]) -> torch.Tensor:
