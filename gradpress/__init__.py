@@ -3,16 +3,16 @@
 ``gradpress.make(spec)`` builds any registered compressor; see ``gradpress.compressor_names()``.
 Training: ``gradpress.register(ddp_model, spec)`` (DDP hook), ``gradpress.Communicator(spec)`` (custom
 loops), ``gradpress.simulate(spec, worker_grads)`` (many workers in one process). A new compressor
-registers with ``@gradpress.register_compressor("name")`` (``gradpress.compressor.register``).
+registers with ``@gradpress.register_compressor("name")`` (``gradpress.core.compressor.register``).
 """
 from gradpress import compressors as _compressors  # noqa: F401  (registers every method)
-from gradpress.bits import pack_bits, unpack_bits
-from gradpress.compressor import Compose, Compressor, NonFiniteError, Preliminary, compressor_names, make
-from gradpress.compressor import register as register_compressor
-from gradpress.feedback import Feedback, feedback_names, make_feedback
-from gradpress.packet import Packet
-from gradpress.rng import Context
-from gradpress.thc_table import thc_table
+from gradpress.kernels.bits import pack_bits, unpack_bits
+from gradpress.core.compressor import Compose, Compressor, NonFiniteError, Preliminary, compressor_names, make
+from gradpress.core.compressor import register as register_compressor
+from gradpress.core.feedback import Feedback, feedback_names, make_feedback
+from gradpress.core.packet import Packet
+from gradpress.core.rng import Context
+from gradpress.compressors.thc_table import thc_table
 from gradpress.communicator import Communicator
 from gradpress.ddp import ddp_comm_hook, register
 from gradpress.simulation import Simulator, simulate

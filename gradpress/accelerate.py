@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gradpress.compressor import Compressor
+from gradpress.core.compressor import Compressor
 from gradpress.ddp import GradpressState, _is_ddp, _own_part, register as register_ddp
 
 

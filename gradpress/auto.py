@@ -11,11 +11,11 @@ a run, on this machine; ``gradpress.register(model, "auto")`` (or ``ddp_comm_hoo
    exchange and the next step's first bucket (the optimizer, the forward pass and the backward pass up to
    the first bucket), and every round of collectives: from its issue, or the end of the round before it
    (one link: rounds queue), to its arrival. The link's α (seconds per message) and β (bits/s) are fitted
-   to the fastest arrival of each size (:func:`gradpress.testbed.costmodel.fit_alpha_beta`).
+   to the fastest arrival of each size (:func:`gradpress.costmodel.fit_alpha_beta`).
 2. **Decide** (rank 0, at the first bucket of step ``settle_steps + measure_steps``). Each candidate's
    compress and decompress times, packet bytes and collectives on the last measured step's real bucket
-   gradients (:func:`gradpress.testbed.advise.measure_method`), then the step each assignment of methods
-   to buckets would take (:func:`gradpress.testbed.advise.predict`: the bucketed α–β model of ``advise``
+   gradients (:func:`gradpress.costmodel.measure_method`), then the step each assignment of methods
+   to buckets would take (:func:`gradpress.costmodel.predict`: the bucketed α–β model of ``advise``
    and ``gradpress sim cost``). :func:`choose` starts from the best single method and improves bucket by
    bucket; a change must be predicted to shorten the step by more than ``margin``. Rank 0 broadcasts
    the choice (one small collective at decision points only; a steady-state step pays none) and every
@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
-from gradpress.compressor import make
-from gradpress.protocol import AllGather, AllReduce, Broadcast, Gather, Protocol, ReduceScatter, Round
-from gradpress.runtime import Group, Options, Pipeline, Stats
-from gradpress.state import FORMAT, own_state, shapes_of
+from gradpress.core.compressor import make
+from gradpress.exchange.protocol import AllGather, AllReduce, Broadcast, Gather, Protocol, ReduceScatter, Round
+from gradpress.exchange.pipeline import Group, Options, Pipeline, Stats
+from gradpress.exchange.state import FORMAT, own_state, shapes_of
 
 if TYPE_CHECKING:
-    from gradpress.testbed.advise import ComputeProfile, MethodCost
+    from gradpress.costmodel import ComputeProfile, MethodCost
 
 #: the spec that selects this module
 AUTO = "auto"
@@ -74,7 +74,7 @@ def is_auto(spec: Any) -> bool:
 
 @dataclass(frozen=True)
 class AutoOptions:
-    """``auto``'s own options (keyword arguments beside :class:`gradpress.runtime.Options`).
+    """``auto``'s own options (keyword arguments beside :class:`gradpress.exchange.pipeline.Options`).
 
     * ``candidates``: the specs it chooses among (``none`` is always one: it measures with it).
     * ``settle_steps``: steps before measuring (DDP rebuilds its buckets after the first step).
@@ -138,7 +138,7 @@ class Decision:
 
 def _mixed(by_spec: Mapping[str, MethodCost], specs: Sequence[str], n: int) -> MethodCost:
     """One bucket's cost of each bucket's method (decoding already scaled to ``n`` workers)."""
-    from gradpress.testbed.advise import BucketCost, MethodCost
+    from gradpress.costmodel import BucketCost, MethodCost
 
     buckets = []
     for b, spec in enumerate(specs):
@@ -151,14 +151,14 @@ def _mixed(by_spec: Mapping[str, MethodCost], specs: Sequence[str], n: int) -> M
 def choose(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, bandwidth: float | str,
            latency: float = FALLBACK_LATENCY, current: Sequence[str] | None = None,
            margin: float = 0.05, passes: int = 2) -> Decision:
-    """The methods per bucket for the shortest predicted step (:func:`gradpress.testbed.advise.predict`)
+    """The methods per bucket for the shortest predicted step (:func:`gradpress.costmodel.predict`)
     among ``n`` workers on a link of ``bandwidth`` bits/s and ``latency`` s per message.
 
     Starts from the best single method, then changes one bucket's method at a time while that shortens
     the prediction (``passes`` rounds over the buckets). ``current`` (a spec per bucket; default: every
     bucket ``none``) is kept unless the best is predicted faster by more than ``margin`` of its step
     (timings on a shared machine vary: a switch must pay clearly). ``costs`` must include ``none``."""
-    from gradpress.testbed.advise import predict
+    from gradpress.costmodel import predict
 
     by_spec = {c.spec: c for c in costs}
     if UNCOMPRESSED not in by_spec:
@@ -200,7 +200,7 @@ def choose(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, band
 # Link: rounds of collectives as the cost model's phases, and the fit
 # ==================================================================================================
 def phases_of(round_: Round) -> tuple[tuple[str, float], ...]:
-    """A round's collectives as (strategy, bytes per worker) of :data:`gradpress.testbed.costmodel.STRATEGIES`."""
+    """A round's collectives as (strategy, bytes per worker) of :data:`gradpress.costmodel.STRATEGIES`."""
     out = []
     for r in round_.requests:
         size = float(r.tensor.numel() * r.tensor.element_size())
@@ -219,9 +219,9 @@ def fit_link(arrivals: Mapping[tuple, float], n: int,
              fallback: tuple[float, float] | None = None) -> tuple[float, float]:
     """(α seconds per message, bandwidth bits/s) from the fastest arrival of each kind of round
     (phases -> seconds). Both by non-negative least squares where the sizes allow
-    (:func:`~gradpress.testbed.costmodel.fit_alpha_beta`); otherwise α = :data:`FALLBACK_LATENCY` (at most
+    (:func:`~gradpress.costmodel.fit_alpha_beta`); otherwise α = :data:`FALLBACK_LATENCY` (at most
     half of the smallest round) and the bandwidth of the largest round, or ``fallback``."""
-    from gradpress.testbed.costmodel import Observation, Phase, communication_cost, fit_alpha_beta
+    from gradpress.costmodel import Observation, Phase, communication_cost, fit_alpha_beta
 
     observations = []
     for phases, seconds in arrivals.items():
@@ -285,7 +285,7 @@ class _StepRecord:
 # The pipeline front ends drive
 # ==================================================================================================
 class AutoPipeline:
-    """A pipeline per candidate (built when first chosen) behind :class:`gradpress.runtime.Pipeline`'s
+    """A pipeline per candidate (built when first chosen) behind :class:`gradpress.exchange.pipeline.Pipeline`'s
     interface (``agreement``, ``groups``, ``stats``, ``report``, ``state_dict``): every key goes to its
     chosen method's pipeline, and the decisions are made as the module docstring says. The pipelines
     share the step counters, shapes and statistics."""
@@ -348,7 +348,7 @@ class AutoPipeline:
     def agreement(self, items: Sequence[tuple[str, torch.Tensor]]) -> Group | None:
         """The control exchange before these items' exchange: at a decision point, rank 0's choice
         (broadcast) then the chosen pipelines' agreement; otherwise their agreement the first time
-        (:meth:`gradpress.runtime.Pipeline.agreement`), or None."""
+        (:meth:`gradpress.exchange.pipeline.Pipeline.agreement`), or None."""
         step = max((self.steps.get(key, 0) for key, _ in items), default=0)
         new = step > self._current_step
         if new:
@@ -367,7 +367,7 @@ class AutoPipeline:
 
     def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None,
                writable: bool = False) -> list[Group]:
-        """:meth:`gradpress.runtime.Pipeline.groups`, each key by its chosen method's pipeline."""
+        """:meth:`gradpress.exchange.pipeline.Pipeline.groups`, each key by its chosen method's pipeline."""
         start = time.perf_counter()
         for key, tensor in items:
             expected = self._expected_shapes.pop(key, None)
@@ -405,7 +405,7 @@ class AutoPipeline:
         return out
 
     def report(self) -> dict[str, Any]:
-        """The statistics of :class:`gradpress.runtime.Stats`, and ``"auto"``: what was chosen and why."""
+        """The statistics of :class:`gradpress.exchange.pipeline.Stats`, and ``"auto"``: what was chosen and why."""
         used = {spec: self.pipeline(spec).strategy.pattern for spec in self._in_use()}
         pattern = "auto: " + ", ".join(f"{spec} {p}" for spec, p in used.items())
         report = self.stats.report(pattern)
@@ -492,7 +492,7 @@ class AutoPipeline:
         """The compute and buckets of the recorded steps of ``layout`` (medians), as ``advise`` profiles
         them: ``forward_s`` is the time from the end of a step's exchange to the next step's first bucket
         (optimizer, forward, backward up to the first bucket), ``ready_s`` counts from the first bucket."""
-        from gradpress.testbed.advise import Bucket, ComputeProfile
+        from gradpress.costmodel import Bucket, ComputeProfile
 
         same = [r for r in self._records if r.gap is not None and r.layout == layout]
         readies = [r.ready() for r in same]
@@ -506,7 +506,7 @@ class AutoPipeline:
 
     def _measure(self, profile: ComputeProfile) -> tuple[dict[str, Any], dict[str, str]]:
         """Each candidate's cost on the captured gradients (rank 0), as ``advise`` measures it."""
-        from gradpress.testbed.advise import measure_method
+        from gradpress.costmodel import measure_method
 
         grads = self._captured or {}
         costs, skipped = {}, {}
@@ -637,7 +637,7 @@ class AutoPipeline:
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The runtime's state format (:mod:`gradpress.state`) with ``spec`` ``"auto"`` and an ``"auto"``
+        """The runtime's state format (:mod:`gradpress.exchange.state`) with ``spec`` ``"auto"`` and an ``"auto"``
         section: the choice, when it was made and when it is re-checked, the reasons, the residuals
         waiting to be flushed, and every built method's own pipeline state (memory, warm starts)."""
         return {
@@ -658,7 +658,7 @@ class AutoPipeline:
         """Restore :meth:`state_dict` (this rank's, or a gathered one); everything is checked first, and
         a ``ValueError`` names what does not fit (another method, rank or world size; a choice outside
         the candidates; a memory of the wrong shape or holding NaN/Inf)."""
-        from gradpress.state import _check_keyed
+        from gradpress.exchange.state import _check_keyed
 
         state = own_state(state, self.rank, self.world_size)
         for name, value in (("spec", AUTO), ("world_size", self.world_size), ("rank", self.rank)):
@@ -694,7 +694,7 @@ class AutoPipeline:
                 raise ValueError(f"gradpress state: auto.pipelines holds {spec!r}, not among this runtime's "
                                  f"candidates {list(self.auto.candidates)}")
             pipeline = self._fresh(spec)
-            pipeline.load_state_dict(sub)  # checked (gradpress.state.check), raising ValueError
+            pipeline.load_state_dict(sub)  # checked (gradpress.exchange.state.check), raising ValueError
             pipelines[spec] = pipeline
         # everything checked: load
         self.steps.clear()

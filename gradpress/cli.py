@@ -68,10 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _list(args: argparse.Namespace) -> int:
     import gradpress
-    from gradpress.compressor import registry, summary
+    from gradpress.core.compressor import registry, summary
 
     if args.markdown:
-        from gradpress.compressor import markdown_table
+        from gradpress.core.compressor import markdown_table
 
         print(markdown_table())
         return 0
@@ -234,14 +234,14 @@ def compressor_or_reference(text: str) -> str:
 def compressor_list(references: bool = False, keywords: tuple[str, ...] = (), separator: str = ",",
                     ) -> Callable[[str], str]:
     """A converter of a list of specs (``separator``-separated; with ``,`` a spec's own parameters continue
-    it, :func:`gradpress.registry.split_specs`), each checked; a keyword (``all``, ``demo``) is taken
+    it, :func:`gradpress.core.registry.split_specs`), each checked; a keyword (``all``, ``demo``) is taken
     as it is. Returns the text as written."""
 
     def convert(text: str) -> str:
         if text.strip() in keywords:
             return text.strip()
         if separator == ",":
-            from gradpress.registry import split_specs
+            from gradpress.core.registry import split_specs
 
             try:
                 specs = split_specs(text)
@@ -271,7 +271,7 @@ def model(text: str) -> str:
 
 
 def option(text: str) -> str:
-    """``KEY=VALUE``: a runtime option (:class:`gradpress.runtime.Options`) with a value of its type."""
+    """``KEY=VALUE``: a runtime option (:class:`gradpress.exchange.pipeline.Options`) with a value of its type."""
     from gradpress.testbed.train import check_options, parse_options
 
     if "=" not in text or not text.partition("=")[0].strip():

@@ -16,17 +16,17 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from gradpress.auto import AutoOptions, AutoPipeline, is_auto
-from gradpress.compressor import Compressor
-from gradpress.driver import Driver
-from gradpress.runtime import Options, Pipeline, build
-from gradpress.state import gathered as _gathered
-from gradpress.distributed import ProcessGroupExecutor, gather_objects, process_group as resolve_group
+from gradpress.core.compressor import Compressor
+from gradpress.exchange.driver import Driver
+from gradpress.exchange.pipeline import Options, Pipeline, build
+from gradpress.exchange.state import gathered as _gathered
+from gradpress.exchange.distributed import ProcessGroupExecutor, gather_objects, process_group as resolve_group
 
 
 class Communicator:
     """Averages tensors over ``process_group`` (default: the default group) with ``spec``'s compression.
 
-    Options: see :class:`gradpress.runtime.Options` (``feedback``, ``min_numel``, ``exclude``,
+    Options: see :class:`gradpress.exchange.pipeline.Options` (``feedback``, ``min_numel``, ``exclude``,
     ``warmup_steps``, ``seed``, ``timeout``, ``mode``, ``master``, ``root``, ``overflow``,
     ``deterministic``); with ``spec`` ``"auto"`` also those of :class:`gradpress.auto.AutoOptions`
     (a method per key, chosen by measuring the job: :mod:`gradpress.auto`). Keys name the tensors:
@@ -106,11 +106,11 @@ class Communicator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's, or a gathered one); ``ValueError`` if it is another
         rank's, method's or shape's. The next exchange agrees on the loaded step counters
-        (:mod:`gradpress.agreement`): ranks resumed from different steps raise there."""
+        (:mod:`gradpress.exchange.agreement`): ranks resumed from different steps raise there."""
         self._pipeline.load_state_dict(state)
 
     def stats(self) -> dict[str, Any]:
-        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.runtime.Stats`); with
+        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.exchange.pipeline.Stats`); with
         ``"auto"``, also ``"auto"``: what it chose and why (:mod:`gradpress.auto`)."""
         return self._pipeline.report()
 

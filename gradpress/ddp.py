@@ -17,7 +17,7 @@ sum) is issued at the next bucket or after the last one, points that are the sam
 bucket, never their keys, so feedback memory carries over; ``no_sync()`` skips the hook and DDP
 accumulates locally, as without one. A bucket whose exchange is, every step, one in-place all-reduce of
 the whole bucket divided by n (``none``) is planned the first time it is exchanged
-(:class:`gradpress.runtime.FlatAllReduce`): later steps do the work alone, without forming the general
+(:class:`gradpress.exchange.pipeline.FlatAllReduce`): later steps do the work alone, without forming the general
 exchange's per-step objects around it.
 
 A state that knows its model (``model=``, or :func:`register`) watches the model's training forward
@@ -38,12 +38,12 @@ from typing import Any, Callable
 import torch
 
 from gradpress.auto import AUTO, AutoOptions, AutoPipeline, is_auto
-from gradpress.compressor import Compressor
-from gradpress.driver import Driver
-from gradpress.runtime import Options, Pipeline, Stats, build
-from gradpress.state import gathered, own_state, shapes_of
-from gradpress.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
-from gradpress.distributed import process_group as resolve_group
+from gradpress.core.compressor import Compressor
+from gradpress.exchange.driver import Driver
+from gradpress.exchange.pipeline import Options, Pipeline, Stats, build
+from gradpress.exchange.state import gathered, own_state, shapes_of
+from gradpress.exchange.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
+from gradpress.exchange.distributed import process_group as resolve_group
 
 
 _PLAIN_KEY = re.compile(r"param\d+")  # the keys of a hook that does not know the module's names
@@ -170,7 +170,7 @@ class GradpressState:
         applies at the first bucket if the hook has not run yet). Checked at once: a state of another
         rank, method or shape raises ``ValueError``, and so does one keyed another way than this hook keys
         the parameters (by name with ``model=`` or :func:`register`, else ``"param<i>"``). The next
-        exchange agrees on the loaded step counters (:mod:`gradpress.agreement`): ranks resumed from
+        exchange agrees on the loaded step counters (:mod:`gradpress.exchange.agreement`): ranks resumed from
         different steps raise there. Load tensors onto the gradients' device
         (``torch.load(map_location=…)``)."""
         pipeline = self._pipeline if self._pipeline is not None else self._local_pipeline()
@@ -220,7 +220,7 @@ class GradpressState:
         return None if self._driver is None else self._driver.failure
 
     def stats(self) -> dict[str, Any]:
-        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.runtime.Stats`); with
+        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.exchange.pipeline.Stats`); with
         ``"auto"``, also ``"auto"``: what it chose and why (:mod:`gradpress.auto`)."""
         if self._pipeline is None:
             if self.auto is None:
@@ -343,7 +343,7 @@ def hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares the annotations 
 def ddp_comm_hook(spec: str | Compressor, **options: Any) -> tuple[GradpressState, Callable]:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``.
 
-    Options: those of :class:`gradpress.runtime.Options`, plus ``process_group`` (default: the default
+    Options: those of :class:`gradpress.exchange.pipeline.Options`, plus ``process_group`` (default: the default
     group; pass the DDP's own if it has another) and ``model`` (the module, for parameter names; needed
     by ``exclude``); with ``spec`` ``"auto"``, those of :class:`gradpress.auto.AutoOptions`.
     """

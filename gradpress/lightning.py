@@ -28,9 +28,9 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from gradpress.auto import AutoOptions
-from gradpress.compressor import Compressor
+from gradpress.core.compressor import Compressor
 from gradpress.ddp import GradpressState, _own_part, register
-from gradpress.runtime import Options
+from gradpress.exchange.pipeline import Options
 
 CHECKPOINT_KEY = "gradpress"
 _OPTIONS = frozenset(f.name for f in (*fields(Options), *fields(AutoOptions)))  # ("auto"'s own too)
@@ -43,7 +43,7 @@ class GradpressStrategy(DDPStrategy):
     ``spec``: the compressor (``"topk:ratio=0.01"``, or a :class:`~gradpress.Compressor`). Keyword
     arguments named like gradpress's options (``feedback``, ``min_numel``, ``exclude``, ``warmup_steps``,
     ``seed``, ``timeout``, ``mode``, ``master``, ``root``, ``overflow``, ``deterministic``, ``partial``;
-    see :class:`gradpress.runtime.Options`) go to gradpress; ``exclude`` matches the LightningModule's
+    see :class:`gradpress.exchange.pipeline.Options`) go to gradpress; ``exclude`` matches the LightningModule's
     parameter names. The others go to :class:`~lightning.pytorch.strategies.DDPStrategy` and from it to
     DistributedDataParallel (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``,
     ``process_group_backend``, ``start_method``, …); Lightning's process-group timeout is

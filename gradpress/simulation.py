@@ -1,6 +1,6 @@
 """Many workers in one process: the runtime's own protocols, run in lockstep without a process group.
 
-Each simulated worker has its own :class:`~gradpress.runtime.Pipeline` (compressor, feedback memory,
+Each simulated worker has its own :class:`~gradpress.exchange.pipeline.Pipeline` (compressor, feedback memory,
 step counters, rank-specific private randomness), exactly as a real rank has. At every round the
 workers' collective requests are checked to match (a mismatch would hang or corrupt a real run) and
 carried out with the same order-defined meaning the process-group executor gives them: sums of two
@@ -20,10 +20,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from gradpress.compressor import Compressor
-from gradpress.compressor import make
-from gradpress.runtime import Options, Pipeline, build
-from gradpress.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
+from gradpress.core.compressor import Compressor
+from gradpress.core.compressor import make
+from gradpress.exchange.pipeline import Options, Pipeline, build
+from gradpress.exchange.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
                                 fold_sum, traffic)
 
 WorkerGrads = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
@@ -64,11 +64,11 @@ class Simulator:
         return _restore(worker_grads[0], out)
 
     def stats(self) -> list[dict[str, Any]]:
-        """Every worker's :class:`~gradpress.runtime.Stats` report, by rank."""
+        """Every worker's :class:`~gradpress.exchange.pipeline.Stats` report, by rank."""
         return [p.report() for p in self.pipelines]
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """Every worker's state (a list by rank; :func:`gradpress.state.gathered` makes it the dict a
+        """Every worker's state (a list by rank; :func:`gradpress.exchange.state.gathered` makes it the dict a
         real run's ``state_dict(gathered=True)`` returns)."""
         return [p.state_dict() for p in self.pipelines]
 

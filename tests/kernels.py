@@ -1,7 +1,7 @@
 """numba == torch: what the kernel tests share.
 
 Every CPU kernel has a torch twin (the path of every other device, and of the CPU under
-:func:`gradpress._numba.numba_disabled`); both must give the same bits, the wire tensors and the decoded
+:func:`gradpress.kernels.jit.numba_disabled`); both must give the same bits, the wire tensors and the decoded
 values alike (the sign of zero too). Tolerances, where a result is only as exact as its summation order,
 are in :mod:`numerics`.
 """
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import gradpress
-from gradpress._numba import numba_disabled
-from gradpress.packet import Packet
-from gradpress.rng import Context
+from gradpress.kernels.jit import numba_disabled
+from gradpress.core.packet import Packet
+from gradpress.core.rng import Context
 
 #: both implementations on the CPU: ``@pytest.mark.parametrize("torch_only", PATHS)``
 PATHS = [pytest.param(False, id="numba"), pytest.param(True, id="torch")]

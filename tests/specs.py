@@ -4,7 +4,7 @@ a second stage) with natural compression (the paper's C_nat∘S, Table 1), plus 
 from __future__ import annotations
 
 import gradpress
-from gradpress.compressor import registry
+from gradpress.core.compressor import registry
 
 #: second stages beyond natural compression, on a value-keeping method each
 OTHER_SECOND_STAGES = [

@@ -17,9 +17,9 @@ from torch import nn
 import gradpress
 from gradpress.cli import main
 from gradpress.testbed import advise as A
-from gradpress.testbed import costmodel as C
+from gradpress import costmodel as C
 from gradpress.testbed import data as D
-from gradpress.testbed.costmodel import BucketStep, Phase
+from gradpress.costmodel import BucketStep, Phase
 from synthetic import synthetic_images
 
 MS = 1e-3

@@ -1,4 +1,4 @@
-"""The ranks' agreement under real Gloo processes (:mod:`gradpress.agreement`): ranks whose sides have
+"""The ranks' agreement under real Gloo processes (:mod:`gradpress.exchange.agreement`): ranks whose sides have
 different components (``"auto"`` against a fixed method), ranks resumed from states of different steps,
 and a DDP hook's state keyed another way than the hook keys its parameters. Every case must end in the
 same clear ``ValueError`` on every rank: no abort (SIGABRT of a size mismatch), no hang, no silent

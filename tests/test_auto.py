@@ -17,7 +17,7 @@ from torch import nn
 import gradpress
 from dist_utils import run_workers
 from gradpress.auto import AUTO, DECIDED, AutoOptions, AutoPipeline, Decision, choose
-from gradpress.runtime import Options, Pipeline
+from gradpress.exchange.pipeline import Options, Pipeline
 from gradpress.testbed.advise import Bucket, BucketCost, ComputeProfile, MethodCost, Transfer
 
 EPS = torch.finfo(torch.float32).eps

@@ -7,7 +7,7 @@ import torch
 import gradpress
 from gradpress.compressors.cltk import chunk_kept, chunk_top
 from gradpress.compressors.sparsify import topk_indices
-from gradpress.rng import Context
+from gradpress.core.rng import Context
 from dist_utils import run_workers
 from numerics import mean_error
 

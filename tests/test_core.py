@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import gradpress
-from gradpress._numba import numba_disabled
-from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.kernels.jit import numba_disabled
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.cli import main as cli
-from gradpress.registry import split_specs
-from gradpress.rng import Context, mix32_torch, uniform24_torch
+from gradpress.core.registry import split_specs
+from gradpress.core.rng import Context, mix32_torch, uniform24_torch
 from numerics import unit_roundoff
 
 
@@ -124,7 +124,7 @@ def test_numba_hash_is_the_torch_hash():
     import numpy as np
     from numba import njit
 
-    from gradpress._numba import mix32, uniform24
+    from gradpress.kernels.jit import mix32, uniform24
 
     @njit
     def hashes(n, seed):
@@ -243,7 +243,7 @@ def test_cli_list(capsys):
 def test_topk_sampled_path_finds_every_nonfinite_value(numel, bad):
     """Top-k checks NaN/Inf among its candidates (every NaN/Inf is one), not in a pass of its own:
     a bad value anywhere, also in the strided sample or beside the largest values, raises."""
-    from gradpress.compressor import NonFiniteError
+    from gradpress.core.compressor import NonFiniteError
     from gradpress.compressors.sparsify import topk_indices
 
     g = torch.Generator().manual_seed(3)
@@ -265,7 +265,7 @@ def test_topk_sampled_path_finds_every_nonfinite_value(numel, bad):
 
 def test_randomk_receivers_regenerate_the_senders_indices():
     """random-k's packet keeps the indices it drew; a receiver that has only the seed draws the same."""
-    from gradpress.packet import Packet
+    from gradpress.core.packet import Packet
 
     c = gradpress.make("randomk:ratio=0.01,scale=true")
     packet = c.compress(torch.randn(100_000), gradpress.Context(seed=5, step=3, key="w"))
@@ -279,7 +279,7 @@ def test_randomk_receivers_regenerate_the_senders_indices():
 def test_any_nonfinite_agrees_with_torch_on_both_paths(dtype, bad):
     """any_nonfinite (the pre-exchange check of methods that do not find NaN/Inf in their own passes):
     the numba max-exponent kernel and the torch fallback, at every position class of a 16-lane loop."""
-    from gradpress.compressor import any_nonfinite
+    from gradpress.core.compressor import any_nonfinite
 
     for numel, at in [(1, 0), (17, 16), (1000, 0), (1000, 999), (4099, 2050)]:
         x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)

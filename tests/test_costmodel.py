@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from gradpress.testbed import costmodel as C
+from gradpress import costmodel as C
+from gradpress.testbed import results
 from gradpress.testbed.results import Run, Step
 
 MB = 1e6  # bytes
@@ -152,11 +153,11 @@ def test_predict_from_run_uses_steady_state_means():
     run = _run([(5.0, 4.0, 0.9, 2_000_000)] + [(0.4, 0.1, 0.02, 1_000_000)] * 9)
     assert run.mean_compute_s == pytest.approx(0.1) and run.mean_compress_s == pytest.approx(0.02)
     # bytes: the mean over all steps (11e6 / 10)
-    predicted = C.predict_from_run(run, bandwidth="10mbit", n=4, strategy="allgather", latency=0.0)
+    predicted = results.predict_from_run(run, bandwidth="10mbit", n=4, strategy="allgather", latency=0.0)
     assert predicted.compute == pytest.approx(0.1) and predicted.compression == pytest.approx(0.02)
     assert predicted.communication == pytest.approx(3 * 1.1e6 * 8 / 1e7)
     assert predicted.total == pytest.approx(0.12 + 3 * 1.1e6 * 8 / 1e7)
-    measured = C.measured_breakdown(run)
+    measured = results.measured_breakdown(run)
     assert measured.total == pytest.approx(0.4) and measured.communication == pytest.approx(0.28)
 
 

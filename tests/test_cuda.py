@@ -7,7 +7,7 @@ What the design promises across devices, and what is checked:
   memory and warm starts live on the device (two steps of :class:`gradpress.Simulator`).
 * Bit-identical to the CPU: the methods with no float reduction and no device random stream
   (``EXACT``: casts, signs and their majority vote, natural compression, whose stochastic rounding
-  draws from the ``mix32`` hash, the same bits on every device; see :mod:`gradpress.rng`).
+  draws from the ``mix32`` hash, the same bits on every device; see :mod:`gradpress.core.rng`).
 * Close to the CPU: every other method whose randomness is device-independent. A norm or a sum
   reduced in another order on the GPU may differ in its last bit and move the odd value across a
   quantization or selection boundary, so at most 0.1 % of the values (and 2) may differ beyond
@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import gradpress
-from gradpress._numba import numba_disabled
+from gradpress.kernels.jit import numba_disabled
 from specs import SPECS
 
 if torch.cuda.is_available():

@@ -13,16 +13,16 @@ import torch
 from scipy.stats import chisquare
 
 import gradpress
-from gradpress._numba import (abs_above64, abs_not_below64, compress_above16, finite, jit, numba_disabled,
+from gradpress.kernels.jit import (abs_above64, abs_not_below64, compress_above16, finite, jit, numba_disabled,
                               select_bits64, sign_bits64)
-from gradpress.compressor import NonFiniteError
+from gradpress.core.compressor import NonFiniteError
 from gradpress.compressors.cltk import chunk_top
 from gradpress.compressors import sparsify
 from gradpress.compressors.dither import standard_deviation
 from gradpress.compressors.sparsify import (SAMPLE, kth_largest, random_subset, sample_stride, scatter,
                                             topk_indices)
 from gradpress.compressors.threshold import _strata_positions, packet_above, stratified_threshold
-from gradpress.rng import Context
+from gradpress.core.rng import Context
 from kernels import PATHS, accumulate_both_paths, bits, both_paths, path
 
 

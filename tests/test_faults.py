@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import gradpress
-from gradpress.compressor import NonFiniteError
-from gradpress.state import gathered
+from gradpress.core.compressor import NonFiniteError
+from gradpress.exchange.state import gathered
 from dist_utils import run_workers
 from specs import COMPOSITIONS
 

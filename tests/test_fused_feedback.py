@@ -1,5 +1,5 @@
 """Issue 12's fused error feedback: φ = β·m + γ·g formed by the compressor's first pass
-(:meth:`gradpress.compressor.Compressor.compress_sum`, or :meth:`~gradpress.compressor.Compressor.prepare_sum`
+(:meth:`gradpress.core.compressor.Compressor.compress_sum`, or :meth:`~gradpress.core.compressor.Compressor.prepare_sum`
 for a method with a preliminary exchange) gives the bits of the sum, then ``compress``, and leaves φ in
 the buffer the memory's update reads, on every path of top-k's sampled selection, in signSGD's packing
 pass (SIGNUM's momentum) and in THC's norm."""
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import gradpress
-from gradpress._numba import numba_disabled
-from gradpress.compressor import NonFiniteError, scaled_sum
+from gradpress.kernels.jit import numba_disabled
+from gradpress.core.compressor import NonFiniteError, scaled_sum
 from gradpress.compressors.sparsify import sample_stride
-from gradpress.feedback import compress_with
-from gradpress.rng import Context
+from gradpress.core.feedback import compress_with
+from gradpress.core.rng import Context
 
 
 def _pair(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,7 +272,7 @@ def test_the_runtime_fused_equals_the_runtime_unfused(spec, memory_spec, monkeyp
     for fused in (False, True):
         with monkeypatch.context() as patch:
             if not fused:
-                patch.setattr(gradpress.feedback.Residual, "sum_parts", lambda self, key, grad: None)
+                patch.setattr(gradpress.core.feedback.Residual, "sum_parts", lambda self, key, grad: None)
                 patch.setattr(gradpress.compressors.sign.SignumMomentum, "sum_parts", lambda self, key, grad: None)
             sim = gradpress.Simulator(spec, workers, seed=5, feedback=memory_spec)
             means = [sim.step([{"w": _pair(n, 10 * step + r)[1], "v": _pair(n, 10 * step + r + 5)[0]}

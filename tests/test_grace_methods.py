@@ -10,10 +10,10 @@ import torch
 import gradpress
 from gradpress.compressors import inceptionn
 from gradpress.compressors.dgc import DGCMemory
-from gradpress.compressor import check_finite
+from gradpress.core.compressor import check_finite
 from gradpress.compressors.eightbit import BLOCK, CROWDED, EDGES, NO_EDGE, TABLE, cell_table
 from gradpress.compressors.onebit import fixed_point_scale, to_fixed
-from gradpress.rng import Context
+from gradpress.core.rng import Context
 from kernels import PATHS, accumulate_both_paths, both_paths, path
 from numerics import eps, unit_roundoff
 
@@ -500,7 +500,7 @@ def test_quantizers_find_non_finite_values_in_their_max_pass(spec, torch_only, m
             c.compress(x)
         assert str(error.value) == str(raised.value) and f"holds {len(where)} NaN/Inf" in str(error.value)
     calls = []
-    monkeypatch.setattr(gradpress.compressor, "check_finite", lambda flat, where: calls.append(where))
+    monkeypatch.setattr(gradpress.core.compressor, "check_finite", lambda flat, where: calls.append(where))
     with path(torch_only):
         c.compress(torch.randn(1002))
     assert calls == []

@@ -6,9 +6,9 @@ import pytest
 import scipy.linalg
 import torch
 
-from gradpress._numba import numba_disabled
-from gradpress.hadamard import apply_rht, fwht, inverse_rht, rht, rht_layout
-from gradpress.rng import Context, mix32_torch
+from gradpress.kernels.jit import numba_disabled
+from gradpress.kernels.hadamard import apply_rht, fwht, inverse_rht, rht, rht_layout
+from gradpress.core.rng import Context, mix32_torch
 from numerics import gamma, log2ceil, unit_roundoff
 
 
@@ -198,7 +198,7 @@ def test_work_buffer_is_aligned_and_kept():
     """The vector kernel's work buffer: 64-byte aligned (no vector straddles two cache lines; 2 MiB where
     huge pages are granted), large enough for the rows (C + 16 apart) and one radix, this thread's own and
     kept between calls."""
-    from gradpress.hadamard import work_buffer
+    from gradpress.kernels.hadamard import work_buffer
 
     layout = rht_layout(3 * 2**20 + 5, 1, 2**20)
     work = work_buffer(layout)

@@ -1,4 +1,4 @@
-"""The on-disk cache of gradpress's numba kernels (``gradpress._numba.kernel``): kept between processes while
+"""The on-disk cache of gradpress's numba kernels (``gradpress.kernels.jit.kernel``): kept between processes while
 the package's sources stay the same, compiled again when any of them changes — also a module other than
 the kernel's own, whose intrinsics or helpers the cached machine code contains. Real processes, a real
 copy of the package, real cache files."""
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import gradpress
-from gradpress._numba import sources_digest
+from gradpress.kernels.jit import sources_digest
 from gradpress.compressors.sign import _decode_signs
 
 #: run in a child process against the copy of the package: decode 4096 packed signs with the sign

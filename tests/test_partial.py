@@ -13,10 +13,10 @@ import torch
 
 import gradpress
 from dist_utils import run_workers
-from gradpress.rng import Context
-from gradpress.runtime import Options
-from gradpress.protocol import fold_sum
-from gradpress.strategy import Strategy, arrival_count
+from gradpress.core.rng import Context
+from gradpress.exchange.pipeline import Options
+from gradpress.exchange.protocol import fold_sum
+from gradpress.exchange.strategy import Strategy, arrival_count
 from numerics import gamma
 
 SEED = 5

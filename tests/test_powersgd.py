@@ -14,7 +14,7 @@ from torch import nn
 import gradpress
 from dist_utils import run_workers
 from gradpress.compressors.powersgd import PowerSGD, orthonormal_rows
-from gradpress.rng import Context
+from gradpress.core.rng import Context
 from numerics import gamma, powersgd_step_error, unit_roundoff
 
 
@@ -261,7 +261,7 @@ def test_streamed_products_have_their_documented_bits_at_any_address(m, n, r):
     multiple of 16, ranks 1 to STREAMED_RANK) give the bits of their documented summation orders, whatever
     the address of M (MKL's may not), and lie within the dot product's bound γ_n·|Qᵀ|·|Mᵀ| of the exact
     products, as torch.mm does (numba disabled)."""
-    from gradpress._numba import numba_disabled
+    from gradpress.kernels.jit import numba_disabled
     from gradpress.compressors.powersgd import STREAMED_NUMEL, STREAMED_RANK, p_product, q_product
 
     assert r <= STREAMED_RANK and m * n >= STREAMED_NUMEL  # the kernels' path

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import gradpress
-from gradpress._numba import numba_disabled
+from gradpress.kernels.jit import numba_disabled
 from gradpress.compressors.powersgd import PowerSGD
-from gradpress.rng import Context
+from gradpress.core.rng import Context
 from numerics import eps, gamma, powersgd_step_error, unit_roundoff
 from specs import SPECS, SUMMABLE, UNBIASED
 

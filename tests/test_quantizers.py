@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import gradpress
-import gradpress.compressor
-from gradpress._numba import numba_disabled
-from gradpress.bits import unpack_bits
-from gradpress.compressor import check_finite
+import gradpress.core.compressor
+from gradpress.kernels.jit import numba_disabled
+from gradpress.kernels.bits import unpack_bits
+from gradpress.core.compressor import check_finite
 from gradpress.compressors.dither import CHUNK, Dithering, _uniforms_torch, bucket_norms, standard_deviation
 from gradpress.compressors.natural import decode_table, exponent_code, natural_round
-from gradpress.packet import Packet
-from gradpress.rng import Context, mix32_torch
+from gradpress.core.packet import Packet
+from gradpress.core.rng import Context, mix32_torch
 from kernels import both_paths, path
 from numerics import gamma, log2ceil, unit_roundoff
 
@@ -295,7 +295,7 @@ def norm_rounding(n: int) -> float:
 
 
 def test_dithering_levels_and_code_layout():
-    """Decoded values are ±ν·l_k; the codes are 2k + sign in gradpress.bits' layout."""
+    """Decoded values are ±ν·l_k; the codes are 2k + sign in gradpress.kernels.bits' layout."""
     x = torch.randn(1000, generator=torch.Generator().manual_seed(15))
     c = gradpress.make("qsgd:levels=4,bucket=300")
     packet = c.compress(x)
@@ -453,7 +453,7 @@ def test_non_finite_values_anywhere_raise_with_their_count(spec, numba):
 def test_compressors_that_check_finite_values_skip_the_separate_pass(monkeypatch):
     """Compressor.compress runs check_finite unless the method declares checks_finite."""
     calls = []
-    monkeypatch.setattr(gradpress.compressor, "check_finite", lambda flat, where: calls.append(where))
+    monkeypatch.setattr(gradpress.core.compressor, "check_finite", lambda flat, where: calls.append(where))
     x = torch.randn(1000)
     for spec in ("qsgd", "terngrad", "dither", "natural"):
         gradpress.make(spec).compress(x)

@@ -1,5 +1,5 @@
 """Specs are strict (issue 11, point 5): malformed specs and out-of-range parameters are errors that
-name the key and what it allows, checked by one mechanism (``gradpress.registry.param`` ranges)."""
+name the key and what it allows, checked by one mechanism (``gradpress.core.registry.param`` ranges)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,10 +10,10 @@ import typing
 import pytest
 
 import gradpress
-from gradpress.compressor import registry as compressor_registry
+from gradpress.core.compressor import registry as compressor_registry
 from gradpress.compressors.sparsify import TopK
-from gradpress.feedback import feedback_registry
-from gradpress.registry import RANGE, Range, param_range, parse_spec, spec_fields, split_specs
+from gradpress.core.feedback import feedback_registry
+from gradpress.core.registry import RANGE, Range, param_range, parse_spec, spec_fields, split_specs
 
 REGISTRIES = {"compressor": compressor_registry, "feedback": feedback_registry}
 

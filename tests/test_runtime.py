@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 import gradpress
-from gradpress.compressor import NonFiniteError
-from gradpress.rng import Context
-from gradpress.driver import Driver, ExchangeFailed
-from gradpress.runtime import Options, Pipeline, Stats
-from gradpress.packet import adjacent, concat, pack, unpack
-from gradpress.protocol import AllReduce, Round, fold_sum, parallel
-from gradpress.strategy import sum_dtype
-from gradpress.strategy.allreduce import takes_out
+from gradpress.core.compressor import NonFiniteError
+from gradpress.core.rng import Context
+from gradpress.exchange.driver import Driver, ExchangeFailed
+from gradpress.exchange.pipeline import Options, Pipeline, Stats
+from gradpress.core.packet import adjacent, concat, pack, unpack
+from gradpress.exchange.protocol import AllReduce, Round, fold_sum, parallel
+from gradpress.exchange.strategy import sum_dtype
+from gradpress.exchange.strategy.allreduce import takes_out
 from test_runtime_compressors import LeaderTopK, PowerIteration, UniformInt, WideInt
 
 
@@ -387,7 +387,7 @@ class _Later:
     group's do."""
 
     def issue(self, round_, sent, done):
-        from gradpress.distributed import Handle
+        from gradpress.exchange.distributed import Handle
 
         results = [r.tensor for r in round_.requests]
 
@@ -539,7 +539,7 @@ def test_communicator_averages_gradients_in_their_own_storage(world_of_one, spec
 
 
 def test_ddp_hook_and_register(world_of_one):
-    assert gradpress.register_compressor is gradpress.compressor.register
+    assert gradpress.register_compressor is gradpress.core.compressor.register
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
     ddp = nn.parallel.DistributedDataParallel(model)
     state = gradpress.register(ddp, "topk:ratio=0.5", exclude=["0.*"])

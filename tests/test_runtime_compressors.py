@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradpress.compressor import Compressor, Preliminary
+from gradpress.core.compressor import Compressor, Preliminary
 from gradpress.compressors.sparsify import keep_count, scatter, topk_indices
-from gradpress.packet import Packet
-from gradpress.rng import Context, uniform24_torch
+from gradpress.core.packet import Packet
+from gradpress.core.rng import Context, uniform24_torch
 
 
 @dataclass(repr=False)
@@ -152,7 +152,7 @@ class WideInt(Compressor):
 import pytest  # noqa: E402
 
 import gradpress  # noqa: E402
-from gradpress.compressor import NonFiniteError  # noqa: E402
+from gradpress.core.compressor import NonFiniteError  # noqa: E402
 
 
 def test_prepare_alone_is_a_world_of_one():

@@ -193,7 +193,7 @@ def _planned(rank: int, world_size: int, label: str) -> dict:
     """DDP training with the buckets' plans (``label`` "planned") or with every bucket through the
     general exchange ("general": the plans are never kept); rank 1's gradient holds a NaN at step 4.
     (One process group per variant: after a failed exchange the ranks may be out of step.)"""
-    from gradpress.runtime import FlatAllReduce
+    from gradpress.exchange.pipeline import FlatAllReduce
 
     started = FlatAllReduce.start
     used = [0]

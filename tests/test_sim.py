@@ -10,7 +10,7 @@ import torch
 from gradpress.cli import main
 from gradpress.testbed import data as D
 from gradpress.testbed import sim as S
-from gradpress.testbed.costmodel import Phase
+from gradpress.costmodel import Phase
 from gradpress.testbed.results import Eval, Run, Step, save_runs
 from numerics import eps
 from synthetic import synthetic_images

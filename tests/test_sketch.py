@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import gradpress
-from gradpress._numba import numba_disabled
+from gradpress.kernels.jit import numba_disabled
 from gradpress.compressors.sketch import _buckets, _signs, element_indices
-from gradpress.rng import Context
+from gradpress.core.rng import Context
 from kernels import bits, both_paths
 from numerics import gamma
 

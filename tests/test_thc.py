@@ -9,9 +9,9 @@ import torch
 from scipy.stats import norm
 
 import gradpress
-from gradpress.bits import unpack_bits
-from gradpress.rng import Context
-from gradpress.thc_table import table_error
+from gradpress.kernels.bits import unpack_bits
+from gradpress.core.rng import Context
+from gradpress.compressors.thc_table import table_error
 from numerics import eps, gamma, rht_residual_error, unit_roundoff
 
 PUBLISHED = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)  # (b, g, p) = (4, 30, 1/32)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import gradpress
-from gradpress import _simd
-from gradpress._numba import numba_disabled
-from gradpress.bits import unpack_bits
+from gradpress.kernels import simd as _simd
+from gradpress.kernels.jit import numba_disabled
+from gradpress.kernels.bits import unpack_bits
 from gradpress.compressors.thc import _affine
-from gradpress.rng import Context, mix32_torch, seed32
+from gradpress.core.rng import Context, mix32_torch, seed32
 from kernels import path
 from numerics import rht_residual_error
 
@@ -94,7 +94,7 @@ def test_checks_finite_skips_the_separate_pass(monkeypatch):
     """Both methods find NaN/Inf in their own passes (their preliminary values, their kernels): no
     check_finite pass over a finite input."""
     calls = []
-    monkeypatch.setattr(gradpress.compressor, "check_finite", lambda flat, where: calls.append(where))
+    monkeypatch.setattr(gradpress.core.compressor, "check_finite", lambda flat, where: calls.append(where))
     for spec in ("thc", "thc_uniform"):
         assert gradpress.make(spec).checks_finite
         gradpress.make(spec).compress(torch.randn(5000))

@@ -134,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gradpress.registry import split_specs
+    from gradpress.core.registry import split_specs
 
     specs = split_specs(args.specs)
     if args.model is not None and (args.width is not None or args.depth is not None):

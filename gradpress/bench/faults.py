@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import gradpress
-    from gradpress.registry import split_specs
+    from gradpress.core.registry import split_specs
 
     specs = gradpress.compressor_names() if args.compressors == "all" else split_specs(args.compressors)
     rows = run(specs, args.workers, args.timeout)

@@ -173,8 +173,8 @@ def load_grace(path: str | None, pairs: list[Pair]) -> dict[str, Any]:
 
 def _gradpress_call(pair: Pair, x: torch.Tensor) -> Callable[[], object]:
     import gradpress
-    from gradpress.feedback import compress_with
-    from gradpress.rng import Context
+    from gradpress.core.feedback import compress_with
+    from gradpress.core.rng import Context
 
     compressor = gradpress.make(pair.spec)
     steps = iter(range(1 << 62))

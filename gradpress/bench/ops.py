@@ -34,8 +34,8 @@ import torch
 import gradpress
 from gradpress import cli
 from gradpress.bench import add_glibc_defaults, keep_freed_memory
-from gradpress.registry import split_specs
-from gradpress.rng import Context
+from gradpress.core.registry import split_specs
+from gradpress.core.rng import Context
 
 DEFAULT_SIZES = (2**20, 2**22)
 
@@ -189,7 +189,7 @@ def render(records: list[OpsRecord]) -> None:
 
 
 def parse_size(text: str) -> int:
-    from gradpress.registry import convert
+    from gradpress.core.registry import convert
 
     return convert(text, int, "size")
 

@@ -112,7 +112,7 @@ def bench_matrix(rows: int = 2048, cols: int = 2048, rank: int = 1, repeats: int
     """Time ``powersgd:rank=rank`` on one float32 matrix beside its matrix products (module docstring)."""
     import gradpress
     from gradpress.compressors.powersgd import _product, orthonormal_rows, p_product, q_product
-    from gradpress.rng import Context
+    from gradpress.core.rng import Context
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

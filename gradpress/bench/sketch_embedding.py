@@ -29,8 +29,8 @@ import gradpress
 from gradpress import cli
 from gradpress.bench.ops import median_ms
 from gradpress.compressors.sketch import nonzero_blocks
-from gradpress.packet import Packet
-from gradpress.rng import Context
+from gradpress.core.packet import Packet
+from gradpress.core.rng import Context
 
 
 @dataclass

@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gradpress.registry import split_specs
+    from gradpress.core.registry import split_specs
 
     feedbacks = ("default", "none") if args.feedback == "both" else (args.feedback,)
     result = run(split_specs(args.compressors), args.model, args.workers, args.batch, args.steps, args.warmup,

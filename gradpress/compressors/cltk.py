@@ -9,7 +9,7 @@ worker sends k values and receives k sums whatever the number of workers n: unli
 union of indices grows with n, the traffic per worker does not grow with n (the "scalable" of the
 title). The leader's broadcast of its k indices adds, averaged over a cycle of n steps in which every
 worker leads once, (n − 1)/n·k indices per worker and step (star-shaped broadcast, the traffic model
-of :func:`gradpress.protocol.traffic`): per step a worker sends at most 2k values + k indices.
+of :func:`gradpress.exchange.protocol.traffic`): per step a worker sends at most 2k values + k indices.
 
 Selection (``select``):
 
@@ -42,13 +42,13 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gradpress._numba import as_numpy, jit, use_numba, wide_vectors
-from gradpress.compressor import Compressor, Preliminary, register
+from gradpress.kernels.jit import as_numpy, jit, use_numba, wide_vectors
+from gradpress.core.compressor import Compressor, Preliminary, register
 from gradpress.compressors.sparsify import scatter, topk_indices
-from gradpress.feedback import KeyedMemory, feedback_registry
-from gradpress.packet import Packet
-from gradpress.registry import check_params_of, param
-from gradpress.rng import Context
+from gradpress.core.feedback import KeyedMemory, feedback_registry
+from gradpress.core.packet import Packet
+from gradpress.core.registry import check_params_of, param
+from gradpress.core.rng import Context
 
 Select = Literal["chunk", "exact"]
 

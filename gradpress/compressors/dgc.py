@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from gradpress.compressor import check_finite, register
+from gradpress.core.compressor import check_finite, register
 from gradpress.compressors.sparsify import Sparse
 from gradpress.compressors.onebit import as_float32
 from gradpress.compressors.threshold import packet_above, stratified_threshold
-from gradpress.feedback import Feedback, feedback_registry
-from gradpress.packet import Packet
-from gradpress.registry import check_params_of, param
-from gradpress.rng import Context
+from gradpress.core.feedback import Feedback, feedback_registry
+from gradpress.core.packet import Packet
+from gradpress.core.registry import check_params_of, param
+from gradpress.core.rng import Context
 
 WARMUP_STAGES = 4      # the paper's four warm-up epochs
 WARMUP_DENSITY = 0.25  # kept fraction in the first stage, then × 0.25 per stage

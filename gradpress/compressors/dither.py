@@ -9,7 +9,7 @@ Standard partition: l = k/s; natural partition: l = 2^(k-s) for k = 1..s, and 0 
 C(‖x‖_p) may be natural compression (``natural_norm``), as Def. 3 allows and App. B uses for in-network
 aggregation; it is independent of ξ, so the estimate stays unbiased with second moment ×9/8 (Thm 3).
 
-Wire: ``codes`` — one packed stream of 1 + ⌈log2(s+1)⌉ bits per value in :mod:`gradpress.bits`' layout,
+Wire: ``codes`` — one packed stream of 1 + ⌈log2(s+1)⌉ bits per value in :mod:`gradpress.kernels.bits`' layout,
 each 2k + sign (the sign in bit 0, the level number k ∈ 0..s above it) — and ``norms``: one float32 per
 bucket, or natural compression's 1 byte per bucket + 1 header byte.
 
@@ -22,7 +22,7 @@ probability F·2^-24, F a 24-bit integer. Standard: k = ⌊t⌋ >> 24 and F = t'
 or above 2^(1-s), y = 2^e (1 + m·2^-23) rounds up to 2^(e+1) with F = 2m (C_nat itself); below, to
 2^(1-s) with F = ⌊y·2^(s+23)⌋. Probabilities are exact to 2^-24 of a level gap.
 
-Randomness, from the counter hash of :mod:`gradpress.rng` under the rank's private seed: one 32-bit hash
+Randomness, from the counter hash of :mod:`gradpress.core.rng` under the rank's private seed: one 32-bit hash
 word serves two values, element i taking half i & 1 of mix32(i >> 1) as a 16-bit uniform u. The value
 rounds up iff u < ⌊F / 2^8⌋, or, when u = ⌊F / 2^8⌋ (probability 2^-16), iff the top 8 bits of a second
 hash of i under a tie seed are below F mod 2^8: P(up) = ⌊F/2^8⌋·2^-16 + 2^-16·(F mod 2^8)·2^-8 = F·2^-24,
@@ -32,7 +32,7 @@ fl32(fl32(ν/s)·k), or fl32(ν·2^(k-s)).
 The numba kernels (CPU, :mod:`gradpress.compressors.dither_kernels`) make one pass over the values, or
 two when a bucket is too large for the cache (the norm's, then the encoder's), in blocks of values: the
 block's hash words, its bucket segments quantized into byte codes, which are then packed 8 at a time (SWAR:
-shifts and masks in 64-bit words, :func:`gradpress.bits.pack_groups`); decoding unpacks the same way and
+shifts and masks in 64-bit words, :func:`gradpress.kernels.bits.pack_groups`); decoding unpacks the same way and
 computes ±scale·level per code, which an all-gather's sum adds straight into its float32 total
 (:meth:`Dithering.accumulate`: no decoded temporary per worker). NaN/Inf: the encoder sees them in each
 bucket's largest |x| (computed for the norm anyway) and stops; the compressors raise NonFiniteError then,
@@ -47,16 +47,16 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gradpress._numba import ADD, as_numpy, fold_mode, jit, use_numba, wide_vectors
-from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, finish_fold, register
+from gradpress.kernels.jit import ADD, as_numpy, fold_mode, jit, use_numba, wide_vectors
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.core.compressor import Compressor, check_finite, finish_fold, register
 from gradpress.compressors.dither_kernels import (CHUNK, U, _bucket_norms_numba, _decode_add_numba, _decode_numba,
                                                   _encode_numba)
 from gradpress.compressors.natural import Natural
 from gradpress.compressors.onebit import fixed_point_scale, mean_of, to_fixed
-from gradpress.packet import Packet
-from gradpress.registry import param
-from gradpress.rng import Context, mix32_torch, seed32
+from gradpress.core.packet import Packet
+from gradpress.core.registry import param
+from gradpress.core.rng import Context, mix32_torch, seed32
 
 Norm = Literal["1", "2", "inf"]
 Partition = Literal["natural", "standard"]

@@ -3,7 +3,7 @@ the torch path they match bit for bit).
 
 One pass over the values, or two when a bucket is too large for the cache (the norm's, then the
 encoder's), in blocks of BLOCK values: the block's hash words, its bucket segments quantized into byte
-codes, which are then packed 8 at a time (:func:`gradpress.bits.pack_groups`); decoding unpacks the same
+codes, which are then packed 8 at a time (:func:`gradpress.kernels.bits.pack_groups`); decoding unpacks the same
 way and computes ±scale·level per code. The helpers are inlined (``inline``) and each kernel asks for
 the CPU's widest vectors (``wide_vectors``). NaN/Inf: the encoder sees them in each bucket's largest |x|
 (computed for the norm anyway) and stops.
@@ -14,10 +14,10 @@ import math
 
 import numpy as np
 
-from gradpress._numba import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, bits_of_f32, bits_of_f64,
+from gradpress.kernels.jit import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, bits_of_f32, bits_of_f64,
                               f32_from_bits, f64_from_bits, fold, fold_top, fused, jit, kernel, mix32,
                               mix32_from, mul32, wide_vectors)
-from gradpress.bits import pack_groups, unpack_groups
+from gradpress.kernels.bits import pack_groups, unpack_groups
 
 U = np.uint32
 CHUNK = 256  # the norm's summation order: a halves tree over each chunk, then over the chunk sums
@@ -315,7 +315,7 @@ DECODE = -1  # _decode_segment's mode that stores the decoded values as they are
 def _decode_segment(codes, base, start, stop, scale, levels, natural, mode, count, reciprocal,
                     out):  # pragma: no cover - compiled
     """±fl32(scale · k) (standard, scale = fl32(ν/s)) or ±ν·2^(k-s) (natural, scale = ν) per code, stored
-    into ``out`` (``mode`` :data:`DECODE`) or folded into it in float32 (:func:`gradpress._numba.fold`);
+    into ``out`` (``mode`` :data:`DECODE`) or folded into it in float32 (:func:`gradpress.kernels.jit.fold`);
     the largest exponent field stored when finishing."""
     largest = np.int32(0)
     for i in range(start, stop):
@@ -377,7 +377,7 @@ def _decode_add_numba(packed, norms, bucket, levels, natural, code_bits, total, 
                       count):  # pragma: no cover - compiled
     """``total += decode(packed)`` in float32, in one pass (an all-gather's sum: no decoded temporary per
     worker; the same bits as adding :func:`_decode_numba`'s output), or another
-    :data:`gradpress._numba.ADD` mode; the largest exponent field stored when finishing."""
+    :data:`gradpress.kernels.jit.ADD` mode; the largest exponent field stored when finishing."""
     wide_vectors()
     if mode == STORE:
         return _decode_blocks(packed, norms, bucket, levels, natural, code_bits, STORE, count, total)

@@ -16,7 +16,7 @@ float32's largest value) the scale is Dettmers' own, the largest magnitude.
 indexed by the top 16 bits of its order-preserving bit pattern (a cell spans a 2^-7 relative range).
 Each entry holds the number of edges below its cell and the low 16 bits of the edge inside it, if any,
 so one table read and one comparison place a value; the numba kernels read the table 16 values at a
-time (:func:`gradpress._numba.gather16`). The dynamic-tree edges are more than 2^-7 apart relative to
+time (:func:`gradpress.kernels.jit.gather16`). The dynamic-tree edges are more than 2^-7 apart relative to
 their size, so no cell holds two of them (SketchML's quantiles may: its kernel probes those cells).
 """
 from __future__ import annotations
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
+from gradpress.kernels.jit import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
                               gather16, jit, kernel, use_numba)
-from gradpress.compressor import Compressor, finish_fold, register
+from gradpress.core.compressor import Compressor, finish_fold, register
 from gradpress.compressors.onebit import as_float32, checked_max_magnitude
-from gradpress.packet import Packet
-from gradpress.rng import Context
+from gradpress.core.packet import Packet
+from gradpress.core.rng import Context
 
 
 def dynamic_tree_table() -> torch.Tensor:
@@ -237,7 +237,7 @@ def _lookup(values, codes, out):  # pragma: no cover - compiled
 
 @kernel(inline="always")
 def _lookup_fold_loop(values, codes, total, mode, count, reciprocal):  # pragma: no cover - compiled
-    """:func:`gradpress._numba.fold` of values[codes] into ``total``, BLOCK values at a time: gathered 16
+    """:func:`gradpress.kernels.jit.fold` of values[codes] into ``total``, BLOCK values at a time: gathered 16
     at a time into a scratch block, then folded (one vectorized loop); the largest exponent field stored
     when finishing."""
     n = codes.size
@@ -260,7 +260,7 @@ def _lookup_fold_loop(values, codes, total, mode, count, reciprocal):  # pragma:
 
 @fused
 def _lookup_add(values, codes, total, mode, count):  # pragma: no cover - compiled
-    """total += values[codes] (or another :data:`gradpress._numba.ADD` mode: a constant in each call of
+    """total += values[codes] (or another :data:`gradpress.kernels.jit.ADD` mode: a constant in each call of
     :func:`_lookup_fold_loop`)."""
     c, r = np.float32(count), np.float32(1.0 / max(count, 1))
     if mode == STORE:

@@ -7,11 +7,11 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from gradpress._numba import (bits_of_f32, f16_bits_of_f32, f32_from_bits, f32_of_f16_bits, jit, use_numba,
+from gradpress.kernels.jit import (bits_of_f32, f16_bits_of_f32, f32_from_bits, f32_of_f16_bits, jit, use_numba,
                               wide_vectors)
-from gradpress.compressor import Compressor, check_finite, count_nonfinite, register, scaled_sum, sum_addends
-from gradpress.packet import Packet
-from gradpress.rng import Context
+from gradpress.core.compressor import Compressor, check_finite, count_nonfinite, register, scaled_sum, sum_addends
+from gradpress.core.packet import Packet
+from gradpress.core.rng import Context
 
 
 @register("none")
@@ -59,7 +59,7 @@ class _Cast(Compressor):
 @dataclass(repr=False)
 class _CheckedCast(_Cast):
     """A cast whose rounding may overflow the wire format: the wire values are checked, NaN/Inf of the
-    input raising :class:`~gradpress.compressor.NonFiniteError`, finite values that round to ±Inf an
+    input raising :class:`~gradpress.core.compressor.NonFiniteError`, finite values that round to ±Inf an
     ``OverflowError``.
 
     A float32 CPU tensor is cast by one numba pass that also keeps the largest exponent field of the
@@ -71,7 +71,7 @@ class _CheckedCast(_Cast):
 
     def compress(self, x: torch.Tensor, ctx: Context | None = None, *,
                  prepared: torch.Tensor | None = None) -> Packet:
-        """The base class's :meth:`~gradpress.compressor.Compressor.compress`, with a shortcut for the
+        """The base class's :meth:`~gradpress.core.compressor.Compressor.compress`, with a shortcut for the
         common case (a non-empty contiguous float32 CPU tensor): a cast is a single memory pass, so the
         checks and calls around it are a visible part of its cost."""
         if type(x) is torch.Tensor and x.dtype is torch.float32 and prepared is None and x.is_contiguous() \

@@ -23,7 +23,7 @@ from numba.core import cgutils, config, types
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-from gradpress._numba import jit
+from gradpress.kernels.jit import jit
 
 LANES = 16  # elements per vector: 16 float32 = 512 bits
 

@@ -25,7 +25,7 @@ probability 2^e/P, decided by e − log2 P fresh hash bits all being zero, so it
 power of 2" (Section 5 and App. B). We read *nearest* in value: round up iff the first mantissa bit is
 set (|t| ≥ 1.5·2^⌊log2|t|⌋, ties up), and below the window to P iff |t| ≥ P/2. It is biased.
 
-The random bits are the counter hash of :mod:`gradpress.rng` (``mix32``) of the element index under the
+The random bits are the counter hash of :mod:`gradpress.core.rng` (``mix32``) of the element index under the
 rank's private seed: the top 23 bits decide the mantissa rounding (up iff they are < m: probability
 exactly m·2^-23), the low 9 bits, and further hash words if needed, the below-window step.
 """
@@ -37,12 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress._numba import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, as_numpy, bits_of_f32, f32_from_bits,
+from gradpress.kernels.jit import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, as_numpy, bits_of_f32, f32_from_bits,
                               fold, fold_mode, fold_top, fused, jit, kernel, mix32, mix32_from, mul32,
                               use_numba, wide_vectors)
-from gradpress.compressor import Compressor, check_finite, finish_fold, register
-from gradpress.packet import Packet
-from gradpress.rng import Context, mix32_torch, seed32
+from gradpress.core.compressor import Compressor, check_finite, finish_fold, register
+from gradpress.core.packet import Packet
+from gradpress.core.rng import Context, mix32_torch, seed32
 
 U = np.uint32
 WINDOW = 127  # powers of two a 7-bit code names (code 0 is zero)
@@ -227,7 +227,7 @@ def _decode_numba(codes, top, out):  # pragma: no cover - compiled
 
 @kernel(inline="always")
 def _decode_fold(codes, top, total, mode, count, reciprocal):  # pragma: no cover - compiled
-    """:func:`gradpress._numba.fold` of each decoded value into ``total`` (``mode`` a constant)."""
+    """:func:`gradpress.kernels.jit.fold` of each decoded value into ``total`` (``mode`` a constant)."""
     bottom = U(top % WINDOW)
     scale = np.float32(2.0**top)
     largest = np.int32(0)
@@ -242,7 +242,7 @@ def _decode_fold(codes, top, total, mode, count, reciprocal):  # pragma: no cove
 @fused
 def _decode_add_numba(codes, top, total, mode, count):  # pragma: no cover - compiled
     """``total += decode(codes)`` in one pass (an all-gather's sum: no decoded temporary per worker), or
-    another :data:`gradpress._numba.ADD` mode; the largest exponent field stored when finishing."""
+    another :data:`gradpress.kernels.jit.ADD` mode; the largest exponent field stored when finishing."""
     wide_vectors()
     c, r = np.float32(count), np.float32(1.0 / max(count, 1))
     if mode == STORE:
@@ -278,7 +278,7 @@ def _round_up(fraction: torch.Tensor, words: torch.Tensor | None) -> torch.Tenso
 def natural_round(values: torch.Tensor, words: torch.Tensor | None) -> torch.Tensor:
     """C_nat (Def. 1) of float32 ``values``: each becomes sign·2^⌊log2|t|⌋ or sign·2^⌈log2|t|⌉.
 
-    ``words`` holds 32 random bits per value as int64 (``gradpress.rng.mix32_torch``); a value rounds up
+    ``words`` holds 32 random bits per value as int64 (``gradpress.core.rng.mix32_torch``); a value rounds up
     iff the top 23 bits are below its mantissa, so E[C_nat(t)] = t exactly. ``words=None`` rounds to the
     nearest power in value instead (the paper's deterministic variant). Subnormals round like any value.
     Raises OverflowError if a value could round up to 2^128, beyond float32.

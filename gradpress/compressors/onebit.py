@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress._numba import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
+from gradpress.kernels.jit import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
                               jit, kernel, select_bits64, use_numba, wide_vectors)
-from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, finish_fold, register, scaled_into_bits, sum_addends
-from gradpress.packet import Packet
-from gradpress.registry import param
-from gradpress.rng import Context
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.core.compressor import Compressor, check_finite, finish_fold, register, scaled_into_bits, sum_addends
+from gradpress.core.packet import Packet
+from gradpress.core.registry import param
+from gradpress.core.rng import Context
 
 
 # -- exact group means (shared with sign.py, adaptive.py, sketchml.py) -----------------------------
@@ -109,7 +109,7 @@ def mean_of(total: int, count: int, scale: float) -> float:
 def _max_magnitude_bits(bits, addends=None):  # pragma: no cover - compiled
     """Largest float32 magnitude's bit pattern (uint32; NaN/Inf patterns are above every finite one).
     ``addends`` (m, g, β, γ) or None: bits are not read but written, x = fl32(fl32(m·β) + fl32(g·γ))
-    (fused error feedback: :func:`~gradpress.compressor.scaled_into_bits`)."""
+    (fused error feedback: :func:`~gradpress.core.compressor.scaled_into_bits`)."""
     if addends is not None:
         return scaled_into_bits(addends, bits, 0, bits.size)
     top = np.uint32(0)
@@ -229,7 +229,7 @@ class OneBit(Compressor):
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean mask as packed bits (the :func:`gradpress.bits.pack_bits` layout)."""
+    """A boolean mask as packed bits (the :func:`gradpress.kernels.bits.pack_bits` layout)."""
     return pack_bits(mask.to(torch.uint8), 1)
 
 
@@ -266,7 +266,7 @@ def fold_two_levels(bits: torch.Tensor, low: float, high: float, total: torch.Te
 
 @kernel(inline="always")
 def _fold_two_levels(packed, low, high, total, mode, count, reciprocal):  # pragma: no cover - compiled
-    """:func:`gradpress._numba.fold` of (high if bit i is set, else low) into total_i (float32): 64 values
+    """:func:`gradpress.kernels.jit.fold` of (high if bit i is set, else low) into total_i (float32): 64 values
     per word of bits, one vector select into a 64-value scratch, then one vectorized fold; the largest
     exponent field stored when finishing."""
     n = total.size
@@ -290,7 +290,7 @@ def _fold_two_levels(packed, low, high, total, mode, count, reciprocal):  # prag
 
 @fused
 def _add_two_levels(packed, low, high, total, mode, count):  # pragma: no cover - compiled
-    """total_i += high if bit i is set, else low (or another :data:`gradpress._numba.ADD` mode: a constant
+    """total_i += high if bit i is set, else low (or another :data:`gradpress.kernels.jit.ADD` mode: a constant
     in each call of :func:`_fold_two_levels`)."""
     wide_vectors()
     c, r = np.float32(count), np.float32(1.0 / max(count, 1))

@@ -47,13 +47,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradpress import _simd as V
-from gradpress._numba import jit, use_numba
-from gradpress.compressor import (Compressor, NonFiniteError, Preliminary, check_finite, divide,
+from gradpress.kernels import simd as V
+from gradpress.kernels.jit import jit, use_numba
+from gradpress.core.compressor import (Compressor, NonFiniteError, Preliminary, check_finite, divide,
                                   float32_output, register, saturate)
-from gradpress.packet import Packet
-from gradpress.registry import param
-from gradpress.rng import Context
+from gradpress.core.packet import Packet
+from gradpress.core.registry import param
+from gradpress.core.rng import Context
 
 
 @register("powersgd")
@@ -327,7 +327,7 @@ def _streams(matrix: torch.Tensor, factor: torch.Tensor) -> bool:
 
 
 # The products as matrix-vector products that read M once, four rows at a time, in 16-lane vectors
-# (gradpress._simd: IEEE operations, no fused multiply-add): their bits depend on the shapes only, not on
+# (gradpress.kernels.simd: IEEE operations, no fused multiply-add): their bits depend on the shapes only, not on
 # the CPU's vector width nor on where the tensors lie (MKL's may round differently at another address).
 @jit
 def _row_dots(matrix, qt, out, m, n, r):  # pragma: no cover - compiled

@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 import torch
 
-from gradpress.compressor import Compose, Compressor, make, register
-from gradpress.packet import Packet
-from gradpress.registry import param
-from gradpress.rng import Context
+from gradpress.core.compressor import Compose, Compressor, make, register
+from gradpress.core.packet import Packet
+from gradpress.core.registry import param
+from gradpress.core.rng import Context
 
 
 @register("qsparse")

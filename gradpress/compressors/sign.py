@@ -5,7 +5,7 @@ the sign of a momentum z ← (1 − δ)·g + δ·z; the workers' signs are combi
 sign(Σ_i sign(z_i)) (Bernstein et al. 2019, Algorithm 1). EF-signSGD sends (‖x‖₁/d)·sign(x) with error
 feedback (Karimireddy et al. 2019, Algorithm 1).
 
-Bits are packed as :func:`gradpress.bits.pack_bits` lays them out: bit i = [x_i ≥ 0].
+Bits are packed as :func:`gradpress.kernels.bits.pack_bits` lays them out: bit i = [x_i ≥ 0].
 """
 from __future__ import annotations
 
@@ -15,18 +15,18 @@ import numpy as np
 import torch
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from gradpress import _simd as V
-from gradpress._numba import (as_numpy, f64_from_bits, jit, kernel, select_bits64, sign_bits64, sign_flags64,
+from gradpress.kernels import simd as V
+from gradpress.kernels.jit import (as_numpy, f64_from_bits, jit, kernel, select_bits64, sign_bits64, sign_flags64,
                               use_numba, wide_vectors)
-from gradpress.bits import packed_nbytes, unpack_bits
-from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
+from gradpress.kernels.bits import packed_nbytes, unpack_bits
+from gradpress.core.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
 from gradpress.compressors.sparsify import float32_decompress
 from gradpress.compressors.onebit import (add_two_levels, as_float32, checked_fixed_point_scale, decode_two_levels,
                                           fold_two_levels, mean_of, minus_levels, pack_mask, to_fixed)
-from gradpress.feedback import KeyedMemory, SumParts, feedback_registry, spare_for
-from gradpress.packet import Packet
-from gradpress.registry import check_params_of, param
-from gradpress.rng import Context
+from gradpress.core.feedback import KeyedMemory, SumParts, feedback_registry, spare_for
+from gradpress.core.packet import Packet
+from gradpress.core.registry import check_params_of, param
+from gradpress.core.rng import Context
 
 
 @register("signsgd")
@@ -191,7 +191,7 @@ class EFSignSGD(Compressor):
 
 def pack_signs(x: torch.Tensor, where: str = "signsgd") -> tuple[torch.Tensor, bool]:
     """Packed bits [x_i ≥ 0] of a float32 tensor, and whether any element is non-zero; NaN/Inf in x
-    raise :class:`~gradpress.compressor.NonFiniteError` (as ``where``'s)."""
+    raise :class:`~gradpress.core.compressor.NonFiniteError` (as ``where``'s)."""
     if use_numba(x):
         out, flag = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8), np.empty(1, dtype=np.uint8)
         top = _pack_signs(as_numpy(x).view(np.uint32), as_numpy(out), flag)
@@ -215,7 +215,7 @@ def decode_signs(signs: torch.Tensor, low: float, high: float, n: int) -> torch.
 
 # -- kernels: per block of BLOCK values (read from L1 by each loop), a vectorized loop for the reduction (the
 # largest magnitude, the fixed-point L1 sum), then 64 sign bits at a time as one vector compare
-# (:func:`~gradpress._numba.sign_bits64`); decoding selects 64 values per word of bits. Indices are unsigned:
+# (:func:`~gradpress.kernels.jit.sign_bits64`); decoding selects 64 values per word of bits. Indices are unsigned:
 # numba then drops its negative-index wraparound, which would keep LLVM from vectorizing.
 BLOCK = 4096  # a multiple of 64
 NON_FINITE = 0x7F800000  # |x| bit patterns from here up are Inf and NaN
@@ -261,7 +261,7 @@ def _pack_signs(bits, out, nonzero, addends=None):  # pragma: no cover - compile
     from memory.
 
     Without addends each word of 64 values is loaded once, for its sign bits and both flags
-    (:func:`~gradpress._numba.sign_flags64`): a running maximum of the magnitudes, as the addends' pass
+    (:func:`~gradpress.kernels.jit.sign_flags64`): a running maximum of the magnitudes, as the addends' pass
     keeps, took 1.1× the time."""
     wide_vectors()
     n = bits.size
@@ -385,7 +385,7 @@ class SignumMomentum(KeyedMemory):
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """z·δ + g·(1 − δ) in float32: one numba pass on the CPU (in the key's spare buffer, the storage
         of the z before last), the same bits as torch's two products and sum (float32 operations in the
-        same order, δ and 1 − δ rounded to float32: :func:`~gradpress.compressor.scaled_sum`)."""
+        same order, δ and 1 − δ rounded to float32: :func:`~gradpress.core.compressor.scaled_sum`)."""
         z = self._stored_for(key, grad)
         g = grad.float()
         if z is None:

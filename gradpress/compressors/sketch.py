@@ -40,14 +40,14 @@ from numba.core import cgutils
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
-from gradpress._numba import (as_numpy, bits_of_f32, f32_from_bits, gather16, jit, kernel, mix32, use_numba,
+from gradpress.kernels.jit import (as_numpy, bits_of_f32, f32_from_bits, gather16, jit, kernel, mix32, use_numba,
                               wide_vectors)
-from gradpress.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output,
+from gradpress.core.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output,
                                  nonfinite_error, register)
 from gradpress.compressors.sparsify import keep_count, select_largest, topk_indices
-from gradpress.packet import Packet
-from gradpress.registry import param
-from gradpress.rng import Context, mix32_torch, seed32
+from gradpress.core.packet import Packet
+from gradpress.core.registry import param
+from gradpress.core.rng import Context, mix32_torch, seed32
 
 # How many rows the tensor being compressed has (None: 1-D, or unknown). ``Compressor.compress``
 # flattens before ``_compress`` sees the tensor, so the public entry point records the shape here.
@@ -270,7 +270,7 @@ class Sketch(_Blocks):
     estimate towards it).
 
     Hashes: h_j(i) and s_j(i) come from one counter hash per value and row, ``mix32(i, seed_j)`` of
-    :mod:`gradpress.rng`, seeded per (step, key, row) from the shared stream: h_j(i) from its low 31
+    :mod:`gradpress.core.rng`, seeded per (step, key, row) from the shared stream: h_j(i) from its low 31
     bits by multiply-shift, floor(m·c / 2^31), s_j(i) from its top bit, so the sign is independent of
     the bucket (disjoint bits). They cost O(1) per inserted value (no draw over the whole tensor) and
     are identical on every rank; the table is rebuilt from zero every step (the authors' code keeps

@@ -17,14 +17,14 @@ import torch
 
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from gradpress import _simd as V
-from gradpress._numba import (as_numpy, bits_of_f32, compress_at_least16, finite, jit, kernel, mix32,
+from gradpress.kernels import simd as V
+from gradpress.kernels.jit import (as_numpy, bits_of_f32, compress_at_least16, finite, jit, kernel, mix32,
                               use_numba, wide_vectors)
-from gradpress.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output, register,
+from gradpress.core.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output, register,
                                  sum_addends)
-from gradpress.packet import Packet
-from gradpress.registry import param
-from gradpress.rng import Context, mix32_torch, seed32
+from gradpress.core.packet import Packet
+from gradpress.core.registry import param
+from gradpress.core.rng import Context, mix32_torch, seed32
 
 
 def keep_count(numel: int, ratio: float) -> int:
@@ -291,7 +291,7 @@ def named(where: str | Compressor) -> str:
 def topk_indices(flat: torch.Tensor, k: int, where: str | Compressor = "top-k") -> torch.Tensor:
     """Indices (int64, ascending) of the k largest |flat|, exact, ties going to the lower index.
 
-    Raises :class:`~gradpress.compressor.NonFiniteError` if ``flat`` holds NaN/Inf: on the sampled
+    Raises :class:`~gradpress.core.compressor.NonFiniteError` if ``flat`` holds NaN/Inf: on the sampled
     path every NaN/Inf passes the candidate threshold, so checking the candidates costs O(k), not a
     pass of its own."""
     chosen = _sampled_top(flat if flat.dtype == torch.float32 else flat.float(), k, where)
@@ -380,7 +380,7 @@ def _sampled_top(values: torch.Tensor, k: int, where: str | Compressor,
 def _chosen(candidates: np.ndarray, positions: np.ndarray, k: int, values: torch.Tensor,
             where: str | Compressor) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, values) of the k ``candidates`` of largest magnitude (:func:`_keep_largest`); a NaN/Inf
-    among them raises :class:`~gradpress.compressor.NonFiniteError`, counting those of ``values``."""
+    among them raises :class:`~gradpress.core.compressor.NonFiniteError`, counting those of ``values``."""
     chosen, chosen_values = torch.empty(k, dtype=torch.int32), torch.empty(k, dtype=torch.float32)
     if not _keep_largest(candidates, positions, k, as_numpy(chosen_values), as_numpy(chosen)):
         check_finite(values, named(where))

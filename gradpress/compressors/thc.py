@@ -13,7 +13,7 @@ decodes once into the mean (Definitions 2 and 3, "uniform homomorphic compressio
   which are also what the aggregator adds (lines 7-8; ``max_summand`` = 2^b − 1); decoding is line 9,
   m + (X/n)·(M − m)/(2^b − 1). Unbiased; no error feedback.
 * ``thc`` (Sections 5.1-5.3, Algorithm 3): the randomized Hadamard transform R = H·D·x/√d
-  (:mod:`gradpress.hadamard`: partitions of at most ``partition`` values, each zero-padded to a power of
+  (:mod:`gradpress.kernels.hadamard`: partitions of at most ``partition`` values, each zero-padded to a power of
   two, the ±1 diagonal D from the stream shared by every worker per (step, key)); the preliminary max of
   the workers' L2 norms ℓ (lines 6-8); M = t_p·ℓ/√d, m = −M, t_p = Φ⁻¹(1 − p/2) (line 11), with d the
   number of transformed coordinates (the padded length, so that ℓ/√d is exactly their root mean
@@ -21,7 +21,7 @@ decodes once into the mean (Definitions 2 and 3, "uniform homomorphic compressio
   restricted to the lookup table's values T[z] (lines 13-14, Algorithm 2 lines 1-4); the b-bit table
   indices z on the wire (line 15). The aggregator looks up T[z] ∈ {0..g} and adds (line 17,
   ``max_summand`` = g); decoding divides by the count, maps back (lines 18-19) and inverts the
-  transform (line 20). The table is :func:`gradpress.thc_table`'s default (the paper's App. B solver
+  transform (line 20). The table is :func:`gradpress.compressors.thc_table`'s default (the paper's App. B solver
   restricted to tables symmetric under T ↦ g − T), which reproduces the authors' published tables,
   e.g. (b, g, p) = (4, 30, 1/32) → 0,3,5,7,9,11,13,14,16,17,19,21,23,25,27,30; the spec key
   ``symmetric=false`` takes the unrestricted optimum instead (never worse; much better for some even
@@ -31,7 +31,7 @@ decodes once into the mean (Definitions 2 and 3, "uniform homomorphic compressio
   runtime's residual memory stores, x minus the decompression of the worker's own packet (it keeps
   the rounding noise as well as the truncation error, as line 21 does).
 
-Rounding noise comes from the *private* stream (the counter hash of :mod:`gradpress.rng`), so the
+Rounding noise comes from the *private* stream (the counter hash of :mod:`gradpress.core.rng`), so the
 workers' errors are independent and the error of the mean falls as 1/n; the authors' code draws it
 from a seed shared by all workers, which correlates the errors (a defect we do not copy).
 
@@ -44,7 +44,7 @@ The all-reduce strategy sends those summands, not the packed b-bit indices; in p
 switch modes the server receives the b-bit indices and looks them up itself (Section 6, Fig. 4).
 
 Speed (issue 12): on CPU tensors each method is a few numba passes (the vector kernels below, on
-:mod:`gradpress._simd`): ``thc`` compresses in two passes per Hadamard block (the transform's pass A;
+:mod:`gradpress.kernels.simd`): ``thc`` compresses in two passes per Hadamard block (the transform's pass A;
 pass B fused with the scaling, the quantization and the packing) after the preliminary norm, and decodes
 a packet or a sum in two passes (unpacking and table lookup fused into pass A; D, the scale and the
 output into pass B); ``thc_uniform`` quantizes and packs in one pass after its min/max, and decodes in
@@ -58,7 +58,7 @@ Without it (the first step, whose compensated tensor is the gradient itself), :m
 decodes and subtracts in one kernel, the same bits. The torch path (other devices, or
 ``GRADPRESS_NUMBA=0``) does the same float32 operations in the same order and gives the same bits (its
 residual: x minus the decoding, as the base class's). Issue 12 changed two bits of the method that reach
-the wire (its layout does not change): the RHT signs come 32 to a hash (:mod:`gradpress.hadamard`), and a
+the wire (its layout does not change): the RHT signs come 32 to a hash (:mod:`gradpress.kernels.hadamard`), and a
 step up is drawn as (mix32(i, seed) >> 8) < (a − T[z])·2^24/(T[z+1] − T[z]) in float32, the old
 comparison of r·2^-24 with the probability less one multiplication (they differ only where the
 probability is below float32's normal range); the same inputs, seeds and keys therefore give other codes
@@ -74,19 +74,19 @@ import numpy as np
 import torch
 from scipy.stats import norm
 
-from gradpress import _simd as V
-from gradpress._numba import GOLDEN, as_numpy, bits_of_f32, jit, kernel, mix32, squares, use_numba
-from gradpress.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.compressor import (Compressor, Preliminary, check_finite, float32_output, register, saturate,
+from gradpress.kernels import simd as V
+from gradpress.kernels.jit import GOLDEN, as_numpy, bits_of_f32, jit, kernel, mix32, squares, use_numba
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.core.compressor import (Compressor, Preliminary, check_finite, float32_output, register, saturate,
                                  sum_addends)
-from gradpress.hadamard import (_PANEL, _STREAMED, DEFAULT_PARTITION, ONE, _columns_but_last, _geometry, _kernel_args,
+from gradpress.kernels.hadamard import (_PANEL, _STREAMED, DEFAULT_PARTITION, ONE, _columns_but_last, _geometry, _kernel_args,
                                 _last_group, _load_signed, _load_signed_rows, _negative, _quad, _radix_any,
                                 _inverse_store, _row_rest, _row_small, _stages, apply_rht, inverse_columns, inverse_rht,
                                 rht_layout, work_buffer)
-from gradpress.packet import Packet
-from gradpress.registry import param
-from gradpress.rng import Context, mix32_torch, seed32
-from gradpress.thc_table import thc_table
+from gradpress.core.packet import Packet
+from gradpress.core.registry import param
+from gradpress.core.rng import Context, mix32_torch, seed32
+from gradpress.compressors.thc_table import thc_table
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -102,7 +102,7 @@ class Grid:
     optimal for a given table. ``values`` are the table values as the integers an aggregator adds.
 
     The draw: up exactly when r < (a − T[z])·2^24/(T[z+1] − T[z]) in float32, r = mix32(i, seed) >> 8 the
-    24-bit integer of the counter hash (gradpress.rng) for coordinate i: r·2^-24 < the probability, but
+    24-bit integer of the counter hash (gradpress.core.rng) for coordinate i: r·2^-24 < the probability, but
     without a multiplication by 2^-24 per value (the power of two is in ``inv_gap``).
     """
 
@@ -211,7 +211,7 @@ def _quantize_numba(x, pre, origin, scale, top, gap, table, inv_gap, seed, codes
 
 
 # -- the vector kernels --------------------------------------------------------------------------------
-# THC in two passes over each Hadamard block (gradpress.hadamard's vector kernel). Compressing, pass A loads
+# THC in two passes over each Hadamard block (gradpress.kernels.hadamard's vector kernel). Compressing, pass A loads
 # the block with its signs and runs the stages within a row; pass B runs the stages across rows, the last
 # four of them straight into 16 vectors of scratch, which the quantizer scales, rounds and packs (a
 # NaN/Inf input shows in any vector of its block). Decoding, pass A unpacks the codes and looks up their
@@ -245,7 +245,7 @@ def _golden(k):  # pragma: no cover - compiled
 @kernel(inline="always")
 def _write_codes(codes, byte, v, bits, valid):  # pragma: no cover - compiled
     """The 16 codes of ``v`` (below 2^bits) packed into the 2·bits bytes at codes[byte:], or only their
-    first ``valid`` bytes (gradpress.bits' layout)."""
+    first ``valid`` bytes (gradpress.kernels.bits' layout)."""
     u = np.uint64
     whole = valid >= u(2) * bits
     if whole and bits == u(4):
@@ -350,7 +350,7 @@ def _exponent(exponent, v):  # pragma: no cover - compiled
 @jit
 def _thc_compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
                   point_gap, point_low, point_inv, seed, bits, codes):  # pragma: no cover - compiled
-    """THC's compression (Algorithm 3 lines 9-15) of float32 ``x``: the RHT (gradpress.hadamard's layout
+    """THC's compression (Algorithm 3 lines 9-15) of float32 ``x``: the RHT (gradpress.kernels.hadamard's layout
     arguments and work buffer), Grid.quantize on the grid (pre, origin, qscale, top) and the packing of
     the b-bit codes into ``codes`` (zeroed where a block has fewer than 16 values). Returns the largest
     exponent field of the transformed values (all ones: x held NaN or Inf)."""
@@ -831,7 +831,7 @@ class THC(_Homomorphic):
 
     ``bits`` b (4), ``granularity`` g (30), ``p`` (1/32: t_p = Φ⁻¹(1 − p/2) = 2.1539), ``partition``
     (2^20 values per Hadamard block): the authors' configuration. ``symmetric`` (true): the table of
-    the paper's solver, as published; false: :func:`gradpress.thc_table`'s global optimum, better where
+    the paper's solver, as published; false: :func:`gradpress.compressors.thc_table`'s global optimum, better where
     the reflection T ↦ g − T excludes the midpoint g/2 (even g; b = 4, g = 16: half the table error).
 
     Biased by truncation: error feedback ``residual`` (Algorithm 3 line 21). Upstream ⌈b·d'/8⌉ bytes
@@ -869,7 +869,7 @@ class THC(_Homomorphic):
         """Algorithm 3 lines 6-8: this worker's ‖x‖₂ (sent as float64), combined by max into ℓ.
 
         In float64, whose squares of float32 values are exact and never overflow nor underflow: on the
-        CPU one numba pass (:func:`~gradpress._numba.squares`), elsewhere torch's float64 norm. The two
+        CPU one numba pass (:func:`~gradpress.kernels.jit.squares`), elsewhere torch's float64 norm. The two
         sum in different orders, ~1e-16 apart, below what M = t_p·ℓ/√d keeps once rounded to float32."""
         flat = x.reshape(-1)
         if flat.dtype == torch.float32 and flat.is_contiguous() and use_numba(flat):

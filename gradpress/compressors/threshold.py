@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress._numba import abs_above64, as_numpy, compress_above16, jit, mix32, use_numba, wide_vectors
-from gradpress.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
+from gradpress.kernels.jit import abs_above64, as_numpy, compress_above16, jit, mix32, use_numba, wide_vectors
+from gradpress.core.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
 from gradpress.compressors.onebit import as_float32
 from gradpress.compressors.sparsify import Sparse, named
-from gradpress.packet import Packet
-from gradpress.registry import param
-from gradpress.rng import Context, mix32_torch, seed32
+from gradpress.core.packet import Packet
+from gradpress.core.registry import param
+from gradpress.core.rng import Context, mix32_torch, seed32
 
 MIN_SAMPLE = 4096  # below this many elements the threshold comes from the whole tensor, exactly
 MIN_KEPT = 50      # a sample large enough to hold this many kept elements (±14 % on the count)
@@ -72,7 +72,7 @@ def packet_above(flat: torch.Tensor, threshold: float, where: str | Compressor =
                  checked: bool = False, addends: tuple | None = None) -> Packet:
     """:func:`sparse_packet` of the elements with |x| > threshold, values and int32 indices gathered in
     the pass that finds them (numba: 16 values at a time, compressed in registers), which also keeps
-    the largest |x|: NaN/Inf in ``flat`` raise :class:`~gradpress.compressor.NonFiniteError` (as
+    the largest |x|: NaN/Inf in ``flat`` raise :class:`~gradpress.core.compressor.NonFiniteError` (as
     ``where``'s), so the caller needs no check pass (``checked``: the caller's own pass has found x
     finite). ``expected``: about how many will be kept (DGC's estimate): buffers of twice that, and a
     second pass with whole-size ones if more are found. Buffers are trimmed to the count found unless

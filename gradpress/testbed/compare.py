@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from gradpress import cli
-from gradpress.registry import split_specs
+from gradpress.core.registry import split_specs
 from gradpress.testbed.report import write_report
 from gradpress.testbed.results import REFERENCES, Run
 from gradpress.testbed.train import (

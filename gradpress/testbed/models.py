@@ -1,7 +1,7 @@
 """The testbed's models, their losses and quality metrics (GRACE, Xu et al., Section 5's workloads).
 
 ``make_model("resnet:width=32", data=dataset)`` builds a registered model from a spec string (the same
-syntax as compressors, :mod:`gradpress.registry`), taking the sizes it needs (classes, vocabulary,
+syntax as compressors, :mod:`gradpress.core.registry`), taking the sizes it needs (classes, vocabulary,
 users, items) from the dataset. ``evaluate(model, dataset)`` measures quality on the test split.
 
 =============  ==============  ===========================================================================
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradpress.registry import Registry, format_spec, parse_spec, spec_fields
+from gradpress.core.registry import Registry, format_spec, parse_spec, spec_fields
 from gradpress.testbed.data import Dataset
 
 models: Registry = Registry("model")

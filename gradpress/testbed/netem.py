@@ -21,10 +21,10 @@ import subprocess
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from gradpress.costmodel import rate_bits_per_second
+
 SUBNET = "10.213.0"  # only ever configured inside the namespaces created here
 INTERFACE = "eth0"
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)$", re.I)
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(b|k|kb|m|mb|g|gb|kbit|mbit|gbit)?$", re.I)
 #: tc's size units (iproute2's ``get_size``: binary prefixes for bytes, ``…bit`` for bits)
 _SIZE_UNITS = {"b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2, "g": 1024**3, "gb": 1024**3,
@@ -36,14 +36,6 @@ QUEUE_LATENCY = "50ms"
 
 class NetworkUnavailable(RuntimeError):
     """The emulated network can't be built here (not root, or no iproute2)."""
-
-
-def rate_bits_per_second(rate: str) -> float:
-    """``"100mbit"`` -> 1e8 (tc's units: bit, kbit, mbit, gbit, tbit; decimal prefixes)."""
-    match = _RATE.match(rate.strip())
-    if not match:
-        raise ValueError(f"bandwidth {rate!r}: expected a number and a unit, e.g. 100mbit or 1gbit")
-    return float(match[1]) * _UNITS[match[2].lower()]
 
 
 def size_bytes(size: str | float) -> float:

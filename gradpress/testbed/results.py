@@ -20,7 +20,7 @@ evaluation**, so that quality against wall-clock measures training only (GRACE F
 Bytes: ``bytes_sent`` is GRACE's data volume: the sizes of the tensors this rank hands to collectives in
 this step (``Packet.nbytes`` summed; 4 bytes per element for ``torch-allreduce``), not the bytes a
 collective algorithm moves internally (a ring all-reduce moves 2(n−1)/n of its input;
-:mod:`gradpress.testbed.costmodel` accounts for that).
+:mod:`gradpress.costmodel` accounts for that).
 
 Non-finite quality values (a diverged run: loss NaN, perplexity inf) are valid results and round-trip
 through JSON as Python writes them (``NaN``, ``Infinity``).
@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from gradpress.costmodel import DEFAULT_LATENCY, Breakdown, Phase, predict_step_time
 from gradpress.testbed.models import QUALITY
 from gradpress.testbed.netem import rate_bits_per_second
 
@@ -373,3 +374,22 @@ def _build(cls: type, obj: Any, where: str) -> Any:
         return cls(**obj)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+
+
+def predict_from_run(run: Run, *, bandwidth: float | str, n: int, strategy: str,
+                     latency: float = DEFAULT_LATENCY, overlap: bool = False,
+                     nbytes_down: float | None = None) -> Breakdown:
+    """Predict the step time of ``run``'s compressor at another ``bandwidth`` and ``n``.
+
+    Uses the run's steady-state mean compute and compression times and its mean bytes per step
+    (GRACE's data volume: the input size of the collectives, one worker's B) — per-worker batch and
+    packet size do not depend on n. A multi-phase method's bytes are priced as one ``strategy``.
+    """
+    phase = Phase(strategy, run.bytes_per_step, nbytes_down)
+    return predict_step_time(run.mean_compute_s, run.mean_compress_s, phase, n=n, bandwidth=bandwidth,
+                             latency=latency, overlap=overlap)
+
+
+def measured_breakdown(run: Run) -> Breakdown:
+    """The run's own steady-state means, in the same shape as a prediction (total = mean step time)."""
+    return Breakdown(run.mean_compute_s, run.mean_compress_s, run.mean_comm_s, run.mean_step_s)

@@ -662,12 +662,12 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 
 # -- checks before any worker starts ------------------------------------------------------------------------
 def check_options(options: dict[str, Any]) -> None:
-    """Raise ValueError unless every key is a runtime option (a field of :class:`gradpress.runtime.Options`)
+    """Raise ValueError unless every key is a runtime option (a field of :class:`gradpress.exchange.pipeline.Options`)
     and its value has the option's type; ranges and combinations are :func:`check_exchange`'s."""
     import dataclasses
     import typing
 
-    from gradpress.runtime import Options
+    from gradpress.exchange.pipeline import Options
 
     hints = typing.get_type_hints(Options)
     known = [f.name for f in dataclasses.fields(Options) if f.init]
@@ -737,7 +737,7 @@ def check_exchange(config: TrainConfig) -> None:
     runtime's own checks, run in this process by :class:`gradpress.Simulator` (no worker starts)."""
     import gradpress
     from gradpress.auto import AutoOptions
-    from gradpress.runtime import Options
+    from gradpress.exchange.pipeline import Options
 
     check_options(config.options)
     options = {"seed": config.seed, **config.options}
@@ -781,7 +781,7 @@ def check_launch(config: TrainConfig) -> Any:
 
 def checked_config(args: argparse.Namespace, compressor: str) -> TrainConfig:
     """:func:`config_from_args` with :func:`check_launch`'s checks (UsageError)."""
-    from gradpress.runtime import Options
+    from gradpress.exchange.pipeline import Options
 
     try:
         config = config_from_args(args, compressor)

@@ -3,7 +3,7 @@
 GRACE's lesson (Xu et al., Section 6) is that no compressor wins everywhere: whether one pays off
 depends on the model, the network and the compression overhead, so profile first. ``advise`` profiles
 on this machine, without training across processes, and prices every candidate with the α–β model of
-:mod:`gradpress.testbed.costmodel` (the model ``gradpress sim cost`` checks against ``compare``'s runs):
+:mod:`gradpress.costmodel` (the model ``gradpress sim cost`` checks against ``compare``'s runs):
 
 **Compute** (:func:`profile_compute`). The model is wrapped in a real
 :class:`~torch.nn.parallel.DistributedDataParallel` over a one-process Gloo group with a hook that returns
@@ -32,18 +32,18 @@ whatever n). The **bytes each rank sends** per bucket are the strategy's collect
 an all-reduce (integers widened to hold n workers' sums, as the strategy widens them — THC's 4-bit
 indices travel as 8-bit table values), the packed packets of an all-gather (after a sizes header
 where packet sizes vary), and a preliminary exchange (THC's norm, PowerSGD's P, CLT-k's leader indices)
-before it; they are priced among n workers by :data:`~gradpress.testbed.costmodel.STRATEGIES` (ring
+before it; they are priced among n workers by :data:`~gradpress.costmodel.STRATEGIES` (ring
 all-reduce, ring all-gather, binomial broadcast). The reference row ``torch-allreduce`` (DDP's own hook)
 compresses nothing and all-reduces each bucket's fp32 bytes; every speed-up is relative to it.
 
-**Prediction** (:func:`predict`, :func:`rank`): :func:`~gradpress.testbed.costmodel.predict_bucketed_step`
+**Prediction** (:func:`predict`, :func:`rank`): :func:`~gradpress.costmodel.predict_bucketed_step`
 — compression on the backward thread as the hook runs it, each bucket's exchange starting when its hook
 returns and the link is free, decoding when it arrives, ``backward()`` returning when both the
 gradients and the last decoding are done — at every ``--bandwidth`` for ``--workers`` n (1–1024) and
 latency α per message, through links with a token bucket of ``--burst`` bytes (tc tbf's) and
-``--efficiency`` per collective where given (:mod:`~gradpress.testbed.costmodel`). :func:`rank` is a pure function of the profile and the candidates' measured
+``--efficiency`` per collective where given (:mod:`~gradpress.costmodel`). :func:`rank` is a pure function of the profile and the candidates' measured
 per-bucket costs (``auto`` can call it with costs measured in a running job). Where a method stops
-paying is :func:`~gradpress.testbed.costmodel.bandwidth_crossing` of the same model against
+paying is :func:`~gradpress.costmodel.bandwidth_crossing` of the same model against
 ``torch-allreduce``.
 
 **Quality** (``--quality-steps K``, :func:`quality_curve`). Each candidate, and ``none`` (the exact mean,
@@ -71,7 +71,6 @@ same link) are commands in the README.
 
 The package holds one part each: :mod:`~gradpress.testbed.advise.workload` (what is profiled: a testbed
 model or a factory), :mod:`~gradpress.testbed.advise.profile` (compute and DDP's buckets),
-:mod:`~gradpress.testbed.advise.costs` (each candidate's measured costs and collectives),
 :mod:`~gradpress.testbed.advise.local` (real steps among local workers),
 :mod:`~gradpress.testbed.advise.ranking` (prediction, ranking, crossings),
 :mod:`~gradpress.testbed.advise.quality` (quality runs, steps to target),
@@ -85,18 +84,17 @@ from gradpress.testbed.advise.advice import (DEMO, RATIO_VARIANTS, Advice, Progr
                                              default_candidates)
 from gradpress.testbed.advise.check import (Checked, RunsLink, check_against, link_from_runs, render_checks,
                                            runs_link, scaled, scaled_cost)
-from gradpress.testbed.advise.command import DEFAULT_BANDWIDTHS, add_parser, workload_of
-from gradpress.testbed.advise.costs import (BASELINE, BucketCost, LocalStep, MethodCost, Transfer, baseline_cost,
+from gradpress.testbed.advise.command import DEFAULT_BANDWIDTHS, add_parser
+from gradpress.costmodel import (BASELINE, BucketCost, LocalStep, MethodCost, Transfer, baseline_cost,
                                             link_phases, measure_method, transfers_of)
 from gradpress.testbed.advise.local import measure_local_steps
 from gradpress.testbed.advise.output import (NEAR, PLOT_RANGE, PLOTTED, describe_profile, plot, render,
                                              summary_lines, to_json)
-from gradpress.testbed.advise.profile import (FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets,
-                                              profile_compute)
+from gradpress.costmodel import FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets, calibrated, predict
+from gradpress.testbed.advise.profile import profile_compute
 from gradpress.testbed.advise.quality import (QUALITY_REFERENCE, QualityCurve, checkpoints, default_tolerance,
                                               quality_curve, quality_target, steps_to_reach)
-from gradpress.testbed.advise.ranking import (CROSSING_RANGE, Ranked, calibrated, crossover, predict, rank,
-                                              register_line, speedup_at)
+from gradpress.testbed.advise.ranking import CROSSING_RANGE, Ranked, crossover, rank, register_line, speedup_at
 from gradpress.testbed.advise.workload import (Workload, factory_workload, is_factory, load_object,
                                                testbed_workload)
 

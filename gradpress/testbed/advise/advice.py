@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 from gradpress import cli
-from gradpress.testbed import costmodel
-from gradpress.testbed.advise.costs import BASELINE, LocalStep, MethodCost, baseline_cost, measure_method
+from gradpress import costmodel
+from gradpress.costmodel.method import BASELINE, LocalStep, MethodCost, baseline_cost, measure_method
 from gradpress.testbed.advise.profile import ComputeProfile, profile_compute
 from gradpress.testbed.advise.quality import (QUALITY_REFERENCE, QualityCurve, quality_curve, quality_target,
                                               steps_to_reach)
@@ -41,7 +41,7 @@ def default_candidates() -> list[str]:
 
 def candidates(text: str) -> list[str]:
     """``default`` (:func:`default_candidates`), ``demo`` (:data:`DEMO`) or comma-separated specs."""
-    from gradpress.registry import split_specs
+    from gradpress.core.registry import split_specs
 
     if text == "default":
         return default_candidates()
@@ -105,7 +105,7 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
            efficiency: Mapping[str, float] | None = None, local: LocalSteps | None = None) -> Advice:
     """Profile ``workload``, measure every spec, rank them at every bandwidth (package doc) through links
     with a token bucket of ``burst`` bytes and ``efficiency`` per strategy
-    (:mod:`~gradpress.testbed.costmodel`; default: a plain link at its rate). A spec that fails to
+    (:mod:`~gradpress.costmodel`; default: a plain link at its rate). A spec that fails to
     measure is left out with its reason (``Advice.skipped``). ``local``: measures the real local steps of
     the specs it is given (``--local-workers``, :func:`~gradpress.testbed.advise.local.measure_local_steps`),
     which then price each method, ``torch-allreduce`` and ``noop`` included

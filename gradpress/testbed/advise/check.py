@@ -6,9 +6,9 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from gradpress.testbed import costmodel
+from gradpress import costmodel
 from gradpress.testbed.advise.advice import Advice
-from gradpress.testbed.advise.costs import BASELINE, MethodCost
+from gradpress.costmodel.method import BASELINE, MethodCost
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.ranking import predict
 
@@ -74,7 +74,7 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     it separates the model from a machine that ran its CPU work at another speed while ``compare`` ran
     (another load; its workers sharing the cores, where ``advise`` measured each part alone on an idle one).
 
-    The links are the runs' own (:mod:`~gradpress.testbed.costmodel`'s two link terms): the token bucket
+    The links are the runs' own (:mod:`~gradpress.costmodel`'s two link terms): the token bucket
     the run recorded (:func:`gradpress.testbed.sim.cost.burst_of`; the testbed's tbf for runs from before
     it was recorded), unless ``advise --burst`` gave one; and, with ``fit_link``, the latency α and each
     strategy's rate beyond the bucket fitted from the runs of the *other* methods on the same n and link
@@ -181,7 +181,7 @@ def link_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost
                    burst: float) -> tuple[float, dict[str, float]] | None:
     """α and each strategy's rate beyond the token bucket, as a fraction of the link's, fitted from
     measured runs of one link, each with the method's priced costs
-    (:func:`~gradpress.testbed.costmodel.fit_link`): a run's mean time in collectives per step against
+    (:func:`~gradpress.costmodel.fit_link`): a run's mean time in collectives per step against
     its collectives' messages and the bytes they carry beyond the tokens its idle time per step
     (step − communication) refilled. Only runs whose bytes beyond the bucket are at least the bucket
     inform the rates: a rate shows in bytes that wait for tokens, and the few milliseconds of a smaller

@@ -2,6 +2,7 @@
 workload they name, and the run that prints the advice."""
 from __future__ import annotations
 
+import sys
 import argparse
 import json
 import math
@@ -12,7 +13,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gradpress import cli
-from gradpress.testbed import costmodel, netem
+from gradpress.testbed import netem
+from gradpress import costmodel
 from gradpress.testbed.advise.advice import DEMO, Advice, advise, candidates
 from gradpress.testbed.advise.check import Checked, check_against, render_checks, runs_link
 from gradpress.testbed.advise.local import measure_local_steps
@@ -84,12 +86,11 @@ def _efficiency(text: str) -> dict[str, float]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from gradpress.testbed import advise as package
     from gradpress.testbed.data import dataset_names
 
     p = subparsers.add_parser("advise", help="which compressor pays off for a model on a network: profile, "
                                              "then the α–β model",
-                              description=package.__doc__.split("\n\n")[0])
+                              description=_package_summary())
     p.add_argument("--model", type=_model, default="mlp-wide",
                    help="a testbed model spec (mlp-wide, resnet:width=32, …) or package.module:factory "
                         "returning an nn.Module (default mlp-wide)")
@@ -140,43 +141,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=cli.output_file, help="write the profile, costs and rankings here")
     p.add_argument("--plot", type=cli.output_file, help="write the speed-up against link speed here (PNG)")
     p.set_defaults(func=_main)
-
-
-def workload_of(args: argparse.Namespace) -> Workload:
-    """The workload the arguments name; :class:`~gradpress.cli.UsageError` for what does not hold together."""
-    factory = is_factory(args.model)
-    if not factory:
-        if args.input_shape is not None or args.batch is not None:
-            raise cli.UsageError(f"--input-shape and --batch are for a package.module:factory model; "
-                                 f"{args.model} is a testbed model and knows its inputs")
-        try:
-            workload = testbed_workload(args.model, args.batch_size, args.data, args.lr)
-        except ValueError as error:
-            raise cli.UsageError(f"--model {args.model}: {cli.one_line(error)}") from None
-    else:
-        if args.data is not None:
-            raise cli.UsageError("--data is for a testbed model; a factory model's batches come from --batch")
-        if args.input_shape is None and args.batch is None:
-            raise cli.UsageError(f"--model {args.model}: a factory model needs --input-shape (random inputs) "
-                                 "or --batch (a function returning (inputs, targets))")
-        try:
-            workload = factory_workload(args.model, args.input_shape, args.batch, args.batch_size, args.lr)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(args.seed)
-                model = workload.build()
-            x, y = workload.sample(torch.Generator().manual_seed(0))
-            workload.loss(model(x), y).backward()
-        except (ValueError, TypeError, RuntimeError) as error:
-            raise cli.UsageError(f"--model {args.model}: {type(error).__name__}: "
-                                 f"{cli.one_line(error)}") from None
-    if args.quality_steps and workload.shard_size is not None:
-        q_workers = args.quality_workers or min(args.workers, 4)
-        if workload.shard_size(q_workers) < workload.batch_size:
-            raise cli.UsageError(f"--batch-size {workload.batch_size}: a shard for {q_workers} quality "
-                                 f"workers holds {workload.shard_size(q_workers)} samples, not one batch")
-    if args.quality_steps and workload.quality_unavailable is not None and factory:
-        raise cli.UsageError(f"--quality-steps: {workload.quality_unavailable}")
-    return workload
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -344,3 +308,8 @@ def _print_checks(console: Any, checks: list[Checked]) -> None:
     if scaled:
         console.print(f"top pick with noop's compute {scaled[0].spec}: measured rank "
                       f"{scaled[0].measured_rank} by samples/s")
+
+
+def _package_summary() -> str:
+    """The first paragraph of the docstring of this command's package (imported before this module)."""
+    return (sys.modules[__package__].__doc__ or "").split("\n\n")[0]

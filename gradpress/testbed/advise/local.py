@@ -5,7 +5,7 @@ The K processes (one Gloo group over loopback, ``--threads`` torch threads each,
 each build the workload's model in DDP with the candidate's hook — gradpress's, or a reference row of
 ``compare`` (``torch-allreduce``, ``noop``) — train ``warmup`` steps on the workload's batches and time
 ``steps`` more, each as ``compare`` times its steps (:func:`gradpress.testbed.train.metered_step`). Rank 0's
-medians are the method's :class:`~gradpress.testbed.advise.costs.LocalStep`, which
+medians are the method's :class:`~gradpress.costmodel.method.LocalStep`, which
 :func:`~gradpress.testbed.advise.ranking.calibrated` prices the method with: the host's part of the step
 measured on the machine as the workers will share it, the link modelled.
 
@@ -25,11 +25,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from gradpress import cli
-from gradpress.testbed.advise.costs import LocalStep
+from gradpress.costmodel.method import LocalStep
+from gradpress.testbed.advise.workload import workload_of
 
 def measure_local_steps(settings: Mapping[str, Any], specs: Sequence[str], workers: int, *, steps: int = 20,
                         warmup: int = 8, timeout: float = 600.0) -> tuple[dict[str, LocalStep], dict[str, str]]:
-    """Each of ``specs``' :class:`~gradpress.testbed.advise.costs.LocalStep` among ``workers`` processes
+    """Each of ``specs``' :class:`~gradpress.costmodel.method.LocalStep` among ``workers`` processes
     (module doc), and the reason for each spec that could not be measured. ``settings``: ``advise``'s
     arguments (``vars(args)``), from which each process builds the workload."""
     from gradpress.bench import spawn
@@ -41,8 +42,6 @@ def measure_local_steps(settings: Mapping[str, Any], specs: Sequence[str], worke
 
 
 def _worker(rank: int, world: int, args: dict[str, Any]) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
-    from gradpress.testbed.advise.command import workload_of
-
     settings = argparse.Namespace(**args["settings"])
     workload = workload_of(settings)
     generator = torch.Generator().manual_seed(settings.seed * 1009 + rank)

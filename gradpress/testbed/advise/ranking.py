@@ -6,50 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from gradpress.testbed import costmodel
-from gradpress.testbed.advise.costs import BASELINE, MethodCost, baseline_cost
+from gradpress import costmodel
+from gradpress.costmodel.method import BASELINE, MethodCost, baseline_cost
+from gradpress.costmodel.predict import calibrated, predict
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.quality import QUALITY_REFERENCE
-from gradpress.testbed.costmodel import Breakdown
+from gradpress.costmodel import Breakdown
 
 #: where crossings are searched (bits/s)
 CROSSING_RANGE = (1e6, 1e12)
-
-
-def predict(profile: ComputeProfile, cost: MethodCost, *, n: int, bandwidth: float | str,
-            latency: float = costmodel.DEFAULT_LATENCY, burst: float = 0.0,
-            efficiency: Mapping[str, float] | None = None) -> Breakdown:
-    """``cost``'s step among ``n`` workers at ``bandwidth`` (bits/s or a tc rate):
-    :func:`~gradpress.testbed.costmodel.predict_bucketed_step` on the profile's buckets, through a link
-    with a token bucket of ``burst`` bytes and ``efficiency`` per strategy (both off by default); with
-    the method's real local step where one was measured (:func:`calibrated`)."""
-    profile, cost, rest = calibrated(profile, cost)
-    return costmodel.predict_bucketed_step(profile.forward_s, profile.backward_s, cost.steps(profile, n),
-                                           n=n, bandwidth=bandwidth, latency=latency,
-                                           optimizer_s=profile.optimizer_s + rest, burst=burst,
-                                           efficiency=efficiency)
-
-
-def calibrated(profile: ComputeProfile, cost: MethodCost) -> tuple[ComputeProfile, MethodCost, float]:
-    """The profile and costs to price ``cost`` with, and seconds per step the model adds after the
-    backward pass. Without a local step: as measured, and nothing added.
-
-    With one (``advise --local-workers K``: the method's real DDP step among K processes of this machine
-    over loopback, :class:`~gradpress.testbed.advise.costs.LocalStep`), the host's parts of the step are
-    taken from it and only the link is modelled: the compute is the local step's (the profile scaled to
-    it, ready times included), each bucket's compression and decoding are scaled so that their sum among
-    K workers is the local step's, and the rest of the local step — the time outside compute, compression
-    and the loopback's collectives: the hook's own work, its hand-offs between threads, the batch — is
-    added once per step. Where the workers share one machine, as ``compare``'s do, what they do to each
-    other's compute and compression is measured rather than assumed (a kernel timed alone on an idle core
-    runs faster than beside another worker)."""
-    local = cost.local
-    if local is None:
-        return profile, cost, 0.0
-    modeled = cost.compression_at(local.workers)
-    factor = local.compression_s / modeled if modeled > 0 else 1.0
-    rest = local.rest_s + (local.compression_s if modeled <= 0 else 0.0)
-    return profile.scaled(local.compute_s), replace(cost.scaled(factor), local=None), rest
 
 
 @dataclass(frozen=True)
@@ -80,7 +45,7 @@ def rank(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, bandwi
     to the target quality, None where not reached; ``torch-allreduce`` takes ``none``'s when it has no
     entry), by predicted time to target = steps × step; methods that do not reach it (or have no entry)
     come after those that do, by step time. ``baseline``: ``torch-allreduce``'s cost (default: priced
-    from the profile, :func:`~gradpress.testbed.advise.costs.baseline_cost`)."""
+    from the profile, :func:`~gradpress.costmodel.method.baseline_cost`)."""
     base = baseline or baseline_cost(profile)
     methods = [base, *[c for c in costs if c.spec != BASELINE]]
     link = {"n": n, "bandwidth": bandwidth, "latency": latency, "burst": burst, "efficiency": efficiency}
@@ -120,7 +85,7 @@ def crossover(profile: ComputeProfile, cost: MethodCost, *, n: int,
               latency: float = costmodel.DEFAULT_LATENCY, baseline: MethodCost | None = None,
               burst: float = 0.0, efficiency: Mapping[str, float] | None = None) -> float:
     """The link speed (bits/s) above which ``cost``'s predicted step is no shorter than
-    ``torch-allreduce``'s (:func:`~gradpress.testbed.costmodel.bandwidth_crossing` in
+    ``torch-allreduce``'s (:func:`~gradpress.costmodel.bandwidth_crossing` in
     :data:`CROSSING_RANGE`; inf: it pays at every speed there, 0: at none)."""
     base = baseline or baseline_cost(profile)
     link = {"n": n, "latency": latency, "burst": burst, "efficiency": efficiency}

@@ -3,6 +3,7 @@ metric), from a testbed model spec or the user's ``package.module:factory`` (see
 :mod:`gradpress.testbed.advise`)."""
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import re
@@ -46,7 +47,7 @@ _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 def is_factory(model: str) -> bool:
     """``package.module:factory`` (not a testbed model spec such as ``mlp-wide:width=8192``)."""
-    from gradpress.registry import parse_spec
+    from gradpress.core.registry import parse_spec
     from gradpress.testbed.models import model_names
 
     if not _FACTORY.match(model.strip()):
@@ -91,7 +92,7 @@ def testbed_workload(spec: str, batch_size: int | None = None, data_name: str | 
                      lr: float | None = None) -> Workload:
     """A testbed model (:mod:`gradpress.testbed.models`) on its dataset's batches, or on random batches of
     the same shapes when the dataset is not on this machine (then quality cannot be estimated)."""
-    from gradpress.registry import parse_spec
+    from gradpress.core.registry import parse_spec
     from gradpress.testbed import data as datasets
     from gradpress.testbed.models import LOSSES, QUALITY, evaluate, model_config, models
 
@@ -221,3 +222,40 @@ def _optimizer(name: str, parameters: Any, lr: float) -> torch.optim.Optimizer:
     from gradpress.testbed.train import _optimizer as testbed_optimizer
 
     return testbed_optimizer(name, parameters, lr)
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    """The workload the arguments name; :class:`~gradpress.cli.UsageError` for what does not hold together."""
+    factory = is_factory(args.model)
+    if not factory:
+        if args.input_shape is not None or args.batch is not None:
+            raise cli.UsageError(f"--input-shape and --batch are for a package.module:factory model; "
+                                 f"{args.model} is a testbed model and knows its inputs")
+        try:
+            workload = testbed_workload(args.model, args.batch_size, args.data, args.lr)
+        except ValueError as error:
+            raise cli.UsageError(f"--model {args.model}: {cli.one_line(error)}") from None
+    else:
+        if args.data is not None:
+            raise cli.UsageError("--data is for a testbed model; a factory model's batches come from --batch")
+        if args.input_shape is None and args.batch is None:
+            raise cli.UsageError(f"--model {args.model}: a factory model needs --input-shape (random inputs) "
+                                 "or --batch (a function returning (inputs, targets))")
+        try:
+            workload = factory_workload(args.model, args.input_shape, args.batch, args.batch_size, args.lr)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(args.seed)
+                model = workload.build()
+            x, y = workload.sample(torch.Generator().manual_seed(0))
+            workload.loss(model(x), y).backward()
+        except (ValueError, TypeError, RuntimeError) as error:
+            raise cli.UsageError(f"--model {args.model}: {type(error).__name__}: "
+                                 f"{cli.one_line(error)}") from None
+    if args.quality_steps and workload.shard_size is not None:
+        q_workers = args.quality_workers or min(args.workers, 4)
+        if workload.shard_size(q_workers) < workload.batch_size:
+            raise cli.UsageError(f"--batch-size {workload.batch_size}: a shard for {q_workers} quality "
+                                 f"workers holds {workload.shard_size(q_workers)} samples, not one batch")
+    if args.quality_steps and workload.quality_unavailable is not None and factory:
+        raise cli.UsageError(f"--quality-steps: {workload.quality_unavailable}")
+    return workload

@@ -27,7 +27,7 @@ Three questions the multi-process testbed cannot afford to ask at scale:
     (batch-norm statistics) follow rank 0's batches, as DDP's ``broadcast_buffers`` makes them.
 
 ``gradpress sim cost``
-    The α–β model of :mod:`gradpress.testbed.costmodel` checked against measured runs
+    The α–β model of :mod:`gradpress.costmodel` checked against measured runs
     (``gradpress compare``'s ``results.json``): a run's step is predicted as its compute time, plus its
     compression time, plus the exchange of its bytes per step by its strategy (summable → ring
     all-reduce, else all-gather; ``ps``/``switch`` modes → gather and broadcast; the reference rows
@@ -39,8 +39,8 @@ Three questions the multi-process testbed cannot afford to ask at scale:
     same compressor and model (``--results DIR_N2 DIR_N4``: predicted at n = 4 from the n = 2 run and
     back). Then the same breakdown at other n and link rates ("what if I had 16 workers on
     1 Gbit/s?", ``--workers 16 --bandwidth 1gbit``). The latency α is a parameter (default
-    :data:`~gradpress.testbed.costmodel.DEFAULT_LATENCY`) or fitted to the runs' exposed communication
-    (step − compute − compression) by least squares (:func:`~gradpress.testbed.costmodel.fit_latency`,
+    :data:`~gradpress.costmodel.DEFAULT_LATENCY`) or fitted to the runs' exposed communication
+    (step − compute − compression) by least squares (:func:`~gradpress.costmodel.fit_latency`,
     ``--latency fit``).
 
     How well it matches: ``gradpress compare --model mlp-wide --bandwidth 100mbit --compressors
@@ -73,7 +73,7 @@ Three questions the multi-process testbed cannot afford to ask at scale:
     ``advise`` prices with (:func:`~gradpress.testbed.sim.cost.link_phases`: an all-reduce's summands
     widened for n workers' sums, so THC's 4-bit packet counts twice, as 8-bit table sums), not TCP/IP
     headers; the links are the runs' own, with the token bucket of their tbf
-    (:func:`~gradpress.testbed.sim.cost.burst_of`, :mod:`~gradpress.testbed.costmodel`); the table above
+    (:func:`~gradpress.testbed.sim.cost.burst_of`, :mod:`~gradpress.costmodel`); the table above
     predates both.
 
 The package holds one mode each: :mod:`~gradpress.testbed.sim.aggregate` (``nmse``),

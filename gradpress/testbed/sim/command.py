@@ -2,6 +2,7 @@
 their checks before anything runs, and what each prints and writes."""
 from __future__ import annotations
 
+import sys
 import argparse
 import json
 import math
@@ -12,8 +13,8 @@ from typing import Any
 
 import gradpress
 from gradpress import cli
-from gradpress.registry import split_specs
-from gradpress.testbed import costmodel
+from gradpress.core.registry import split_specs
+from gradpress import costmodel
 from gradpress.testbed.data import Dataset
 from gradpress.testbed.sim.aggregate import (DEFAULT_WORKERS, DISTRIBUTIONS, nmse_vs_workers, plot_nmse,
                                              render_nmse)
@@ -59,10 +60,9 @@ def _latency(text: str) -> float | str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from gradpress.testbed import sim as package
 
     sim = subparsers.add_parser("sim", help="many simulated workers in one process; the α–β cost model",
-                                description=package.__doc__.split("\n\n")[0])
+                                description=_package_summary())
     modes = sim.add_subparsers(dest="sim", required=True)
 
     p = modes.add_parser("nmse", help="NMSE of the aggregate against the number of workers (THC §8.4)")
@@ -146,7 +146,7 @@ def _main_nmse(args: argparse.Namespace) -> int:
 
 
 def _main_quality(args: argparse.Namespace) -> int:
-    from gradpress.registry import parse_spec
+    from gradpress.core.registry import parse_spec
     from gradpress.testbed import data as datasets
     from gradpress.testbed.models import models
     from gradpress.testbed.train import parse_options
@@ -179,7 +179,7 @@ def _main_quality(args: argparse.Namespace) -> int:
 def _check_quality(args: argparse.Namespace, dataset: Dataset, options: dict[str, Any]) -> None:
     """Before training anything: the model for the data, a batch in the smallest shard, every
     compressor with the options at every number of workers (UsageError)."""
-    from gradpress.runtime import Options
+    from gradpress.exchange.pipeline import Options
     from gradpress.testbed.train import check_model
 
     try:  # the options alone (with each compressor: below)
@@ -251,3 +251,8 @@ def _prediction_dict(p: Prediction) -> dict[str, Any]:
     out = asdict(p)
     out["samples_per_s"] = p.samples_per_s
     return out
+
+
+def _package_summary() -> str:
+    """The first paragraph of the docstring of this command's package (imported before this module)."""
+    return (sys.modules[__package__].__doc__ or "").split("\n\n")[0]

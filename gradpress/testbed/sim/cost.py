@@ -1,4 +1,4 @@
-"""``gradpress sim cost``: the α–β model of :mod:`gradpress.testbed.costmodel` checked against measured
+"""``gradpress sim cost``: the α–β model of :mod:`gradpress.costmodel` checked against measured
 runs (``gradpress compare``'s results), carried to other n and link rates, and where each method stops
 paying (see :mod:`gradpress.testbed.sim`)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import gradpress
-from gradpress.testbed import costmodel
-from gradpress.testbed.costmodel import Breakdown, Observation, Phase
+from gradpress import costmodel
+from gradpress.costmodel import Breakdown, Observation, Phase
 from gradpress.testbed.results import Run, load_runs
 
 #: the strategy of each reference row of ``gradpress train`` (None: no communication)
@@ -20,7 +20,7 @@ REFERENCE_STRATEGIES: dict[str, str | None] = {"torch-allreduce": "allreduce", "
 
 
 def strategy_of(run: Run) -> str | None:
-    """How ``run``'s bytes travel (:data:`~gradpress.testbed.costmodel.STRATEGIES`), None for ``noop``."""
+    """How ``run``'s bytes travel (:data:`~gradpress.costmodel.STRATEGIES`), None for ``noop``."""
     if run.compressor in REFERENCE_STRATEGIES:
         return REFERENCE_STRATEGIES[run.compressor]
     mode = (run.info.get("options") or {}).get("mode", "collective")
@@ -36,12 +36,12 @@ def _phases(strategy: str | None, nbytes: float) -> list[Phase]:
 def link_phases(run: Run, strategy: str | None, nbytes: float, workers: int) -> list[Phase]:
     """What carries ``nbytes`` of ``run``'s packets per worker among ``workers``: for a gradpress method
     in its collective mode, the bytes on the link by the rule ``advise`` prices with
-    (:func:`gradpress.testbed.advise.costs.link_phases`: THC's 4-bit packet is all-reduced as 8-bit sums,
+    (:func:`gradpress.costmodel.method.link_phases`: THC's 4-bit packet is all-reduced as 8-bit sums,
     twice its bytes); otherwise (PyTorch's hooks, a server mode, another ``strategy``) one
     :class:`Phase` of ``strategy`` on the packet bytes."""
     if (strategy is not None and run.compressor not in REFERENCE_STRATEGIES
             and strategy == strategy_of(run) and strategy in ("allreduce", "allgather")):
-        from gradpress.testbed.advise.costs import link_phases as priced
+        from gradpress.costmodel.method import link_phases as priced
 
         return priced(run.compressor, nbytes, workers)
     return _phases(strategy, nbytes)
@@ -77,7 +77,7 @@ def compute_time(run: Run, runs: Sequence[Run]) -> tuple[float, str]:
 class Prediction:
     """The α–β prediction for one run at ``workers`` workers and ``bandwidth``: ``sequential`` (compute,
     compression and communication one after the other) and ``overlapped`` (communication hidden behind
-    compute), :func:`~gradpress.testbed.costmodel.predict_step_time`'s two bounds."""
+    compute), :func:`~gradpress.costmodel.predict_step_time`'s two bounds."""
 
     label: str
     workers: int
@@ -157,7 +157,7 @@ def fit_run_latency(runs: Sequence[Run]) -> float:
     """Least-squares α over the communicating runs with an emulated link: each run's exposed
     communication (step − compute − compression) minus its bytes' transfer time at its own rate (on the
     link, through its token bucket: :func:`link_phases`, :func:`burst_of`) is its messages' share, priced
-    by :func:`~gradpress.testbed.costmodel.fit_latency` (the byte term is taken out first, so runs at
+    by :func:`~gradpress.costmodel.fit_latency` (the byte term is taken out first, so runs at
     different rates pool into one fit)."""
     observations = []
     for run in runs:
@@ -212,7 +212,7 @@ def _load_results(path: Path) -> list[Run]:
 @dataclass(frozen=True)
 class Crossover:
     """Where ``label`` stops paying: the link speed (bits/s) above which its predicted step is slower
-    than ``torch-allreduce``'s of the same setting (:func:`~gradpress.testbed.costmodel.crossover_bandwidth`)."""
+    than ``torch-allreduce``'s of the same setting (:func:`~gradpress.costmodel.crossover_bandwidth`)."""
 
     label: str
     workers: int

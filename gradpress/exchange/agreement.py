@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from gradpress.protocol import AllGather, Protocol, Round
+from gradpress.exchange.protocol import AllGather, Protocol, Round
 
 #: how a component that a rank does not have reads in the error
 ABSENT = "nothing"

@@ -10,9 +10,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from gradpress.testbed import costmodel
-from gradpress.testbed.advise.profile import ComputeProfile
-from gradpress.testbed.costmodel import BucketStep, Phase
+from gradpress.core.compressor import make
+from gradpress.costmodel import network as costmodel
+from gradpress.costmodel.network import BucketStep, Phase
+from gradpress.costmodel.profile import ComputeProfile
+from gradpress.simulation import Simulator
 
 #: the row every speed-up is relative to: DDP's built-in all-reduce of the fp32 buckets
 BASELINE = "torch-allreduce"
@@ -20,9 +22,9 @@ BASELINE = "torch-allreduce"
 
 @dataclass(frozen=True)
 class Transfer:
-    """One collective of a bucket's exchange: ``strategy`` (:data:`~gradpress.testbed.costmodel.STRATEGIES`)
+    """One collective of a bucket's exchange: ``strategy`` (:data:`~gradpress.costmodel.STRATEGIES`)
     on ``nbytes`` per worker. Integer summands of ``dtype`` whose largest value is ``bound`` widen as n
-    workers' sums grow (:func:`gradpress.strategy.sum_dtype`); ``per_worker`` bytes are added per worker
+    workers' sums grow (:func:`gradpress.exchange.strategy.sum_dtype`); ``per_worker`` bytes are added per worker
     (the fault-flag slots of a preliminary reduction)."""
 
     strategy: str
@@ -34,7 +36,7 @@ class Transfer:
     def phase(self, n: int) -> Phase:
         nbytes = self.nbytes
         if self.dtype is not None and self.bound is not None:
-            from gradpress.strategy import sum_dtype
+            from gradpress.exchange.strategy import sum_dtype
 
             narrow = getattr(torch, self.dtype)
             wide = sum_dtype(narrow, self.bound * n, "widen", "advise")
@@ -148,7 +150,7 @@ def transfers_of(compressor: Any, items: Sequence[tuple[str, torch.Tensor]], wor
     packets (``packet_bytes`` when measured, since their size may depend on the data and the memory),
     after a sizes header when their sizes are not fixed. One worker's packets are formed here to read
     their layout (rank 0, step 0)."""
-    from gradpress.rng import Context
+    from gradpress.core.rng import Context
 
     items = [(key, t) for key, t in items if t.numel() > 0]
     contexts = [Context(seed, 0, key, 0) for key, _ in items]
@@ -193,12 +195,10 @@ def transfers_of(compressor: Any, items: Sequence[tuple[str, torch.Tensor]], wor
 def _link_ratios(spec: str, n: int, seed: int = 0) -> tuple[tuple[str, float], ...]:
     """Bytes each strategy carries among ``n`` workers per byte of ``Packet.nbytes``, read from
     :func:`transfers_of` on one synthetic 256 × 256 gradient (the same rule the ranking prices)."""
-    import gradpress
-
-    compressor = gradpress.make(spec)
+    compressor = make(spec)
     grad = torch.randn(256, 256, generator=torch.Generator().manual_seed(seed))
     items = [("weight", grad)]
-    from gradpress.rng import Context
+    from gradpress.core.rng import Context
 
     packet = compressor.compress(grad.clone(), Context(seed, 0, "weight", 0)).nbytes
     if compressor.exchange == "allgather":  # the packets travel as packed (headers: a few bytes a bucket)
@@ -223,11 +223,9 @@ def measure_method(spec: str, profile: ComputeProfile, grads: Sequence[Mapping[s
                    repeats: int = 3, seed: int = 0) -> MethodCost:
     """``spec``'s costs on the profile's buckets through :class:`gradpress.Simulator` with ``len(grads)``
     workers (package doc): medians over ``repeats`` steps after one warm-up step."""
-    import gradpress
-
     workers = len(grads)
-    compressor = gradpress.make(spec)
-    simulator = gradpress.Simulator(spec, workers, seed=seed)
+    compressor = make(spec)
+    simulator = Simulator(spec, workers, seed=seed)
     samples: list[list[tuple[float, float, float]]] = [[] for _ in profile.buckets]
     sent = 0.0
     present = [[key for key in bucket.keys if key in grads[0]] for bucket in profile.buckets]

@@ -1,5 +1,5 @@
 """16-lane vector values for numba kernels: a float32 and a 32-bit integer vector type, and the LLVM
-operations on them that the THC kernels (:mod:`gradpress.hadamard`, :mod:`gradpress.compressors.thc`)
+operations on them that the THC kernels (:mod:`gradpress.kernels.hadamard`, :mod:`gradpress.compressors.thc`)
 are written in.
 
 Numba vectorizes plain loops well, but not the shapes a fast Walsh–Hadamard transform needs: butterflies
@@ -18,7 +18,7 @@ inlined function wherever it cannot pair the updates up, and those atomic update
 ``vzeroupper``) cost more than a loop body.
 
 A kernel inlines these operations into its machine code; its disk cache is keyed on every source file
-of the package (:func:`gradpress._numba.kernel`), so editing this module compiles the kernels that use it
+of the package (:func:`gradpress.kernels.jit.kernel`), so editing this module compiles the kernels that use it
 again.
 """
 from __future__ import annotations
@@ -552,7 +552,7 @@ def _pack(high: bool):  # noqa: ANN202
     @intrinsic
     def pack(typingctx, codes, bits):  # pragma: no cover - compiled
         """The codes of lanes 0-7 (``pack_low``) or 8-15 (``pack_high``), each below 2^bits (bits ≤ 8), as
-        one bit stream Σ code_l << (bits·l), a uint64 (gradpress.bits' layout: the first in the lowest
+        one bit stream Σ code_l << (bits·l), a uint64 (gradpress.kernels.bits' layout: the first in the lowest
         bits)."""
         if not (codes == vi32 and isinstance(bits, types.Integer)):
             return None
@@ -694,7 +694,7 @@ def keep_first(typingctx, v, count):  # pragma: no cover - compiled
 
 @intrinsic
 def store_nibbles(typingctx, array, index, v):  # pragma: no cover - compiled
-    """16 codes below 16 (integer lanes) packed two to a byte, the first in the low half (gradpress.bits'
+    """16 codes below 16 (integer lanes) packed two to a byte, the first in the low half (gradpress.kernels.bits'
     layout for 4 bits), into the 8 bytes at ``array[index:]`` (uint8): lane pairs as 64-bit lanes,
     x | x >> 28, the low bytes."""
     if not (v == vi32 and _is_array(array, (types.uint8,))):

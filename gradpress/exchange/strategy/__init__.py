@@ -1,6 +1,6 @@
 """Strategies: how the packets of the workers meet (GRACE Section 4.1, Algorithm 1 lines 7-14; the
 Natural compression paper's Algorithm 1 in App. D.1; THC Algorithms 1-3), written as protocols
-(:mod:`gradpress.protocol`) that never touch a process group themselves.
+(:mod:`gradpress.exchange.protocol`) that never touch a process group themselves.
 
 The :class:`Strategy` is chosen from the compressor's facts (DESIGN.md, "Strategy"):
 
@@ -27,11 +27,11 @@ Integer sums never wrap (DESIGN invariant 4): the strategy knows the largest sum
 (:attr:`Compressor.max_summand`) and the number of workers, and sums in a dtype that holds their
 product, widening the summands or raising :class:`OverflowError` (``overflow="raise"``).
 
-One module per way of meeting: :mod:`~gradpress.strategy.preliminary` (sums, maxima and the leader's
-broadcast before compressing), :mod:`~gradpress.strategy.allreduce`, :mod:`~gradpress.strategy.allgather`
-and :mod:`~gradpress.strategy.server` (parameter server, switch, bidirectional); the pieces they share
-in :mod:`~gradpress.strategy.common`. Every exchange carries each rank's fault flag in buffers it sends
-anyway (:mod:`gradpress.protocol`, "fault flags").
+One module per way of meeting: :mod:`~gradpress.exchange.strategy.preliminary` (sums, maxima and the leader's
+broadcast before compressing), :mod:`~gradpress.exchange.strategy.allreduce`, :mod:`~gradpress.exchange.strategy.allgather`
+and :mod:`~gradpress.exchange.strategy.server` (parameter server, switch, bidirectional); the pieces they share
+in :mod:`~gradpress.exchange.strategy.common`. Every exchange carries each rank's fault flag in buffers it sends
+anyway (:mod:`gradpress.exchange.protocol`, "fault flags").
 """
 from __future__ import annotations
 
@@ -42,12 +42,12 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from gradpress.compressor import Compressor, Preliminary
-from gradpress.packet import Packet
-from gradpress.protocol import Protocol
-from gradpress.rng import Context
-from gradpress.strategy import allgather, allreduce, server
-from gradpress.strategy.preliminary import combine
+from gradpress.core.compressor import Compressor, Preliminary
+from gradpress.core.packet import Packet
+from gradpress.exchange.protocol import Protocol
+from gradpress.core.rng import Context
+from gradpress.exchange.strategy import allgather, allreduce, server
+from gradpress.exchange.strategy.preliminary import combine
 
 MODES = ("collective", "ps", "switch")
 OVERFLOW = ("widen", "raise")
@@ -150,7 +150,7 @@ class Strategy:
         return sorted(order[:count].tolist())
 
     def preliminary(self, prelims: Sequence[Preliminary | None], faulty: bool = False) -> Protocol:
-        """The preliminary exchange (:func:`gradpress.strategy.preliminary.combine`): each item's
+        """The preliminary exchange (:func:`gradpress.exchange.strategy.preliminary.combine`): each item's
         combined values, and whether the fault flags travelled with them."""
         return combine(self, prelims, faulty)
 

@@ -17,10 +17,10 @@ from typing import Any, Callable, ClassVar, Literal
 import numpy as np
 import torch
 
-from gradpress._numba import add_into, as_numpy, bits_of_f32, jit, kernel, use_numba, wide_vectors
-from gradpress.packet import Packet
-from gradpress.registry import Registry, check_params_of, format_spec
-from gradpress.rng import Context
+from gradpress.kernels.jit import add_into, as_numpy, bits_of_f32, jit, kernel, use_numba, wide_vectors
+from gradpress.core.packet import Packet
+from gradpress.core.registry import Registry, check_params_of, format_spec
+from gradpress.core.rng import Context
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -83,7 +83,7 @@ class Compressor:
     * ``propagates_nonfinite`` (summable methods): every NaN/Inf of the input reaches the summed wire
       tensors at its own position (no compression, or a cast), and :meth:`decode_sum` checks the
       mean it forms, in the pass that divides by n. The runtime checks every rank's input before it is
-      sent (a NaN/Inf gradient is flagged in-band: see :mod:`gradpress.protocol`), so a non-finite
+      sent (a NaN/Inf gradient is flagged in-band: see :mod:`gradpress.exchange.protocol`), so a non-finite
       mean there means that the sum overflowed: an ``OverflowError`` on every rank.
     * ``divides_first`` (summable, linear methods whose wire values are their input's, no compression):
       each worker may send ``x / n`` instead of ``x``, so that the sum is the mean (as PyTorch's DDP
@@ -107,7 +107,7 @@ class Compressor:
       concatenation of the packets. The runtime then exchanges tensors that lie back to back in one
       storage (a DDP bucket's gradients) as one tensor, with the same result bit for bit.
 
-    Runtime hooks (all optional, with defaults that fit single-round methods; see :mod:`gradpress.strategy`):
+    Runtime hooks (all optional, with defaults that fit single-round methods; see :mod:`gradpress.exchange.strategy`):
 
     * :attr:`exchange`: ``"allreduce"`` (summable) or ``"allgather"``: how the packets meet.
     * :meth:`prepare`: a preliminary exchange of a few values before compressing (THC's max norm,
@@ -138,7 +138,7 @@ class Compressor:
     divides_first: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        check_params_of(self)  # the declared ranges (gradpress.registry.param), also when built directly
+        check_params_of(self)  # the declared ranges (gradpress.core.registry.param), also when built directly
         self._calls = itertools.count()
 
     @property
@@ -199,7 +199,7 @@ class Compressor:
                               ctx: Context | None = None, beta: float = 1.0,
                               gamma: float = 1.0) -> tuple[Packet, bool]:
         """:meth:`compress_sum`, for a memory whose update is :meth:`residual` of φ and the packet (the
-        ``residual`` memory, :attr:`~gradpress.feedback.Feedback.keeps_residual`): ``(packet, True)``
+        ``residual`` memory, :attr:`~gradpress.core.feedback.Feedback.keeps_residual`): ``(packet, True)``
         when ``out`` holds that residual e = φ − C⁻¹(C(φ)) afterwards in place of φ, the same bits
         (an element-wise method forms it in its one pass: the memory's update has nothing left to do),
         ``(packet, False)`` when it holds φ (the default: :meth:`compress_sum`). On an error ``out``
@@ -303,7 +303,7 @@ class Compressor:
         (``count`` > 0, the last packet) ``total /= count``, the same bits as those steps one by one; returns
         how many of the results are NaN/Inf when ``count`` (else 0). This default zeroes, accumulates and
         divides in passes of their own; the fused decoders (natural, the dithering family, 8-bit, 1-bit)
-        take :func:`gradpress._numba.fold_mode` and do it all in the decode's one pass
+        take :func:`gradpress.kernels.jit.fold_mode` and do it all in the decode's one pass
         (:func:`finish_fold` reads their result)."""
         if store:
             total.zero_()

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from gradpress.packet import Packet, pack, packed_sizes, received_layout, unpack
-from gradpress.protocol import AllGather, Gather, Protocol, Round, flagged_ranks, raise_flagged
+from gradpress.core.packet import Packet, pack, packed_sizes, received_layout, unpack
+from gradpress.exchange.protocol import AllGather, Gather, Protocol, Round, flagged_ranks, raise_flagged
 
 if TYPE_CHECKING:
-    from gradpress.strategy import Strategy
+    from gradpress.exchange.strategy import Strategy
 
 
 def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from gradpress.compressor import Preliminary
-from gradpress.protocol import (Broadcast, Protocol, flag_slots, flagged_ranks, parallel, raise_flagged,
+from gradpress.core.compressor import Preliminary
+from gradpress.exchange.protocol import (Broadcast, Protocol, flag_slots, flagged_ranks, parallel, raise_flagged,
                                 reduce_tensor, single)
-from gradpress.strategy.common import flattened, split
+from gradpress.exchange.strategy.common import flattened, split
 
 if TYPE_CHECKING:
-    from gradpress.strategy import Strategy
+    from gradpress.exchange.strategy import Strategy
 
 
 def combine(s: Strategy, prelims: Sequence[Preliminary | None], faulty: bool = False) -> Protocol:

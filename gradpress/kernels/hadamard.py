@@ -5,7 +5,7 @@ independent ±1 signs shared by every worker (DESIGN invariant 2), so all worker
 their transformed vectors can be summed. Dividing by √d makes H·D/√d orthonormal: it preserves norms
 and its inverse is its transpose, D·H/√d (Section 5.1's RHT⁻¹).
 
-The signs come from the counter hash of :mod:`gradpress.rng`: D_ii = −1 exactly when bit i mod 32 of
+The signs come from the counter hash of :mod:`gradpress.core.rng`: D_ii = −1 exactly when bit i mod 32 of
 ``mix32(⌊i/32⌋, s)`` is set, for one 32-bit key ``s`` drawn from the shared stream: 32 signs per hash
 (one hash per sign, its top bit, until issue 12: the hash was a fifth of the transform's time). A sign
 is a function of its index, so the CPU kernels compute each one where they multiply, without a separate
@@ -32,9 +32,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from gradpress import _simd as V
-from gradpress._numba import as_numpy, bits_of_f32, jit, kernel, mix32, use_numba
-from gradpress.rng import MASK32, mix32_torch
+from gradpress.kernels import simd as V
+from gradpress.kernels.jit import as_numpy, bits_of_f32, jit, kernel, mix32, use_numba
+from gradpress.core.rng import MASK32, mix32_torch
 
 DEFAULT_PARTITION = 1 << 20
 
@@ -388,7 +388,7 @@ def _butterflies(v, o, n, h, scale):  # pragma: no cover - compiled
 
 # -- the vector kernel (float32) ------------------------------------------------------------------------
 # A block of P = 2^k ≥ 16 values is held as R rows of C = min(P, 2^12) values (16 KiB, in L1), each a run
-# of C/16 vectors of 16 lanes (gradpress._simd): the stages h = 1, 2, 4, 8 act within a vector (V.wht16,
+# of C/16 vectors of 16 lanes (gradpress.kernels.simd): the stages h = 1, 2, 4, 8 act within a vector (V.wht16,
 # lane shuffles), h = 16 … C/2 across the vectors of a row, h ≥ C across rows.
 #
 # Pass A loads a row (signs applied; or the decoder's centred table values or sums), runs wht16 on each
@@ -404,7 +404,7 @@ def _butterflies(v, o, n, h, scale):  # pragma: no cover - compiled
 _ROW = 1 << 12
 _AHEAD = 1 << 10  # values: how far ahead pass A asks for the input (a prefetch per vector)
 _PANEL = 128  # lanes of every row pass B works on at a time
-ONE = np.float32(1.0)  # the kernels' run-time 1.0 (see gradpress._simd.radix16)
+ONE = np.float32(1.0)  # the kernels' run-time 1.0 (see gradpress.kernels.simd.radix16)
 _WORK_CACHED = 1 << 23  # values (32 MiB): larger work buffers are not kept between calls
 _STREAMED = 1 << 21  # values (8 MiB): outputs at least this large are written past the caches
 _local = threading.local()
@@ -468,7 +468,7 @@ def _log2(n):  # pragma: no cover - compiled
 
 @kernel(inline="always")
 def _radix_any(stages, src, src_at, src_stride, dst, dst_at, dst_stride, scale, one, scaled):  # pragma: no cover
-    """``stages`` (1 to 4) butterfly stages on 2^stages vectors (gradpress._simd.radix*)."""
+    """``stages`` (1 to 4) butterfly stages on 2^stages vectors (gradpress.kernels.simd.radix*)."""
     if scaled:
         if stages == 4:
             V.radix16_scaled(src, src_at, src_stride, dst, dst_at, dst_stride, scale, one)

@@ -1,6 +1,6 @@
 """The one library module that calls ``torch.distributed``: runs protocols on a process group.
 
-:class:`ProcessGroupExecutor` issues a protocol's rounds (:mod:`gradpress.protocol`) on a Gloo, NCCL or
+:class:`ProcessGroupExecutor` issues a protocol's rounds (:mod:`gradpress.exchange.protocol`) on a Gloo, NCCL or
 other process group, asynchronously; :class:`Handle` is a round in flight. :func:`process_group` gives
 the group gradpress talks on (a new one with its own timeout when asked), :func:`rank_and_size` and
 :func:`gather_objects` the little else the front ends need (a state's rank; a gathered checkpoint).
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from gradpress.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
+from gradpress.exchange.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
                                 fold_sum, traffic)
 
 

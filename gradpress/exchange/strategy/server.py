@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from gradpress.packet import Packet, pack, packed_sizes, received_layout, unpack
-from gradpress.protocol import Broadcast, Gather, Protocol, Round, flagged_ranks, fold_sum, raise_flagged
-from gradpress.strategy.common import by_dtype, by_item, collect, device_of, flattened, per_item, unflatten, wire
+from gradpress.core.packet import Packet, pack, packed_sizes, received_layout, unpack
+from gradpress.exchange.protocol import Broadcast, Gather, Protocol, Round, flagged_ranks, fold_sum, raise_flagged
+from gradpress.exchange.strategy.common import by_dtype, by_item, collect, device_of, flattened, per_item, unflatten, wire
 
 if TYPE_CHECKING:
-    from gradpress.strategy import Strategy
+    from gradpress.exchange.strategy import Strategy
 
 
 def sum_at_server(s: Strategy, packets, ctxs, timer, faulty) -> Protocol:

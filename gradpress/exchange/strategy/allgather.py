@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gradpress.protocol import AllGather, Protocol, raise_flagged
-from gradpress.strategy.common import collect, device_of, per_item, wire
+from gradpress.exchange.protocol import AllGather, Protocol, raise_flagged
+from gradpress.exchange.strategy.common import collect, device_of, per_item, wire
 
 if TYPE_CHECKING:
-    from gradpress.strategy import Strategy
+    from gradpress.exchange.strategy import Strategy
 
 
 def exchange(s: Strategy, packets, outputs, timer, faulty) -> Protocol:

@@ -28,12 +28,12 @@ not compete). So in a ring every step costs one message on every link at once, w
 server's link is the star's bottleneck: the other workers' pushes arrive through it one after the other
 (B each), and the pull sends the aggregate (B↓ bytes, default B; THC sends 8-bit sums for 4-bit
 indices) back through it to each of them. With n = 1 nothing is sent, except to a dedicated server.
-The testbed's own parameter-server modes (:mod:`gradpress.strategy`) gather at rank 0 and send the
+The testbed's own parameter-server modes (:mod:`gradpress.exchange.strategy`) gather at rank 0 and send the
 result back with ``torch.distributed.broadcast``, which Gloo runs as a binomial tree: there the root's
 link carries ⌈log₂n⌉ copies of the result, not n−1 (``gather-broadcast``).
 
 **Units**: ``bandwidth`` is in *bits* per second (tc's ``100mbit`` = 1e8, as
-:func:`~gradpress.testbed.netem.rate_bits_per_second` reads it; a tc rate string is accepted too) and
+:func:`rate_bits_per_second` reads it; a tc rate string is accepted too) and
 ``nbytes`` in *bytes*: the time of m bytes is 8·m / bandwidth.
 
 **A step**: :func:`predict_step_time` bounds it (everything in sequence, or the exchange entirely hidden
@@ -77,14 +77,25 @@ does not, a faster link still shortens the method's step and no longer the all-r
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from scipy.optimize import nnls
 
-from gradpress.testbed.netem import rate_bits_per_second
-from gradpress.testbed.results import Run
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)$", re.I)
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def rate_bits_per_second(rate: str) -> float:
+    """``"100mbit"`` -> 1e8 (tc's units: bit, kbit, mbit, gbit, tbit; decimal prefixes)."""
+    match = _RATE.match(rate.strip())
+    if not match:
+        raise ValueError(f"bandwidth {rate!r}: expected a number and a unit, e.g. 100mbit or 1gbit")
+    return float(match[1]) * _UNITS[match[2].lower()]
+
 
 #: per-message latency α (s) used when none is given: an order-of-magnitude guess for TCP between local
 #: processes; fit the testbed's with :func:`fit_latency` or :func:`fit_alpha_beta` on measured runs
@@ -406,25 +417,6 @@ def bandwidth_crossing(step_time: Callable[[float], float], baseline_time: Calla
                 lo, hi = (mid, hi) if pays(math.exp(mid)) else (lo, mid)
             return math.exp(0.5 * (lo + hi))
     return math.inf
-
-
-def predict_from_run(run: Run, *, bandwidth: float | str, n: int, strategy: str,
-                     latency: float = DEFAULT_LATENCY, overlap: bool = False,
-                     nbytes_down: float | None = None) -> Breakdown:
-    """Predict the step time of ``run``'s compressor at another ``bandwidth`` and ``n``.
-
-    Uses the run's steady-state mean compute and compression times and its mean bytes per step
-    (GRACE's data volume: the input size of the collectives, one worker's B) — per-worker batch and
-    packet size do not depend on n. A multi-phase method's bytes are priced as one ``strategy``.
-    """
-    phase = Phase(strategy, run.bytes_per_step, nbytes_down)
-    return predict_step_time(run.mean_compute_s, run.mean_compress_s, phase, n=n, bandwidth=bandwidth,
-                             latency=latency, overlap=overlap)
-
-
-def measured_breakdown(run: Run) -> Breakdown:
-    """The run's own steady-state means, in the same shape as a prediction (total = mean step time)."""
-    return Breakdown(run.mean_compute_s, run.mean_compress_s, run.mean_comm_s, run.mean_step_s)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gradpress.packet import concat
-from gradpress.protocol import Protocol, flag_slots, flagged_ranks, parallel, raise_flagged, reduce_tensor
-from gradpress.strategy.common import by_dtype, unflatten
+from gradpress.core.packet import concat
+from gradpress.exchange.protocol import Protocol, flag_slots, flagged_ranks, parallel, raise_flagged, reduce_tensor
+from gradpress.exchange.strategy.common import by_dtype, unflatten
 
 if TYPE_CHECKING:
-    from gradpress.compressor import Compressor
-    from gradpress.strategy import Strategy
+    from gradpress.core.compressor import Compressor
+    from gradpress.exchange.strategy import Strategy
 
 
 def exchange(s: Strategy, packets, outputs, writable, timer, faulty) -> Protocol:
@@ -62,6 +62,6 @@ def _takes_out(method: type) -> bool:
 
 
 def takes_out(compressor: Compressor) -> bool:
-    """Whether ``compressor``'s :meth:`~gradpress.compressor.Compressor.decode_sum` takes an ``out`` (a
+    """Whether ``compressor``'s :meth:`~gradpress.core.compressor.Compressor.decode_sum` takes an ``out`` (a
     method written before it had one may not)."""
     return _takes_out(type(compressor))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gradpress._numba import as_numpy, jit, kernel, load64, store64, use_numba
+from gradpress.kernels.jit import as_numpy, jit, kernel, load64, store64, use_numba
 
 # helpers inlined into other modules' kernels (a call per group would cost more than its work)
 _inline = kernel(inline="always")
@@ -147,7 +147,7 @@ def _spread(v, bits):  # pragma: no cover - compiled
 @_inline
 def pack_groups(codes, groups, bits, words, out, offset):  # pragma: no cover - compiled
     """Pack ``groups`` groups of 8 codes (``codes`` as uint64: code j of a group in byte j) at byte
-    ``offset`` of ``out`` in :func:`gradpress.bits.pack_bits`' layout: a group's code j at bits
+    ``offset`` of ``out`` in :func:`gradpress.kernels.bits.pack_bits`' layout: a group's code j at bits
     [j·bits, (j+1)·bits) of its ``bits`` bytes. ``words`` is scratch for the packed groups."""
     for g in range(groups):  # vectorized over groups
         words[g] = _squeeze(codes[g], bits)

@@ -9,11 +9,11 @@ restart into a fresh DDP, and methods that need a tensor's shape (PowerSGD's mat
 it. The unit of communication is a group of tensors (a DDP bucket, or the tensors handed to one
 ``Communicator.reduce_many`` call): their packets travel together, in as few collectives as the
 strategy allows. Where compressing a group tensor by tensor and as a whole give the same bits (an
-:attr:`~gradpress.compressor.Compressor.elementwise` method such as ``none``, with nothing keyed per
+:attr:`~gradpress.core.compressor.Compressor.elementwise` method such as ``none``, with nothing keyed per
 tensor), a DDP bucket's gradients travel as one flat view of the bucket: one packet, one decoding pass.
 
-The :class:`~gradpress.driver.Driver` runs the protocols on a process group in an order that is the same
-on every rank (DESIGN invariant 3); :mod:`gradpress.state` checks a saved state before it loads.
+The :class:`~gradpress.exchange.driver.Driver` runs the protocols on a process group in an order that is the same
+on every rank (DESIGN invariant 3); :mod:`gradpress.exchange.state` checks a saved state before it loads.
 """
 from __future__ import annotations
 
@@ -26,15 +26,15 @@ from typing import Any, Sequence
 
 import torch
 
-from gradpress.agreement import agree
-from gradpress.compressor import (Compressor, NonFiniteError, any_nonfinite, divide_counting_nonfinite, make,
+from gradpress.exchange.agreement import agree
+from gradpress.core.compressor import (Compressor, NonFiniteError, any_nonfinite, divide_counting_nonfinite, make,
                                   scaled_sum)
-from gradpress.feedback import SumParts, make_feedback
-from gradpress.packet import Packet, adjacent
-from gradpress.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
-from gradpress.rng import Context
-from gradpress.state import FORMAT, check, shapes_of
-from gradpress.strategy import MODES, OVERFLOW, Strategy, check_partial
+from gradpress.core.feedback import SumParts, make_feedback
+from gradpress.core.packet import Packet, adjacent
+from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
+from gradpress.core.rng import Context
+from gradpress.exchange.state import FORMAT, check, shapes_of
+from gradpress.exchange.strategy import MODES, OVERFLOW, Strategy, check_partial
 
 
 # -- options ------------------------------------------------------------------------------------------
@@ -121,10 +121,10 @@ class Stats:
     * ``raw_bytes``: bytes of the gradients handed in; ``packet_bytes``: ``Packet.nbytes`` of this
       rank's packets (the compressor's output, GRACE's "data volume").
     * ``sent_bytes`` / ``received_bytes``: what the strategy's collectives move for this rank, from
-      their traffic pattern (:func:`gradpress.strategy.traffic`): headers, widened integer sums and
+      their traffic pattern (:func:`gradpress.exchange.strategy.traffic`): headers, widened integer sums and
       the downstream direction included.
     * ``control_bytes``: bytes sent and received for the ranks' agreement on what they exchange
-      (:mod:`gradpress.agreement`, once per set of keys), not counted in the figures above.
+      (:mod:`gradpress.exchange.agreement`, once per set of keys), not counted in the figures above.
     * ``compress_s`` (compensate, prepare, compress, feedback update), ``decompress_s`` (decoding and
       aggregation), ``comm_s`` (from issuing each round of collectives to its completion; rounds of
       different buckets overlap, so this is not wall time).
@@ -227,7 +227,7 @@ class Pipeline:
 
     def agreement(self, items: Sequence[tuple[str, torch.Tensor]],
                   more: dict[str, str] | None = None) -> Group | None:
-        """The ranks' agreement on these items (see :mod:`gradpress.agreement`) the first time this set
+        """The ranks' agreement on these items (see :mod:`gradpress.exchange.agreement`) the first time this set
         of keys, shapes and dtypes is exchanged, and the first time after :meth:`load_state_dict`; None
         otherwise. ``more``: further components (name -> text) the ranks must agree on (``"auto"``'s)."""
         signature = tuple((key, t.shape, t.dtype, t.get_device()) for key, t in items)  # (-1: the CPU)
@@ -324,7 +324,7 @@ class Pipeline:
 
     def _as_one(self, compressed: bool, tensors: list[torch.Tensor], bucket: torch.Tensor) -> torch.Tensor | None:
         """The tensors as one flat view of ``bucket``, when exchanging them as one tensor gives the same
-        result as one by one: an :attr:`~gradpress.compressor.Compressor.elementwise` method, no
+        result as one by one: an :attr:`~gradpress.core.compressor.Compressor.elementwise` method, no
         feedback memory (nothing keyed per tensor), no per-tensor draws (partial aggregation, a master
         compressor). None otherwise, or when they do not lie back to back in ``bucket``."""
         strategy = self.strategy if compressed else self.plain
@@ -436,8 +436,8 @@ class Pipeline:
         return state
 
     def load_state_dict(self, state: Any) -> None:
-        """Restore :meth:`state_dict`, or this rank's part of a gathered one (:func:`gradpress.state.gathered`).
-        Everything is checked before anything is loaded (:func:`gradpress.state.check`): a ``ValueError``
+        """Restore :meth:`state_dict`, or this rank's part of a gathered one (:func:`gradpress.exchange.state.gathered`).
+        Everything is checked before anything is loaded (:func:`gradpress.exchange.state.check`): a ``ValueError``
         names the key at fault (a state of another method, memory, rank or world size; a tensor of the
         wrong shape or dtype, or holding NaN/Inf)."""
         expected = {"spec": self.compressor.spec, "feedback_spec": self.feedback.spec,
@@ -476,8 +476,8 @@ def _named(error: NonFiniteError, keys: Sequence[str]) -> NonFiniteError:
 class FlatAllReduce:
     """A DDP bucket's exchange formed once (:meth:`Pipeline.flat_allreduce`): each step divides the bucket
     by n in place in the pass that checks it (a rank whose gradient holds NaN/Inf sends zeros with a NaN
-    at its own position, as :mod:`gradpress.strategy.allreduce` carries the flag), all-reduces it in
-    place, reads the n flags and decodes the sum (``none``'s :meth:`~gradpress.compressor.Compressor.
+    at its own position, as :mod:`gradpress.exchange.strategy.allreduce` carries the flag), all-reduces it in
+    place, reads the n flags and decodes the sum (``none``'s :meth:`~gradpress.core.compressor.Compressor.
     decode_sum`: the mean as summed, checked for overflow over three or more workers) — the steps of
     :meth:`Pipeline._protocol` for this case, the same bits, statistics and errors, without forming the
     per-step keys, groups, contexts, packets and protocol around them (about 0.4 ms of Python per bucket,
@@ -523,14 +523,14 @@ _FAULTY = object()
 
 def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: int,
              grad: torch.Tensor | None = None, parts: SumParts | None = None) -> Any:
-    """This worker's :class:`~gradpress.compressor.Preliminary` for ``x`` (None for an empty tensor or
+    """This worker's :class:`~gradpress.core.compressor.Preliminary` for ``x`` (None for an empty tensor or
     a method that sends none for it), or ``_FAULTY`` when ``x`` holds NaN/Inf: found by a check pass,
     or, for a method that finds them in its own passes, in its preliminary values (a max norm, P = MQ).
     Preliminary values that are not finite although ``x`` is (PowerSGD's P of values near float32's
     largest) travel as they are: every rank then holds the combined values and the method raises its
     ``OverflowError`` (or names another worker) on every rank at the same point. ``parts``: x is
     ``parts.out``, where φ = β·m + γ·``grad`` is formed first — by the method's own preliminary pass
-    (:meth:`~gradpress.compressor.Compressor.prepare_sum`) where it finds NaN/Inf itself."""
+    (:meth:`~gradpress.core.compressor.Compressor.prepare_sum`) where it finds NaN/Inf itself."""
     if parts is not None and not compressor.checks_finite:
         scaled_sum(parts.memory, grad, parts.beta, parts.gamma, x)
         parts = None

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from gradpress.protocol import Protocol, Round
+from gradpress.exchange.protocol import Protocol, Round
 
 if TYPE_CHECKING:
-    from gradpress.runtime import Stats
+    from gradpress.exchange.pipeline import Stats
 
 
 class ExchangeFailed(RuntimeError):
@@ -80,7 +80,7 @@ class Driver:
 
     def start_round(self, round_: Round, step: int, then: Callable[[list], Any]) -> torch.futures.Future:
         """Issue one final ``round_`` of step ``step`` with no protocol around it (a plan's exchange, see
-        :class:`gradpress.runtime.FlatAllReduce`); a future of ``then(its results)``, run where the
+        :class:`gradpress.exchange.pipeline.FlatAllReduce`); a future of ``then(its results)``, run where the
         round completes, a failure of either recorded as the exchange's (:meth:`check` raises it)."""
         self.check()
 

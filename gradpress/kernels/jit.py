@@ -23,15 +23,15 @@ from numba.core import cgutils
 from numba.core.caching import CompileResultCacheImpl, FunctionCache
 from numba.extending import intrinsic
 
-from gradpress import _simd as V
+from gradpress.kernels import simd as V
 
 _enabled = os.environ.get("GRADPRESS_NUMBA", "1") != "0"
 
 
 @functools.cache
-def sources_digest(package: Path = Path(__file__).resolve().parent) -> str:
+def sources_digest(package: Path = Path(__file__).resolve().parents[1]) -> str:
     """SHA-256 of every Python source file of the gradpress package (their paths and contents; the
-    ``package`` folder, this one by default).
+    ``package`` folder, gradpress by default).
 
     A numba kernel's on-disk cache is keyed on the file that defines it, but the machine code it holds
     also contains what the kernel inlined from other modules: the intrinsics here and in ``_simd``,
@@ -191,7 +191,7 @@ def mix32_from(h, seed):  # pragma: no cover - compiled
     A loop over consecutive i advances h by adding GOLDEN: one vectorized multiply (of three) fewer per
     hash, which is the largest cost of natural compression's and dithering's kernels (measured 0.39 →
     0.25 ms per 2^21 hashes). The numba-vs-torch tests check the bits against
-    :func:`gradpress.rng.mix32_torch`.
+    :func:`gradpress.core.rng.mix32_torch`.
     """
     u = np.uint32
     h = u(h ^ u(seed))
@@ -204,7 +204,7 @@ def mix32_from(h, seed):  # pragma: no cover - compiled
 
 @kernel(inline="always")
 def mix32(i, seed):  # pragma: no cover - compiled
-    """MurmurHash3 fmix32 of ``i * GOLDEN ^ seed``, bit for bit :func:`gradpress.rng.mix32_torch`."""
+    """MurmurHash3 fmix32 of ``i * GOLDEN ^ seed``, bit for bit :func:`gradpress.core.rng.mix32_torch`."""
     return mix32_from(mul32(np.uint32(i), GOLDEN), seed)
 
 
@@ -229,7 +229,7 @@ def wide_vectors(typingctx):  # pragma: no cover - compiled
 
 @kernel(inline="always")
 def uniform24(i, seed):  # pragma: no cover - compiled
-    """Uniform float32 in [0, 1) with 24 random bits, equal to :func:`gradpress.rng.uniform24_torch`."""
+    """Uniform float32 in [0, 1) with 24 random bits, equal to :func:`gradpress.core.rng.uniform24_torch`."""
     return np.float32(mix32(i, seed) >> np.uint32(8)) * np.float32(2.0**-24)
 
 
@@ -387,7 +387,7 @@ def select_bits64(typingctx, word, low, high, out, start):  # pragma: no cover -
 
 def _compress16(predicate: str, doc: str):  # noqa: ANN202
     """An intrinsic writing those of the 16 float32 x[start:start + 16] (or of the 16 lanes of a
-    :data:`~gradpress._simd.vf32` x, standing for those positions) for which ``fcmp predicate |x|,
+    :data:`~gradpress.kernels.simd.vf32` x, standing for those positions) for which ``fcmp predicate |x|,
     threshold`` holds (a leading "u": unordered, true for NaN), in order, to values[at:] and their
     positions (int32) to indices[at:], returning how many: compressed in registers
     (``vcompressps``/``vpcompressd`` with AVX-512, equivalent scalar code elsewhere), then one unaligned
@@ -446,7 +446,7 @@ compress_above16 = _compress16(">", "|x| > threshold, NaN not (threshold-v's sel
 compress_at_least16 = _compress16("u>=", "not |x| < threshold: at or above it, and NaN (top-k's candidates)")
 
 
-# -- unaligned 64-bit words of a byte array (the packing of gradpress.bits' whole groups) -------------------
+# -- unaligned 64-bit words of a byte array (the packing of gradpress.kernels.bits' whole groups) -------------------
 def _byte_pointer(context, builder, array_type, array, offset):  # pragma: no cover - compiled
     data = context.make_array(array_type)(context, builder, array).data
     return builder.bitcast(builder.gep(data, [offset]), ir.IntType(64).as_pointer())
@@ -455,7 +455,7 @@ def _byte_pointer(context, builder, array_type, array, offset):  # pragma: no co
 @intrinsic
 def load64(typingctx, array, offset):  # pragma: no cover - compiled
     """The 8 bytes of a uint8 array at byte ``offset`` as a uint64 (any alignment; numba's hosts are all
-    little-endian, the layout of :mod:`gradpress.bits`)."""
+    little-endian, the layout of :mod:`gradpress.kernels.bits`)."""
     sig = types.uint64(array, types.intp)
 
     def codegen(context, builder, signature, args):
@@ -509,7 +509,7 @@ def squares(x, addends=None, streamed=False):  # pragma: no cover - compiled
     """Σ x_i² in float64 for float32 ``x``: every square exact in float64, summed per lane of 16 (lane
     k mod 16), the lanes in order, then the last x.size mod 16 values in order — one fixed order, so a
     given x always gives the same bits. ``addends`` (m, g, β, γ) or None: x is not read but written, the
-    value squared being φ = fl32(fl32(m·β) + fl32(g·γ)) (:func:`~gradpress.compressor.scaled_sum`'s bits;
+    value squared being φ = fl32(fl32(m·β) + fl32(g·γ)) (:func:`~gradpress.core.compressor.scaled_sum`'s bits;
     error feedback's sum formed in the pass that takes its norm), stored past the caches if ``streamed``."""
     u = np.uint64
     n = u(x.size)

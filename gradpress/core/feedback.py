@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
-from gradpress._numba import add_into
-from gradpress.registry import Registry, check_params_of, format_spec, param
+from gradpress.kernels.jit import add_into
+from gradpress.core.registry import Registry, check_params_of, format_spec, param
 
 if TYPE_CHECKING:
-    from gradpress.compressor import Compressor
-    from gradpress.packet import Packet
+    from gradpress.core.compressor import Compressor
+    from gradpress.core.packet import Packet
 
 
 _MISSING = object()
@@ -44,11 +44,11 @@ class Feedback:
     an exchange that failed back as they were (references, no copies)."""
 
     name: ClassVar[str] = ""
-    #: the update keeps what compression dropped, :meth:`~gradpress.compressor.Compressor.residual` of φ
+    #: the update keeps what compression dropped, :meth:`~gradpress.core.compressor.Compressor.residual` of φ
     #: and its packet, and reads φ for nothing else: a compressor may then form it in its own pass, into
-    #: the buffer φ is formed in (:meth:`~gradpress.compressor.Compressor.compress_residual_sum`, handed to
+    #: the buffer φ is formed in (:meth:`~gradpress.core.compressor.Compressor.compress_residual_sum`, handed to
     #: :meth:`update_residual`), or, for a method with a preliminary exchange, which needs φ formed first,
-    #: into φ's own storage (:attr:`~gradpress.compressor.Compressor.fuses_residual`: THC)
+    #: into φ's own storage (:attr:`~gradpress.core.compressor.Compressor.fuses_residual`: THC)
     keeps_residual: ClassVar[bool] = False
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,7 @@ class Feedback:
         """``(m, out, β, γ)`` when :meth:`compensate` would return φ = β·m + γ·g (torch's bits of
         ``m * β + g * γ``) formed in ``out`` (a float32 buffer of the key's that nobody else holds): the
         runtime then lets the compressor form that sum in the pass that reads the input anyway
-        (:meth:`~gradpress.compressor.Compressor.compress_sum`) and hands ``out``, then holding φ, to
+        (:meth:`~gradpress.core.compressor.Compressor.compress_sum`) and hands ``out``, then holding φ, to
         :meth:`update_from` as an owned tensor. None (the default): call :meth:`compensate`."""
         return None
 
@@ -133,7 +133,7 @@ class Feedback:
 def compress_with(feedback: Feedback, compressor: Compressor, key: str, grad: torch.Tensor,
                   ctx: Any = None) -> Packet:
     """One worker's compensate, compress and memory update for ``key``, as the runtime makes them
-    (:meth:`gradpress.runtime.Pipeline._protocol`, less its NaN/Inf protocol): φ formed in the
+    (:meth:`gradpress.exchange.pipeline.Pipeline._protocol`, less its NaN/Inf protocol): φ formed in the
     compressor's pass where :meth:`Feedback.sum_parts` allows it. Returns the packet."""
     parts = feedback.sum_parts(key, grad) if feedback.updates and not compressor.prepares else None
     formed = False

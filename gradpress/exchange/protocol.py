@@ -2,7 +2,7 @@
 
 An exchange is a *protocol*: a generator that yields rounds (:class:`Round`) of collective requests
 (:class:`AllReduce`, :class:`ReduceScatter`, :class:`AllGather`, :class:`Broadcast`, :class:`Gather`)
-and receives their results. :class:`gradpress.distributed.ProcessGroupExecutor` runs the rounds on a
+and receives their results. :class:`gradpress.exchange.distributed.ProcessGroupExecutor` runs the rounds on a
 process group; ``gradpress.simulate`` runs the very same protocols for n workers inside one process.
 Every request has an exact, order-defined meaning, so a simulated run equals a real one bit for bit:
 float sums over three or more ranks go through :class:`ReduceScatter`, which adds the ranks' values in
@@ -11,8 +11,8 @@ depends on each element's position (measured on Gloo with 3 ranks: 14 % of 10⁵
 differ from the rank-order sum). Sums of two values, integer sums, max and min are exact in any order
 and use the backend's all-reduce.
 
-Nothing here talks to a process group: the strategies (:mod:`gradpress.strategy`) build protocols from
-these pieces, and :mod:`gradpress.distributed` runs them.
+Nothing here talks to a process group: the strategies (:mod:`gradpress.exchange.strategy`) build protocols from
+these pieces, and :mod:`gradpress.exchange.distributed` runs them.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any, Generator, Sequence
 
 import torch
 
-from gradpress.compressor import NonFiniteError
+from gradpress.core.compressor import NonFiniteError
 
 # -- collective requests ---------------------------------------------------------------------------
 @dataclass

@@ -1,7 +1,7 @@
 """A pipeline's saved state, and the checks it passes before it loads (issue: "compression state can't
 be restored into the wrong place").
 
-:meth:`gradpress.runtime.Pipeline.state_dict` records, beside the feedback memory, step counters and the
+:meth:`gradpress.exchange.pipeline.Pipeline.state_dict` records, beside the feedback memory, step counters and the
 compressor's own state, what they belong to: the specs of the compressor, memory and master, the rank,
 the world size and every exchanged tensor's shape. :func:`check` refuses a state of another method,
 memory, rank or world size, and a tensor of the wrong shape or dtype or holding NaN/Inf, with a
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from gradpress.compressor import Compressor
+    from gradpress.core.compressor import Compressor
 
 FORMAT = 2
 
