@@ -19,7 +19,9 @@ a run, on this machine; ``gradpress.register(model, "auto")`` (or ``ddp_comm_hoo
    and ``gradpress sim cost``). :func:`choose` starts from the best single method and improves bucket by
    bucket; a change must be predicted to shorten the step by more than ``margin``. Rank 0 broadcasts
    the choice (one small collective at decision points only; a steady-state step pays none) and every
-   rank follows it from this bucket on.
+   rank follows it from this bucket on. The others wait in that broadcast while rank 0 measures, on the
+   process group gradpress was given, under its own timeout: the ``timeout`` option bounds a wait for
+   a peer that should be there within it, not this one-off work (:class:`gradpress.exchange.protocol.Round`).
 3. **Re-check** every ``recheck_every`` steps: the link and compute from the latest steps' running
    records, the candidates' costs measured once (again after a resume or a change of buckets), and the
    same rule. Switches happen only there, at the same step on every rank.
@@ -470,7 +472,7 @@ class AutoPipeline:
             except Exception as error:  # noqa: BLE001 - the others wait in the broadcast: never leave them
                 self.error = f"{type(error).__name__}: {error}"[:300]
                 payload = self._payload(layout, KEPT)
-        (received,) = yield Round([Broadcast(payload.to(device), 0)])
+        (received,) = yield Round([Broadcast(payload.to(device), 0)], long_wait=True)  # (rank 0 measured)
         self._apply(received.cpu(), layout, step)
         if self._records:  # this step's buckets are timed from now, not from before the decision
             self._records[-1].first = time.perf_counter()

@@ -37,7 +37,7 @@ class Communicator:
         auto = AutoOptions.pop_from(options) if is_auto(spec) else None
         self.options = Options.of(**options)
         compressor = build(spec) if auto is None else None  # a bad spec raises before any collective
-        executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout))
+        executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout), process_group)
         self.rank, self.world_size = executor.rank, executor.world_size
         self._group = executor.group
         self._pipeline: Pipeline | AutoPipeline

@@ -39,7 +39,7 @@ import torch
 
 from gradpress.auto import AUTO, AutoOptions, AutoPipeline, is_auto
 from gradpress.core.compressor import Compressor
-from gradpress.exchange.driver import Driver
+from gradpress.exchange.driver import Driver, failed_future
 from gradpress.exchange.pipeline import Options, Pipeline, Stats, build
 from gradpress.exchange.state import gathered, own_state, shapes_of
 from gradpress.exchange.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
@@ -79,6 +79,7 @@ class GradpressState:
         self._plans: dict[int, Any] = {}  # per bucket index: its FlatAllReduce, where its exchange has one
         self._pipeline: Pipeline | AutoPipeline | None = None
         self._driver: Driver | None = None
+        self._talk: ProcessGroupExecutor | None = None
         self._loaded: dict[str, Any] | None = None
         self._hooked = False  # a bucket reached the hook
         self._sync_forwards = 0  # training forward passes seen (synchronized ones, where DDP is known)
@@ -87,8 +88,14 @@ class GradpressState:
             self._watch(model)
 
     # -- the hook's work ----------------------------------------------------------------------------
+    def _executor(self) -> ProcessGroupExecutor:
+        """The executor on the group gradpress talks on (made once: with ``timeout``, a new group)."""
+        if self._talk is None:
+            self._talk = ProcessGroupExecutor(resolve_group(self._group, self.options.timeout), self._group)
+        return self._talk
+
     def _setup(self) -> None:
-        executor = ProcessGroupExecutor(resolve_group(self._group, self.options.timeout))
+        executor = self._executor()
         self._pipeline = self._new_pipeline(executor.rank, executor.world_size)
         self._driver = Driver(executor, self._pipeline.stats)
         if self._loaded is not None:
@@ -108,13 +115,33 @@ class GradpressState:
         return key
 
     def run_bucket(self, bucket: Any) -> torch.futures.Future:
-        """Start exchanging one DDP bucket; a future of the bucket's averaged gradients."""
+        """Start exchanging one DDP bucket; a future of the bucket's averaged gradients.
+
+        Errors reach DDP through the future, never raised here: DDP's reducer, when a hook raises,
+        is left expecting the rest of the backward pass, and its next forward or backward pass fails
+        on its own assertion ("Expected to have finished reduction in the prior iteration", or an
+        INTERNAL ASSERT in reducer.cpp) instead of gradpress's :class:`~gradpress.exchange.driver.ExchangeFailed`.
+        DDP hands the buckets over in index order and, before the next backward pass, has waited for
+        this one's futures in that order up to the first that failed: the first bucket is where every
+        rank has seen the same failures, and where a failed exchange closes the hook (the buckets
+        after a failure in the same pass are still exchanged, as every other rank does)."""
         self._hooked = True
-        if self._pipeline is None:
-            self._setup()
+        try:
+            if self._pipeline is None:
+                self._setup()
+            assert self._driver is not None
+            if bucket.index() == 0:
+                self._driver.check()
+            return self._exchange(bucket)
+        except Exception as error:  # noqa: BLE001 - handed to DDP in the future
+            if self._driver is not None:
+                self._driver.stop(error)
+            buffer = bucket.buffer()
+            return failed_future(error, None if buffer.is_cpu else [buffer.device])
+
+    def _exchange(self, bucket: Any) -> torch.futures.Future:
         driver, pipeline = self._driver, self._pipeline
         assert driver is not None and pipeline is not None
-        driver.check()
         driver.advance()
         buffer = bucket.buffer()
         plan = self._plans.get(bucket.index())
@@ -147,7 +174,8 @@ class GradpressState:
             future = driver.start(groups[0].protocol, groups[0].step, devices, then=lambda one: assemble([one]))
         else:
             started = [driver.start(g.protocol, g.step, devices) for g in groups]
-            future = torch.futures.collect_all(started).then(lambda done: assemble([f.value() for f in done.value()]))
+            future = torch.futures.collect_all(started).then(  # (driver.wait: a failure as gradpress raised it)
+                lambda done: assemble([driver.wait(f) for f in done.value()]))
         if bucket.is_last():
             driver.advance()
         return future
@@ -156,14 +184,15 @@ class GradpressState:
     def state_dict(self, gathered: bool = False) -> dict[str, Any]:
         """This rank's feedback memory, per-parameter step counters and shapes, and the compressor's own
         state (warm starts). ``gathered=True`` (collective: every rank calls it): every rank's state in
-        one dict, for a checkpoint written by one rank; each rank loads its own part of it."""
+        one dict, for a checkpoint written by one rank; each rank loads its own part of it (gathered on
+        the group the exchanges use, so a peer that never joins makes it raise after ``timeout``)."""
         if self._pipeline is not None:
             state = self._pipeline.state_dict()
         elif self._loaded is not None:
             state = self._loaded
         else:
             state = self._local_pipeline().state_dict()
-        return _gathered(state, self._group) if gathered else state
+        return _gathered(state, self._executor().group) if gathered else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's, or a gathered one; before training resumes: it

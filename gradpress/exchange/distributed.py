@@ -63,14 +63,21 @@ class Handle:
         return results
 
 
+_SAME = object()
+
+
 class ProcessGroupExecutor:
     """Issues a protocol's rounds on a ``torch.distributed`` process group (Gloo, NCCL, …), async."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, given: Any = _SAME) -> None:
+        """``group``: the group gradpress talks on (None: the default group); ``given``: the group it was
+        made from (None: the default group), under whose own timeout rounds marked ``long_wait`` run
+        (:class:`gradpress.exchange.protocol.Round`). Default: ``group``."""
         import torch.distributed as dist
 
         self._dist = dist
         self.group = group
+        self.given = group if given is _SAME else given
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -87,19 +94,20 @@ class ProcessGroupExecutor:
         """Start every collective of ``round_`` in order; ``sent(bytes_sent, bytes_received)`` is called
         per collective, ``done(seconds)`` when the round completes."""
         works, builders = [], []
+        group = self.given if round_.long_wait else self.group
         for request in round_.requests:
             sent(*traffic(request, self.rank, self.world_size))
-            work, build = self._start(request)
+            work, build = self._start(request, group)
             if work is not None:
                 works.append(work)
             builders.append(build)
         return Handle(works, lambda: [build() for build in builders], done)
 
-    def _global(self, rank: int) -> int:
-        return rank if self.group is None else self._dist.get_global_rank(self.group, rank)
+    def _global(self, rank: int, group: Any) -> int:
+        return rank if group is None else self._dist.get_global_rank(group, rank)
 
-    def _start(self, request: Collective) -> tuple[Any, Callable[[], Any]]:
-        dist, group, n = self._dist, self.group, self.world_size
+    def _start(self, request: Collective, group: Any) -> tuple[Any, Callable[[], Any]]:
+        dist, n = self._dist, self.world_size
         t = request.tensor
         if not t.is_contiguous():
             raise ValueError("collective requests take contiguous tensors")
@@ -124,13 +132,14 @@ class ProcessGroupExecutor:
         if isinstance(request, Broadcast):
             if n == 1:
                 return None, lambda: t
-            return dist.broadcast(t, src=self._global(request.src), group=group, async_op=True), lambda: t
+            src = self._global(request.src, group)
+            return dist.broadcast(t, src=src, group=group, async_op=True), lambda: t
         if isinstance(request, Gather):
             if n == 1:
                 return None, lambda: t.unsqueeze(0)
             mine = self.rank == request.dst
             out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device) if mine else None
-            work = dist.gather(t, list(out.unbind(0)) if mine else None, dst=self._global(request.dst),
+            work = dist.gather(t, list(out.unbind(0)) if mine else None, dst=self._global(request.dst, group),
                                group=group, async_op=True)
             return work, lambda: out
         raise TypeError(f"unknown collective {request!r}")

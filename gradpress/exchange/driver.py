@@ -8,9 +8,21 @@ integrations call at points that are the same on every rank (before starting the
 the last one). PyTorch's own PowerSGD hook issues its second all-reduce from a completion callback,
 whose timing differs between ranks, so with several buckets the ranks' collectives can interleave in
 different orders; Gloo matches messages by order and aborts.
+
+Failures follow the same rule. An exchange that fails (a NaN/Inf flagged in-band, an overflow, a
+collective's error) is recorded when it is found, which for an asynchronous round is on a backend
+thread, at a time that differs between ranks: it does not stop the exchanges started after it in the
+same step, which every other rank starts too. The driver closes (:class:`ExchangeFailed` for any later
+exchange) only at :meth:`Driver.check`, which the integrations call where every rank has seen the same
+failures (before a step's first exchange), or at once for a failure found where it is called (in
+:meth:`Driver.advance`, at points the same on every rank). Of several failures the driver keeps the
+one of the exchange started first, which is the one a caller waiting for the exchanges in order meets
+first, on every rank.
 """
 from __future__ import annotations
 
+import math
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -35,10 +47,29 @@ class _Run:
     future: torch.futures.Future | None = None
     handle: Any = None
     control: bool = False
+    order: int = 0  # runs started before it (the same on every rank)
 
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _value(future: torch.futures.Future) -> Any:
+    return future.value()
+
+
+def failed_future(error: BaseException, devices: list[torch.device] | None = None) -> torch.futures.Future:
+    """A future that fails with ``error`` as a collective's future does: its ``wait()`` raises a
+    RuntimeError quoting ``error``, and a caller in C++ (DDP's reducer) sees an error. (Python's
+    ``Future.set_exception`` keeps the exception as the future's *value*, which DDP would try to read
+    as the bucket: "Unable to cast … to Tensor".)"""
+    done = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+    done.set_result(None)
+
+    def fail(_: torch.futures.Future) -> None:
+        raise error
+
+    return done.then(fail)
 
 
 class Driver:
@@ -53,58 +84,92 @@ class Driver:
     def __init__(self, executor: Any, stats: Stats) -> None:
         self.executor, self.stats = executor, stats
         self._pending: deque[_Run] = deque()
-        self.failure: BaseException | None = None
+        self._lock = threading.Lock()
+        self._started = 0
+        self.failure: BaseException | None = None  # of the earliest started exchange that failed
+        self._failed_at = math.inf
+        self.closed = False
 
     def check(self) -> None:
+        """Raise :class:`ExchangeFailed` if an exchange has failed, and close: no exchange starts after.
+        Call it only where every rank has seen the same failures: before a step's first exchange, the
+        exchanges of the step before waited for in order up to the first that failed (DDP waits for a
+        backward pass's buckets so; the Communicator for each call's exchanges)."""
         if self.failure is not None:
-            raise ExchangeFailed(f"gradpress: an earlier exchange failed ({type(self.failure).__name__}: "
-                                 f"{self.failure}); the ranks may be out of step") from self.failure
+            self.closed = True
+        self._refuse()
+
+    def _refuse(self) -> None:
+        if self.closed:
+            failure = self.failure
+            raise ExchangeFailed(f"gradpress: an earlier exchange failed ({type(failure).__name__}: "
+                                 f"{failure}); no exchange is attempted after a failure (the ranks may be "
+                                 "out of step): restart from a checkpoint") from failure
+
+    def stop(self, error: BaseException) -> None:
+        """``error``, raised where the integration called the driver (at a point the same on every
+        rank, when every rank raises it), ends the exchanges: it is recorded (if no exchange started
+        before it failed), every pending exchange fails with it, and no exchange starts after."""
+        if not isinstance(error, ExchangeFailed):
+            self._record(error, self._started)
+        self._fail(None, error)
 
     def start(self, protocol: Protocol, step: int, devices: list[torch.device] | None = None,
               then: Callable[[Any], Any] = _same, control: bool = False) -> torch.futures.Future:
         """Run ``protocol`` up to its first round and issue it; a future of ``then(its result)``
         (``then`` runs where the result is formed, on a backend thread for asynchronous rounds).
-        ``control``: its traffic is the ranks' agreement, counted as ``control_bytes``."""
-        self.check()
-        run = _Run(protocol, step, then, control=control)
+        ``control``: its traffic is the ranks' agreement, counted as ``control_bytes``. A failure
+        reaches the future as an error (for DDP too, see :func:`failed_future`) and is recorded."""
+        self._refuse()
+        run = _Run(protocol, step, then, control=control, order=self._next())
         round_ = self._resume(run, None)
         if isinstance(round_, Round) and round_.final:
-            return self._issue(run, round_).future(lambda results: self._finish(run, results), self._record)
+            return self._issue(run, round_).future(lambda results: self._finish(run, results),
+                                                   lambda error: self._record(error, run.order))
         run.future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         if isinstance(round_, Round):
             run.handle = self._issue(run, round_)
             self._pending.append(run)
         else:
             self._complete(run, round_.value)
-        return run.future
+        return run.future.then(_value)  # (completed by set_exception on a failure: see failed_future)
 
     def start_round(self, round_: Round, step: int, then: Callable[[list], Any]) -> torch.futures.Future:
         """Issue one final ``round_`` of step ``step`` with no protocol around it (a plan's exchange, see
         :class:`gradpress.exchange.pipeline.FlatAllReduce`); a future of ``then(its results)``, run where the
         round completes, a failure of either recorded as the exchange's (:meth:`check` raises it)."""
-        self.check()
+        self._refuse()
+        order = self._next()
 
         def finish(results: list) -> Any:
             try:
                 return then(results)
             except BaseException as error:
-                self._record(error)
+                self._record(error, order)
                 raise
 
-        return self._issue(_Run(None, step, _same), round_).future(finish, self._record)  # type: ignore[arg-type]
+        run = _Run(None, step, _same, order=order)  # type: ignore[arg-type]
+        return self._issue(run, round_).future(finish, lambda error: self._record(error, order))
 
     def advance(self) -> None:
-        """Wait for every pending non-final round, in start order, and issue what follows it."""
+        """Wait for every pending non-final round, in start order, and issue what follows it. A failure
+        (a collective's error, or the protocol's, e.g. a NaN/Inf flagged in the round) fails every
+        pending exchange's future and closes the driver (see the module docstring); it is not raised
+        here but where the futures are waited for."""
         while self._pending:
             run = self._pending.popleft()
             while run.handle is not None:
                 handle, run.handle = run.handle, None
                 try:
                     results = handle.wait()
-                except BaseException as error:
+                except BaseException as error:  # noqa: BLE001 - handed to the futures
+                    self._record(error, run.order)
                     self._fail(run, error)
-                    raise
-                round_ = self._resume(run, results)
+                    return
+                try:
+                    round_ = self._resume(run, results)
+                except BaseException:  # noqa: BLE001 - recorded and handed to the futures by _resume
+                    return
                 if not isinstance(round_, Round):
                     self._complete(run, round_.value)
                 elif round_.final:
@@ -129,6 +194,10 @@ class Driver:
                 raise
             raise self.failure from None
 
+    def _next(self) -> int:
+        self._started += 1
+        return self._started - 1
+
     def _resume(self, run: _Run, results: list | None) -> Round | StopIteration:
         """The protocol's next round, or its StopIteration (whose ``value`` is the protocol's result)."""
         try:
@@ -136,6 +205,7 @@ class Driver:
         except StopIteration as stop:
             return stop
         except BaseException as error:
+            self._record(error, run.order)
             self._fail(run, error)
             raise
 
@@ -149,8 +219,11 @@ class Driver:
             lambda sent, received: self.stats.add(step, sent_bytes=sent, received_bytes=received, collectives=1),
             lambda seconds: self.stats.add(step, comm_s=seconds))
 
-    def _record(self, error: BaseException) -> None:
-        self.failure = self.failure or error
+    def _record(self, error: BaseException, order: int) -> None:
+        """Keep ``error`` as the failure if no exchange started before the one it ends has failed."""
+        with self._lock:
+            if order < self._failed_at:
+                self.failure, self._failed_at = error, order
 
     def _complete(self, run: _Run, value: Any) -> None:
         """Complete ``run.future`` with ``run.then(value)`` (on the calling thread)."""
@@ -170,7 +243,7 @@ class Driver:
                 return run.then(stop.value)
             raise RuntimeError("a protocol issued collectives after its final round")
         except BaseException as error:
-            self._record(error)
+            self._record(error, run.order)
             raise
 
     def _settle(self, run: _Run, results: list) -> None:
@@ -184,13 +257,15 @@ class Driver:
 
     def _abandon(self, run: _Run, error: BaseException) -> None:
         """A run's final round failed (on a backend thread): record it, fail the run's future."""
-        self._record(error)
+        self._record(error, run.order)
         if not run.future.done():
             run.future.set_exception(error)
 
-    def _fail(self, run: _Run, error: BaseException) -> None:
-        self._record(error)
+    def _fail(self, run: _Run | None, error: BaseException) -> None:
+        """A failure found where the driver was called: ``run``'s and every pending run's futures fail
+        with it, and no exchange starts after (the same point on every rank, see :meth:`advance`)."""
+        self.closed = True
         for other in [run, *self._pending]:
-            if other.future is not None and not other.future.done():
+            if other is not None and other.future is not None and not other.future.done():
                 other.future.set_exception(error)
         self._pending.clear()

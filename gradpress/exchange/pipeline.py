@@ -48,8 +48,12 @@ class Options:
     * ``exclude``: name patterns (``fnmatch``, e.g. ``"conv1.*"``, ``"*.bias"``) left uncompressed.
     * ``warmup_steps``: the first steps of each tensor go uncompressed.
     * ``seed``: seed of the shared and private random streams (DESIGN invariant 2).
-    * ``timeout``: seconds (or a timedelta) after which a stuck collective raises; gradpress then
-      talks on its own process group with that timeout. Default: the process group's own.
+    * ``timeout``: seconds (or a timedelta) a collective waits for its peers before it raises;
+      gradpress then talks on its own process group with that timeout: every round of every
+      exchange, the ranks' agreement and a gathered state (``state_dict(gathered=True)``). Not bounded
+      by it: ``auto``'s decision, where the other ranks wait for rank 0 to measure the candidates
+      (once per decision; on the process group gradpress was given, under that group's timeout), the
+      group's creation, and DDP's own collectives. Default: the process group's own.
     * ``mode``: ``"collective"`` (all-reduce / all-gather), ``"ps"`` (parameter server at ``root``) or
       ``"switch"`` (integer-only aggregation at ``root``, as a programmable switch).
     * ``master``: spec of the master compressor C_M re-compressing the aggregate in ``ps`` mode

@@ -69,10 +69,15 @@ Collective = AllReduce | ReduceScatter | AllGather | Broadcast | Gather
 @dataclass
 class Round:
     """Collectives issued together, in order. After a ``final`` round the protocol only computes (it
-    decodes) and returns; the runtime may run that continuation asynchronously."""
+    decodes) and returns; the runtime may run that continuation asynchronously. ``long_wait``: the
+    other ranks wait here for one rank's long, one-off work (``auto``'s decision: rank 0 measures the
+    candidates while the others wait in its broadcast), so the round runs on the process group
+    gradpress was given, under that group's timeout, not under gradpress's ``timeout``, which bounds
+    a wait for a peer that should be there within it."""
 
     requests: list[Collective]
     final: bool = False
+    long_wait: bool = False
 
 
 Protocol = Generator[Round, list, Any]
