@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradpress-installed
 
-.PHONY: test demo clean
+.PHONY: test demo clean wheel-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,18 @@ test: $(STAMP)
 	# the offline datasets (apt-get as root; tests that need one skip with the reason when it is missing)
 	-$(PY) -m gradpress data fashion-mnist fortunes movielens-100k
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory wheel-check
+
+# the wheel `python -m build` makes, installed into a fresh virtualenv (torch as above, no extras), runs
+# the README's quick-start from outside the checkout
+WHEEL_CHECK := build/wheel-check
+wheel-check: $(STAMP)
+	rm -rf $(WHEEL_CHECK) && mkdir -p $(WHEEL_CHECK)
+	$(PY) -m build --wheel --outdir $(WHEEL_CHECK)/dist . > $(WHEEL_CHECK)/build.log 2>&1 || (cat $(WHEEL_CHECK)/build.log; exit 1)
+	$(PYTHON) -m venv $(WHEEL_CHECK)/venv
+	$(WHEEL_CHECK)/venv/bin/python -m pip install -q torch==2.13.0
+	$(WHEEL_CHECK)/venv/bin/python -m pip install -q $(WHEEL_CHECK)/dist/*.whl
+	cd $(WHEEL_CHECK) && venv/bin/python $(CURDIR)/tests/installed_quickstart.py $(CURDIR)/README.md
 
 # an emulated 100 Mbit/s star when root (network namespaces need it), loopback otherwise
 NETWORK := $(if $(filter 0,$(shell id -u)),--bandwidth 100mbit,)
@@ -30,4 +42,4 @@ demo: $(STAMP)
 		--steps $(DEMO_STEPS) --eval-every 50 --compressors demo --out out/demo
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) out build

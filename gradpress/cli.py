@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import math
 import re
 import sys
@@ -34,6 +35,10 @@ SUBCOMMANDS = [
 ]
 
 PREFIX = "gradpress: error: "
+#: what the testbed's commands need beyond the library: the ``[testbed]`` extra
+TESTBED_LIBRARIES = ("matplotlib", "rich", "tqdm")
+#: the commands that need the library alone
+LIBRARY_COMMANDS = ("list", "compile")
 
 
 class UsageError(Exception):
@@ -55,15 +60,40 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gradpress._version import __version__
+
     parser = Parser(prog="gradpress", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"gradpress {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("list", help="list the registered compressors and feedback memories")
     listing.add_argument("--markdown", action="store_true",
                          help="the README's compressor table (bits per value measured on 2^20 N(0,1) fp32 values)")
     listing.set_defaults(func=_list)
     for module in SUBCOMMANDS:
-        importlib.import_module(module).add_parser(sub)
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as error:
+            library = (error.name or "").split(".")[0]
+            if library not in TESTBED_LIBRARIES:
+                raise
+            _unavailable(sub, module.rsplit(".", 1)[-1], library)
     return parser
+
+
+def _unavailable(subparsers: argparse._SubParsersAction, command: str, library: str) -> None:
+    """``command`` as a stand-in that says which extra to install (its module needs ``library``)."""
+    stand_in = subparsers.add_parser(command, help="(needs pip install 'gradpress[testbed]')", add_help=False)
+    stand_in.set_defaults(unavailable=_needs_testbed(command, library))
+
+
+def _needs_testbed(command: str, library: str) -> str:
+    return (f"'gradpress {command}' needs the testbed's libraries ({library} is not installed): "
+            f"pip install 'gradpress[testbed]'")
+
+
+def _missing_testbed_library() -> str | None:
+    """The first of :data:`TESTBED_LIBRARIES` that cannot be imported, or None."""
+    return next((name for name in TESTBED_LIBRARIES if importlib.util.find_spec(name) is None), None)
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -84,7 +114,14 @@ def _list(args: argparse.Namespace) -> int:
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen ``func``; a :class:`UsageError` becomes ``gradpress: error: …``
     and exit status 2 (argparse's own errors exit with 2 as they are found)."""
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    missing = None if args.command in LIBRARY_COMMANDS else _missing_testbed_library()
+    if getattr(args, "unavailable", None) or missing is not None:
+        print(PREFIX + (getattr(args, "unavailable", None) or _needs_testbed(args.command, missing)),
+              file=sys.stderr)
+        return 2
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except UsageError as error:
