@@ -1,4 +1,4 @@
-"""``auto``: the job measures itself and picks a method per bucket (issue 14, point 4).
+"""``auto``: the job measures itself and picks a method per bucket.
 
 GRACE's lesson (Xu et al., Section 6) is that no compressor wins everywhere: whether one pays off
 depends on the model, the network and the compression overhead. ``gradpress advise`` answers that before

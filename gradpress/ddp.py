@@ -13,7 +13,8 @@ bucket, decoded and written into the bucket in one callback on the backend's thr
 as with DDP's own all-reduce: single-round exchanges complete asynchronously, and any later round
 of a multi-round exchange (a preliminary exchange, a sizes header, the second half of a rank-order
 sum) is issued at the next bucket or after the last one, points that are the same on every rank
-(DESIGN invariant 3). DDP's bucket rebuild after the first iteration changes which gradients share a
+(invariant: collective order, docs/design.md). DDP's bucket rebuild after the first iteration changes which
+gradients share a
 bucket, never their keys, so feedback memory carries over; ``no_sync()`` skips the hook and DDP
 accumulates locally, as without one. A bucket whose exchange is, every step, one in-place all-reduce of
 the whole bucket divided by n (``none``) is planned the first time it is exchanged

@@ -8,8 +8,9 @@ values, integer sums, max, min, broadcasts and gathers are exact in any order, a
 three or more workers go through a rank-order reduce-scatter in both. So ``simulate`` returns, bit
 for bit, what a real run returns for the same seeds.
 
-After a final round every rank decodes the same received bytes in the same order (DESIGN invariant
-1), so the simulation decodes once, on worker 0, and copies worker 0's compressor state (e.g. warm
+After a final round every rank decodes the same received bytes in the same order
+(invariant: bit-identical ranks, docs/design.md), so the simulation decodes once, on worker 0, and copies
+worker 0's compressor state (e.g. warm
 starts) to the others; that keeps n = 1024 workers affordable.
 """
 from __future__ import annotations

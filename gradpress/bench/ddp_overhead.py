@@ -7,7 +7,7 @@ all-reduce; PyTorch's own ``allreduce_hook``, the same all-reduce driven from Py
 the gradpress hook with each ``--specs`` entry, ``none`` by default) from the same
 weights, and times training steps (forward, backward with the exchange, SGD step) on the same batches,
 variants interleaved round by round so drift in machine load hits all alike. Reports each variant's
-median step time and its ratio to the built-in one (issue 3's target for ``none``: at most 1.1×).
+median step time and its ratio to the built-in one (the target for ``none``: at most 1.1×).
 
 ``--model`` picks a preset MLP (``mlp-4m``: 4 × 1024, 4.2 M parameters, the default; ``mlp-1m``:
 4 × 512, 1.05 M parameters, where Python's fixed cost per bucket weighs more); ``--width``/``--depth``

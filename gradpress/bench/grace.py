@@ -18,7 +18,7 @@ the caches (as a training step finds the gradient it has just written); ``--cloc
 thread's CPU time instead of the wall clock. glibc is asked to keep the memory it frees (this process
 only; ``--glibc-defaults`` does not), so that neither side's times include page faults that depend on
 the other's allocations. *speed-up* is GRACE's time over gradpress's; *GRACE
-copies* GRACE's time in copies of the tensor. The targets (issue 12): gradpress at least as fast as
+copies* GRACE's time in copies of the tensor. The targets: gradpress at least as fast as
 GRACE, and at least 5× faster where GRACE's takes 5 copies or more. GRACE's SIGNUM updates its
 momentum inside ``compress``: its gradpress row includes the ``signum`` memory's compensate and update.
 """

@@ -11,7 +11,8 @@ shared Q ∈ R^{n×r}:
     M̂ = P̂ Qᵀ                                    (:meth:`decode_sum`)
 
 so M̂ = P̂ P̂ᵀ mean(M_w): the aggregate is the projection of the mean gradient onto the r columns of P̂.
-P is all-reduced before Q on every rank (DESIGN invariant 3: the runtime issues the two rounds from
+P is all-reduced before Q on every rank (invariant: collective order, docs/design.md: the runtime issues the
+two rounds from
 points that are the same on every rank). The mean Q is kept per tensor and starts the next step's power
 iteration (the paper's "warm start"): one iteration per step then tracks the top-r subspace across
 steps. Scaling P by 1/W changes nothing after orthogonalization, so it is summed, not averaged.

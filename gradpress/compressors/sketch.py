@@ -274,7 +274,7 @@ class Sketch(_Blocks):
     bits by multiply-shift, floor(m·c / 2^31), s_j(i) from its top bit, so the sign is independent of
     the bucket (disjoint bits). They cost O(1) per inserted value (no draw over the whole tensor) and
     are identical on every rank; the table is rebuilt from zero every step (the authors' code keeps
-    adding into the previous step's table). (Until issue 12 the sign came from a second hash, and h
+    adding into the previous step's table). (Before 2026-11-25 the sign came from a second hash, and h
     from all 32 bits: the wire's bits changed then, not its layout or its statistics.)
 
     Speed (CPU, numba): compress is one pass that marks the non-zero blocks and inserts their values

@@ -3,7 +3,8 @@ Stich et al. 2018), as in GRACE Table 1.
 
 Both send ``k = max(1, ceil(ratio · d))`` values. Top-k sends the values of largest magnitude and their
 int32 indices (k·(b + 32) bits for b-bit values); random-k sends only values: its indices come from the
-shared random stream (DESIGN invariant 2), so every worker picks the same ones, the receiver regenerates
+shared random stream (invariant: explicit randomness, docs/design.md), so every worker picks the same ones,
+the receiver regenerates
 them, and packets of different workers can be summed (``summable``).
 """
 from __future__ import annotations
@@ -672,7 +673,7 @@ HASHED_LIMIT = 2**32
 
 def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A uniformly random k-subset of range(n), ascending (int64): the same on every rank and device
-    for the same shared ``seed`` (DESIGN invariant 2).
+    for the same shared ``seed`` (invariant: explicit randomness, docs/design.md).
 
     Sequential sampling without replacement from a counter stream: draw j (j = 0, 1, …) is
     mix32(j, seed) mapped to [0, n) by Lemire's multiply-shift with rejection (exactly uniform: a hash

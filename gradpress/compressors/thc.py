@@ -43,7 +43,7 @@ the summands in the narrowest collective dtype that holds g·n (uint8, else int3
 The all-reduce strategy sends those summands, not the packed b-bit indices; in parameter-server and
 switch modes the server receives the b-bit indices and looks them up itself (Section 6, Fig. 4).
 
-Speed (issue 12): on CPU tensors each method is a few numba passes (the vector kernels below, on
+Speed: on CPU tensors each method is a few numba passes (the vector kernels below, on
 :mod:`gradpress.kernels.simd`): ``thc`` compresses in two passes per Hadamard block (the transform's pass A;
 pass B fused with the scaling, the quantization and the packing) after the preliminary norm, and decodes
 a packet or a sum in two passes (unpacking and table lookup fused into pass A; D, the scale and the
@@ -57,7 +57,7 @@ butterfly stages (the rotation changes every step, so the memory cannot stay in 
 Without it (the first step, whose compensated tensor is the gradient itself), :meth:`THC.residual`
 decodes and subtracts in one kernel, the same bits. The torch path (other devices, or
 ``GRADPRESS_NUMBA=0``) does the same float32 operations in the same order and gives the same bits (its
-residual: x minus the decoding, as the base class's). Issue 12 changed two bits of the method that reach
+residual: x minus the decoding, as the base class's). The kernels of 2026-11-25 changed two bits that reach
 the wire (its layout does not change): the RHT signs come 32 to a hash (:mod:`gradpress.kernels.hadamard`), and a
 step up is drawn as (mix32(i, seed) >> 8) < (a − T[z])·2^24/(T[z+1] − T[z]) in float32, the old
 comparison of r·2^-24 with the probability less one multiplication (they differ only where the

@@ -26,7 +26,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class NonFiniteError(ValueError):
-    """A gradient holds NaN or Inf: reported instead of spread into every worker (DESIGN invariant 5).
+    """A gradient holds NaN or Inf: reported instead of spread into every worker
+    (invariant: dtype/shape/device preserved; NaN/Inf reported, docs/design.md).
 
     ``ranks``: in a distributed exchange, the ranks whose gradients held them (the same list, and the
     same message, on every rank); None where a single process found them."""
@@ -115,7 +116,7 @@ class Compressor:
       ``_compress(flat, ctx, prepared)``.
     * :meth:`summands` / :meth:`decode_sum` / :attr:`max_summand`: what an aggregator adds element-wise
       (THC: the table values T[z], not the packed indices) and how the sum decodes; integer summands
-      declare their largest magnitude so sums never wrap (DESIGN invariant 4).
+      declare their largest magnitude so sums never wrap (invariant: no silent integer wrap, docs/design.md).
     * :meth:`state_dict` / :meth:`load_state_dict`: per-key state of the method itself (warm starts).
     * :attr:`linear` (summable methods): decoding the sum equals summing the decodes, so the all-reduce
       gives exactly the mean of what each worker sent (THC's homomorphism, random-k with shared
@@ -191,7 +192,7 @@ class Compressor:
         bits, :func:`scaled_sum`) formed in ``out`` (float32, contiguous, their shape), which holds φ
         afterwards whatever happens (the memory's update reads it). The default forms the sum, then
         compresses; a method whose first pass reads every element of its input forms the sum in that pass
-        instead (one pass over the gradient fewer: issue 12's fused error feedback), with the same bits."""
+        instead (one pass over the gradient fewer: the fused error feedback), with the same bits."""
         scaled_sum(memory, grad, beta, gamma, out)
         return self.compress(out, ctx)
 

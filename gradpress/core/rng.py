@@ -1,4 +1,4 @@
-"""Explicit randomness (DESIGN.md invariant 2).
+"""Explicit randomness (invariant: explicit randomness, docs/design.md).
 
 Two kinds of streams, both derived from a :class:`Context` and never from the global torch RNG:
 

@@ -1,7 +1,9 @@
-"""Runs protocols on an executor (a process group) in the order DESIGN invariant 3 needs.
+"""Runs protocols on an executor (a process group) in the order docs/design.md's
+collective-order invariant needs.
 
 The :class:`Driver` issues the rounds of many groups' protocols so that every rank issues the same
-collectives in the same order (DESIGN invariant 3), also with several DDP buckets in flight: a final
+collectives in the same order (invariant: collective order, docs/design.md), also with several DDP buckets in
+flight: a final
 round (the last collectives of a group) completes asynchronously, and its continuation only decodes;
 a non-final round is waited for and its protocol resumed only in :meth:`Driver.advance`, which the
 integrations call at points that are the same on every rank (before starting the next bucket, after
@@ -73,7 +75,8 @@ def failed_future(error: BaseException, devices: list[torch.device] | None = Non
 
 
 class Driver:
-    """Runs protocols on an executor in the order DESIGN invariant 3 needs (see the module docstring).
+    """Runs protocols on an executor in the order the collective-order invariant
+    needs (docs/design.md; see the module docstring).
 
     A protocol whose first round is its last (most methods) completes in one callback on the
     backend's thread: the round's results, the decoding and ``then``, holding the GIL once. Python

@@ -1,4 +1,4 @@
-"""The pipeline every integration drives (GRACE Algorithm 1; DESIGN.md "What flows through it"):
+"""The pipeline every integration drives (GRACE Algorithm 1; docs/design.md, "What flows through it"):
 
     feedback.compensate → compressor.prepare (+ preliminary exchange) → compressor.compress
     → feedback.update → strategy.exchange → decode → averaged gradient (same shape, dtype, device)
@@ -13,7 +13,8 @@ strategy allows. Where compressing a group tensor by tensor and as a whole give 
 tensor), a DDP bucket's gradients travel as one flat view of the bucket: one packet, one decoding pass.
 
 The :class:`~gradpress.exchange.driver.Driver` runs the protocols on a process group in an order that is the same
-on every rank (DESIGN invariant 3); :mod:`gradpress.exchange.state` checks a saved state before it loads.
+on every rank (invariant: collective order, docs/design.md); :mod:`gradpress.exchange.state` checks a saved
+state before it loads.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class Options:
     * ``min_numel``: tensors with fewer elements go uncompressed.
     * ``exclude``: name patterns (``fnmatch``, e.g. ``"conv1.*"``, ``"*.bias"``) left uncompressed.
     * ``warmup_steps``: the first steps of each tensor go uncompressed.
-    * ``seed``: seed of the shared and private random streams (DESIGN invariant 2).
+    * ``seed``: seed of the shared and private random streams (invariant: explicit randomness,
+      docs/design.md).
     * ``timeout``: seconds (or a timedelta) a collective waits for its peers before it raises;
       gradpress then talks on its own process group with that timeout: every round of every
       exchange, the ranks' agreement and a gathered state (``state_dict(gathered=True)``). Not bounded
@@ -485,7 +487,7 @@ class FlatAllReduce:
     decode_sum`: the mean as summed, checked for overflow over three or more workers) — the steps of
     :meth:`Pipeline._protocol` for this case, the same bits, statistics and errors, without forming the
     per-step keys, groups, contexts, packets and protocol around them (about 0.4 ms of Python per bucket,
-    which a small model's step feels: issue 13's hook cost)."""
+    which a small model's step feels: the hook's own cost)."""
 
     def __init__(self, pipeline: Pipeline, keys: tuple[str, ...], flat: torch.Tensor) -> None:
         self.pipeline, self.keys, self.flat = pipeline, keys, flat

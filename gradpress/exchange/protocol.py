@@ -173,7 +173,7 @@ def single(request: Collective, final: bool) -> Protocol:
 # zeros) and sets its flag; every exchange carries every rank's flag in buffers it sends anyway, so all
 # ranks learn the same set of faulty ranks at the same point of the protocol and raise the same
 # NonFiniteError together, instead of the faulty rank raising alone while its peers wait out the
-# timeout (DESIGN invariant 5). The carriers:
+# timeout (invariant: dtype/shape/device preserved; NaN/Inf reported, docs/design.md). The carriers:
 #
 # * a float sum: the faulty rank r writes NaN at position r of the first float summand buffer holding
 #   at least n values (no extra bytes; finite gradients never sum to NaN, overflow gives ±Inf);

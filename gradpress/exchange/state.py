@@ -1,5 +1,5 @@
-"""A pipeline's saved state, and the checks it passes before it loads (issue: "compression state can't
-be restored into the wrong place").
+"""A pipeline's saved state, and the checks it passes before it loads (so that
+compression state can't be restored into the wrong place).
 
 :meth:`gradpress.exchange.pipeline.Pipeline.state_dict` records, beside the feedback memory, step counters and the
 compressor's own state, what they belong to: the specs of the compressor, memory and master, the rank,

@@ -1,13 +1,14 @@
 """The randomized Hadamard transform (THC paper, Section 5.1): RHT(x) = H·D·x / √d.
 
 H is the d×d Hadamard matrix in Sylvester order (``scipy.linalg.hadamard``), D a diagonal of
-independent ±1 signs shared by every worker (DESIGN invariant 2), so all workers rotate alike and
+independent ±1 signs shared by every worker (invariant: explicit randomness, docs/design.md), so all workers
+rotate alike and
 their transformed vectors can be summed. Dividing by √d makes H·D/√d orthonormal: it preserves norms
 and its inverse is its transpose, D·H/√d (Section 5.1's RHT⁻¹).
 
 The signs come from the counter hash of :mod:`gradpress.core.rng`: D_ii = −1 exactly when bit i mod 32 of
 ``mix32(⌊i/32⌋, s)`` is set, for one 32-bit key ``s`` drawn from the shared stream: 32 signs per hash
-(one hash per sign, its top bit, until issue 12: the hash was a fifth of the transform's time). A sign
+(one hash per sign, its top bit, before 2026-11-25: the hash was a fifth of the transform's time). A sign
 is a function of its index, so the CPU kernels compute each one where they multiply, without a separate
 full-size pass, and every rank and device gets the same diagonal from the same key.
 

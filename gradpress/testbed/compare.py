@@ -21,7 +21,7 @@ from gradpress.testbed.train import (
     TrainConfig, TrainFailed, add_arguments, check_exchange, checked_config, train,
 )
 
-#: the README's demo set (the issue's list); methods not registered in this version are reported, not run
+#: the README's demo set; methods not registered in this version are reported, not run
 DEMO_SET = ("none", "fp16", "topk:ratio=0.01", "qsgd", "natural", "thc", "powersgd", "torch-allreduce",
             "torch-powersgd", "noop")
 

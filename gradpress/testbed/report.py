@@ -196,7 +196,7 @@ def render_markdown(runs: Sequence[Run], goal: Target | None, rows: Sequence[Row
               "DDP communicates while backward runs, so the parts may add up to more than the step. "
               "copy: the median time of one copy of the model's float32 gradient, timed by the run "
               "after training on the same machine, from memory into memory (neither end in the CPU's cache, "
-              "no page faults): issue 12's unit.", ""]
+              "no page faults): the unit of the two columns in copies.", ""]
     lines += _time_table(rows)
     lines += ["", "## Does compression pay off?", "", *payoff(rows)]
     return "\n".join(lines) + "\n"
@@ -205,7 +205,7 @@ def render_markdown(runs: Sequence[Run], goal: Target | None, rows: Sequence[Row
 def _time_table(rows: Sequence[Row]) -> list[str]:
     """"Where the time goes": each run's step and its parts in ms; where the runs timed a copy of the
     model's gradient (``info["copy_s"]``, :func:`gradpress.testbed.train.gradient_copy_s`), that copy
-    and, in copies of it, the compression and the step's excess over ``noop``'s (issue 12's units)."""
+    and, in copies of it, the compression and the step's excess over ``noop``'s."""
     header = ["compressor", "step", "compute", "compress", "communication", "communication share"]
     body = [[f"`{r.label}`", _ms(r.run.mean_step_s), _ms(r.run.mean_compute_s), _ms(r.run.mean_compress_s),
              _ms(r.run.mean_comm_s), _share(r.run)] for r in rows]
@@ -222,7 +222,7 @@ def _time_table(rows: Sequence[Row]) -> list[str]:
     return _table(header, body, align="l" + "r" * (len(header) - 1))
 
 
-#: the goal a gradpress compressor is held to (issue 6): step rate against the references, and first to target
+#: the goal a gradpress compressor is held to: step rate against the references, and first to target
 PAYOFF_STEP_RATE = 3.0  # × torch-allreduce's samples/s
 PAYOFF_NOOP_SHARE = 0.8  # × noop's samples/s
 PAYOFF_RIVALS = ("torch-allreduce", "torch-powersgd")

@@ -419,7 +419,7 @@ class _Clock:
 
 def gradient_copy_s(model: torch.nn.Module) -> float:
     """:func:`copy_s` of a tensor the size of ``model``'s trainable parameters, timed on this rank after
-    training, in the same process and load as the steps: the unit in which issue 12 states per-step
+    training, in the same process and load as the steps: the unit in which the reports state per-step
     costs (compression, a step's excess over ``noop``'s)."""
     return copy_s(sum(p.numel() for p in model.parameters() if p.requires_grad))
 

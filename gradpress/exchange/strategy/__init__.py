@@ -2,7 +2,7 @@
 Natural compression paper's Algorithm 1 in App. D.1; THC Algorithms 1-3), written as protocols
 (:mod:`gradpress.exchange.protocol`) that never touch a process group themselves.
 
-The :class:`Strategy` is chosen from the compressor's facts (DESIGN.md, "Strategy"):
+The :class:`Strategy` is chosen from the compressor's facts (docs/design.md, "The pieces"):
 
 * ``collective`` mode: summable → all-reduce of :meth:`Compressor.summands`, decoded once
   (:meth:`Compressor.decode_sum`); otherwise → all-gather of every worker's packet (variable sizes
@@ -23,7 +23,8 @@ The :class:`Strategy` is chosen from the compressor's facts (DESIGN.md, "Strateg
 * a preliminary exchange before compressing (:meth:`Compressor.prepare`): THC's largest norm (max),
   uniform THC's global min/max, ScaleCom's leader indices (broadcast), PowerSGD's P (sum).
 
-Integer sums never wrap (DESIGN invariant 4): the strategy knows the largest summand
+Integer sums never wrap (invariant: no silent integer wrap, docs/design.md): the strategy knows the largest
+summand
 (:attr:`Compressor.max_summand`) and the number of workers, and sums in a dtype that holds their
 product, widening the summands or raising :class:`OverflowError` (``overflow="raise"``).
 
@@ -55,7 +56,8 @@ Timer = Callable[[], ContextManager]
 
 
 def sum_dtype(dtype: torch.dtype, limit: int, overflow: str, where: str) -> torch.dtype:
-    """The integer dtype in which sums up to ``limit`` in magnitude are formed (DESIGN invariant 4).
+    """The integer dtype in which sums up to ``limit`` in magnitude are formed
+    (invariant: no silent integer wrap, docs/design.md).
 
     Collective backends add uint8, int8, int32 and int64 (neither Gloo nor NCCL has int16); the
     summands keep their dtype if it is one of those and holds ``limit``. Otherwise they are widened

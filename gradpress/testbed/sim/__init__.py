@@ -10,7 +10,8 @@ Three questions the multi-process testbed cannot afford to ask at scale:
     mini-batch gradients of data-parallel workers differ around the full gradient. The NMSE
     ‖x̂ − x̄‖² / ‖x̄‖² (THC Section 2's definition) of what :func:`gradpress.simulate` returns, against
     the exact mean x̄ = (1/n)·Σ x_i, is averaged over ``trials`` draws with fixed seeds. An unbiased
-    compressor whose workers round with private randomness (DESIGN invariant 2) has independent errors
+    compressor whose workers round with private randomness (invariant: explicit randomness, docs/design.md)
+    has independent errors
     of variance ω‖x_i‖², so NMSE ≈ ω(1 + σ²)/(n + σ²): it falls like 1/n (slope −1 on the log-log
     plot). A biased one (top-k) keeps its bias however many workers average (slope ≈ 0), and so does an
     unbiased one whose errors are shared: random-k with ``scale=true`` draws its indices from the
