@@ -2,8 +2,11 @@
 
 ``gradpress.make(spec)`` builds any registered compressor; see ``gradpress.compressor_names()``.
 Training: ``gradpress.register(ddp_model, spec)`` (DDP hook), ``gradpress.Communicator(spec)`` (custom
-loops), ``gradpress.simulate(spec, worker_grads)`` (many workers in one process). A new compressor
-registers with ``@gradpress.register_compressor("name")`` (``gradpress.core.compressor.register``).
+loops), ``gradpress.simulate(spec, worker_grads)`` (many workers in one process);
+``gradpress.flat_stats(state.stats())`` for a metrics logger. Errors: ``NonFiniteError`` (NaN/Inf in a
+rank's gradient, raised on every rank), ``ExchangeFailed`` (an exchange after an earlier one failed).
+A new compressor registers with ``@gradpress.register_compressor("name")``
+(``gradpress.core.compressor.register``).
 """
 from gradpress import compressors as _compressors  # noqa: F401  (registers every method)
 from gradpress.kernels.bits import pack_bits, unpack_bits
@@ -14,7 +17,9 @@ from gradpress.core.packet import Packet
 from gradpress.core.rng import Context
 from gradpress.compressors.thc_table import thc_table
 from gradpress.communicator import Communicator
-from gradpress.ddp import ddp_comm_hook, register
+from gradpress.ddp import GradpressState, ddp_comm_hook, register
+from gradpress.exchange.driver import ExchangeFailed
+from gradpress.exchange.pipeline import flat_stats
 from gradpress.simulation import Simulator, simulate
 
 __all__ = [
@@ -22,5 +27,6 @@ __all__ = [
     "compressor_names", "feedback_names", "make", "make_feedback", "pack_bits", "register", "unpack_bits",
     "thc_table",
     "Communicator", "Preliminary", "Simulator", "ddp_comm_hook", "register_compressor", "simulate",
+    "ExchangeFailed", "GradpressState", "flat_stats",
 ]
 from gradpress._version import __version__  # noqa: E402

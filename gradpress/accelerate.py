@@ -23,13 +23,17 @@ environment, ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processe
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
 import torch
 
 from gradpress.core.compressor import Compressor
-from gradpress.ddp import GradpressState, _is_ddp, _own_part, register as register_ddp
+from gradpress.ddp import GradpressState, _own_part, _unwrap_ddp, register as register_ddp
+
+# where launchers put the number of processes they started (torchrun, MPI); Accelerate reads the same
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 class Checkpointed:
@@ -51,13 +55,17 @@ class Checkpointed:
 def distributed_model(model: Any) -> Any:
     """The DistributedDataParallel inside what ``accelerator.prepare`` returned (itself, or under
     ``torch.compile``'s wrapper), or None."""
-    for _ in range(4):
-        if _is_ddp(model):
-            return model
-        model = getattr(model, "_orig_mod", None)
-        if model is None:
-            return None
-    return None
+    return _unwrap_ddp(model)
+
+
+def launched_processes() -> int:
+    """How many processes the launcher says it started (``WORLD_SIZE`` under ``torchrun`` and
+    ``accelerate launch``, the MPI variables under ``mpirun``); 1 when none says."""
+    for name in _WORLD_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 1
 
 
 def register(accelerator: Any, model: Any, spec: str | Compressor, **options: Any) -> GradpressState | None:
@@ -66,7 +74,13 @@ def register(accelerator: Any, model: Any, spec: str | Compressor, **options: An
     ``accelerator.save_state``/``load_state`` (call this before ``load_state``, in the same order
     relative to other ``register_for_checkpointing`` calls as when the checkpoint was saved).
     Options: those of :func:`gradpress.register`. Returns the :class:`~gradpress.ddp.GradpressState`
-    (``stats()``, ``error``); None in a single process, where there is nothing to exchange (it warns).
+    (``stats()``, ``error``); None when one process was started alone, where there is nothing to
+    exchange (it warns).
+
+    A launcher that started several processes while Accelerate runs each alone (``torchrun`` on a
+    machine without GPUs and an ``Accelerator()`` without ``cpu=True``: Accelerate then sets up no
+    process group, and every process would train a model of its own) raises ``RuntimeError`` saying
+    how to have Accelerate set up distributed training.
     """
     ddp = distributed_model(model)
     if ddp is None:
@@ -74,9 +88,21 @@ def register(accelerator: Any, model: Any, spec: str | Compressor, **options: An
             raise TypeError(f"gradpress.accelerate.register: expected the DistributedDataParallel that "
                             f"accelerator.prepare() returns, got {type(model).__name__} (gradpress hooks "
                             f"DDP, not FSDP, DeepSpeed or Megatron-LM; pass the prepared model)")
-        warnings.warn("gradpress: a single process, no gradients to exchange: the hook is not registered "
-                      "(to start 2 CPU processes: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
-                      "--num_processes 2 train.py)", RuntimeWarning, stacklevel=2)
+        launched = launched_processes()
+        if launched > 1:
+            raise RuntimeError(
+                f"gradpress.accelerate.register: the launcher started {launched} processes, but Accelerate "
+                f"did not set up distributed training (distributed_type "
+                f"{getattr(accelerator, 'distributed_type', 'NO')}, num_processes 1): each process would "
+                f"train a model of its own and no gradients would be averaged. On the CPU Accelerate sets "
+                f"up several processes only when told to use it: Accelerator(cpu=True), or "
+                f"ACCELERATE_USE_CPU=1 in the environment (ACCELERATE_USE_CPU=1 accelerate launch "
+                f"--multi_gpu --num_processes {launched} train.py, or torchrun with that variable set); "
+                f"on GPUs, check that this process sees a GPU")
+        warnings.warn("gradpress: a single process (the launcher started no others), no gradients to "
+                      "exchange: the hook is not registered (to start 2 CPU processes: ACCELERATE_USE_CPU=1 "
+                      "accelerate launch --multi_gpu --num_processes 2 train.py, or torchrun "
+                      "--nproc-per-node 2 train.py with Accelerator(cpu=True))", RuntimeWarning, stacklevel=2)
         return None
     state = register_ddp(ddp, spec, **options)
     accelerator.register_for_checkpointing(Checkpointed(state, accelerator.device))

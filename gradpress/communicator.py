@@ -18,19 +18,43 @@ import torch
 from gradpress.auto import AutoOptions, AutoPipeline, is_auto
 from gradpress.core.compressor import Compressor
 from gradpress.exchange.driver import Driver
-from gradpress.exchange.pipeline import Options, Pipeline, build
+from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 from gradpress.exchange.state import gathered as _gathered
 from gradpress.exchange.distributed import ProcessGroupExecutor, gather_objects, process_group as resolve_group
 
 
 class Communicator:
-    """Averages tensors over ``process_group`` (default: the default group) with ``spec``'s compression.
-
-    Options: see :class:`gradpress.exchange.pipeline.Options` (``feedback``, ``min_numel``, ``exclude``,
-    ``warmup_steps``, ``seed``, ``timeout``, ``mode``, ``master``, ``root``, ``overflow``,
-    ``deterministic``); with ``spec`` ``"auto"`` also those of :class:`gradpress.auto.AutoOptions`
-    (a method per key, chosen by measuring the job: :mod:`gradpress.auto`). Keys name the tensors:
+    """Averages tensors over ``process_group`` (default: the default group) with ``spec``'s compression
+    (``"topk:ratio=0.01"``, ``"auto"``, or a :class:`~gradpress.Compressor`). Keys name the tensors:
     feedback memory, step counters and random streams follow them, and ``exclude`` matches them.
+
+    Options (keywords; checked at once, a bad one raises ``ValueError``/``TypeError`` here):
+
+    * ``feedback`` (str): the error-feedback memory (``"residual"``, ``"none"``, …; default: the
+      method's own, ``residual`` for biased methods and ``none`` for unbiased ones).
+    * ``min_numel`` (int, default 0): tensors with fewer elements go uncompressed.
+    * ``exclude`` (str or list of str): key patterns (``fnmatch``: ``"conv1.*"``, ``"*.bias"``) left
+      uncompressed.
+    * ``warmup_steps`` (int, default 0): each tensor's first steps go uncompressed.
+    * ``seed`` (int, default 0): the seed of the shared and private random streams.
+    * ``timeout`` (seconds or ``timedelta``): a stuck collective raises after it (gradpress then talks on
+      a process group of its own with that timeout); default: the process group's.
+    * ``mode`` (default ``"collective"``): all-reduce / all-gather; ``"ps"``: a parameter server at
+      ``root``; ``"switch"``: integer-only aggregation at ``root``.
+    * ``master`` (spec): ``ps`` mode: the compressor re-compressing the aggregate (bidirectional).
+    * ``root`` (int, default 0): the rank of the parameter server / switch.
+    * ``overflow`` (default ``"widen"``): integer sums widen to a dtype that holds them; ``"raise"``.
+    * ``partial`` (float in (0, 1], default 1): ``ps``/``switch``: aggregate ⌈q·n⌉ workers per tensor
+      (THC's partial aggregation for stragglers).
+    * ``deterministic`` (bool, default True): float sums over 3+ workers in rank order (bit-reproducible);
+      False: the backend's all-reduce.
+    * with spec ``"auto"`` (:mod:`gradpress.auto`: a method per key, chosen by measuring the job):
+      ``candidates`` (the specs it chooses among), ``settle_steps`` (2), ``measure_steps`` (5),
+      ``recheck_every`` (500; 0: never) and ``margin`` (0.05: the predicted gain a change of methods
+      needs).
+
+    The options are those of :class:`gradpress.exchange.pipeline.Options` and, for ``"auto"``,
+    :class:`gradpress.auto.AutoOptions`.
     """
 
     def __init__(self, spec: str | Compressor, process_group: Any = None, **options: Any) -> None:
@@ -46,6 +70,12 @@ class Communicator:
         else:
             self._pipeline = Pipeline(compressor, self.options, self.rank, self.world_size)
         self._driver = Driver(executor, self._pipeline.stats)
+        self._auto = auto
+        self._spec = "auto" if auto is not None else compressor.spec
+
+    def __repr__(self) -> str:
+        """``Communicator('topk:ratio=0.01', seed=3, …)``: the spec and the options not at their default."""
+        return f"{type(self).__name__}({describe(self._spec, self.options, self._auto)})"
 
     @property
     def compressor(self) -> Compressor | None:
@@ -109,8 +139,11 @@ class Communicator:
         (:mod:`gradpress.exchange.agreement`): ranks resumed from different steps raise there."""
         self._pipeline.load_state_dict(state)
 
-    def stats(self) -> dict[str, Any]:
-        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.exchange.pipeline.Stats`); with
-        ``"auto"``, also ``"auto"``: what it chose and why (:mod:`gradpress.auto`)."""
-        return self._pipeline.report()
+    def stats(self, flat: bool = False) -> dict[str, Any]:
+        """This rank's per-step and cumulative bytes and times (see
+        :class:`gradpress.exchange.pipeline.Stats`); with ``"auto"``, also ``"auto"``: what it chose and
+        why (:mod:`gradpress.auto`). ``flat=True``: the same figures as one flat dict of numbers for a
+        metrics logger (``"gradpress/sent_bytes"``, …: :func:`gradpress.flat_stats`)."""
+        report = self._pipeline.report()
+        return flat_stats(report) if flat else report
 

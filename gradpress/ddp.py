@@ -41,7 +41,7 @@ import torch
 from gradpress.auto import AUTO, AutoOptions, AutoPipeline, is_auto
 from gradpress.core.compressor import Compressor
 from gradpress.exchange.driver import Driver, failed_future
-from gradpress.exchange.pipeline import Options, Pipeline, Stats, build
+from gradpress.exchange.pipeline import Options, Pipeline, Stats, build, describe, flat_stats
 from gradpress.exchange.state import gathered, own_state, shapes_of
 from gradpress.exchange.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
 from gradpress.exchange.distributed import process_group as resolve_group
@@ -87,6 +87,10 @@ class GradpressState:
         self._watch_handle: Any = None
         if model is not None:
             self._watch(model)
+
+    def __repr__(self) -> str:
+        """``GradpressState('topk:ratio=0.01', seed=3, …)``: the spec and the options not at their default."""
+        return f"{type(self).__name__}({describe(self.spec, self.options, self.auto)})"
 
     # -- the hook's work ----------------------------------------------------------------------------
     def _executor(self) -> ProcessGroupExecutor:
@@ -249,17 +253,22 @@ class GradpressState:
         future on from ``backward()`` as a ``RuntimeError`` quoting it. None while all is well."""
         return None if self._driver is None else self._driver.failure
 
-    def stats(self) -> dict[str, Any]:
-        """This rank's per-step and cumulative bytes and times (see :class:`gradpress.exchange.pipeline.Stats`); with
-        ``"auto"``, also ``"auto"``: what it chose and why (:mod:`gradpress.auto`)."""
+    def stats(self, flat: bool = False) -> dict[str, Any]:
+        """This rank's per-step and cumulative bytes and times (see
+        :class:`gradpress.exchange.pipeline.Stats`); with ``"auto"``, also ``"auto"``: what it chose and
+        why (:mod:`gradpress.auto`). ``flat=True``: the same figures as one flat dict of numbers for a
+        metrics logger (``"gradpress/sent_bytes"``, …: :func:`gradpress.flat_stats`)."""
         if self._pipeline is None:
             if self.auto is None:
-                return Stats().report()
-            local = self._local_pipeline()  # auto: what it will do (measure, or a loaded choice)
-            if self._loaded is not None:
-                local.load_state_dict(self._loaded)
-            return local.report()
-        return self._pipeline.report()
+                report = Stats().report()
+            else:
+                local = self._local_pipeline()  # auto: what it will do (measure, or a loaded choice)
+                if self._loaded is not None:
+                    local.load_state_dict(self._loaded)
+                report = local.report()
+        else:
+            report = self._pipeline.report()
+        return flat_stats(report) if flat else report
 
     # -- the no-op watch (see the module's docstring) --------------------------------------------------
     def _watch(self, module: torch.nn.Module) -> None:
@@ -328,6 +337,22 @@ def _is_ddp(module: Any) -> bool:
     return isinstance(module, torch.nn.parallel.DistributedDataParallel)
 
 
+def _unwrap_ddp(model: Any) -> Any:
+    """The DistributedDataParallel ``model`` is or wraps (through Lightning Fabric's ``_FabricModule``,
+    whose ``_forward_module`` it is, and ``torch.compile``'s ``_orig_mod``), or None. An object with
+    ``register_comm_hook`` of its own counts as one."""
+    for _ in range(4):
+        if _is_ddp(model):
+            return model
+        inner = getattr(model, "_forward_module", None)
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model if hasattr(model, "register_comm_hook") else None
+        model = inner
+    return None
+
+
 def _calling_ddp(module: torch.nn.Module, depth: int = 12) -> Any:
     """The DistributedDataParallel whose forward is calling ``module`` (a few frames up), or None."""
     frame = sys._getframe(2)
@@ -338,6 +363,18 @@ def _calling_ddp(module: torch.nn.Module, depth: int = 12) -> Any:
             return owner
         frame, depth = frame.f_back, depth - 1
     return None
+
+
+def _check_options(spec: str | Compressor, options: dict[str, Any]) -> None:
+    """Raise now for a bad spec or option, as :class:`GradpressState` would (a framework integration
+    checks them before its workers start, without the model ``exclude`` will match)."""
+    given = {name: value for name, value in options.items() if name not in ("process_group", "model")}
+    auto = AutoOptions.pop_from(given) if is_auto(spec) else None
+    checked = Options.of(**given)
+    if auto is None:
+        build(spec)
+        if checked.master is not None:
+            build(checked.master)
 
 
 def _moved(value: Any, device: torch.device | str) -> Any:
@@ -373,18 +410,87 @@ def hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares the annotations 
 def ddp_comm_hook(spec: str | Compressor, **options: Any) -> tuple[GradpressState, Callable]:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``.
 
-    Options: those of :class:`gradpress.exchange.pipeline.Options`, plus ``process_group`` (default: the default
-    group; pass the DDP's own if it has another) and ``model`` (the module, for parameter names; needed
-    by ``exclude``); with ``spec`` ``"auto"``, those of :class:`gradpress.auto.AutoOptions`.
+    ``spec``: the method (``"topk:ratio=0.01"``, ``"auto"``, or a :class:`~gradpress.Compressor`).
+
+    Options (keywords; checked at once, a bad one raises ``ValueError``/``TypeError`` here):
+
+    * ``feedback`` (str): the error-feedback memory (``"residual"``, ``"none"``, …; default: the
+      method's own, ``residual`` for biased methods and ``none`` for unbiased ones).
+    * ``min_numel`` (int, default 0): tensors with fewer elements go uncompressed.
+    * ``exclude`` (str or list of str): parameter-name patterns (``fnmatch``: ``"conv1.*"``,
+      ``"*.bias"``) left uncompressed.
+    * ``warmup_steps`` (int, default 0): each tensor's first steps go uncompressed.
+    * ``seed`` (int, default 0): the seed of the shared and private random streams.
+    * ``timeout`` (seconds or ``timedelta``): a stuck collective raises after it (gradpress then talks on
+      a process group of its own with that timeout); default: the process group's.
+    * ``mode`` (default ``"collective"``): all-reduce / all-gather; ``"ps"``: a parameter server at
+      ``root``; ``"switch"``: integer-only aggregation at ``root``.
+    * ``master`` (spec): ``ps`` mode: the compressor re-compressing the aggregate (bidirectional).
+    * ``root`` (int, default 0): the rank of the parameter server / switch.
+    * ``overflow`` (default ``"widen"``): integer sums widen to a dtype that holds them; ``"raise"``.
+    * ``partial`` (float in (0, 1], default 1): ``ps``/``switch``: aggregate ⌈q·n⌉ workers per tensor
+      (THC's partial aggregation for stragglers).
+    * ``deterministic`` (bool, default True): float sums over 3+ workers in rank order (bit-reproducible);
+      False: the backend's all-reduce.
+    * with spec ``"auto"`` (:mod:`gradpress.auto`): ``candidates`` (the specs it chooses among),
+      ``settle_steps`` (2), ``measure_steps`` (5), ``recheck_every`` (500; 0: never) and ``margin``
+      (0.05: the predicted gain a change of methods needs).
+    * ``process_group``: the group to talk on (default: the default group; pass the DDP's own if it
+      has another).
+    * ``model``: the module DDP wraps, for parameter names (keys of the state; needed by ``exclude``).
+
+    The options are those of :class:`gradpress.exchange.pipeline.Options` and, for ``"auto"``,
+    :class:`gradpress.auto.AutoOptions`.
     """
     return GradpressState(spec, **options), hook
 
 
 def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> GradpressState:
-    """Register the gradpress hook on ``ddp_model`` (a DistributedDataParallel) and return its state,
-    keyed by the module's parameter names and talking on the DDP's process group."""
-    if not hasattr(ddp_model, "register_comm_hook"):
+    """Register the gradpress hook on ``ddp_model`` and return its state (``stats()``, ``error``,
+    ``state_dict()``), keyed by the module's parameter names and talking on the DDP's process group.
+
+    ``ddp_model``: a DistributedDataParallel, or what wraps one: Lightning Fabric's module from
+    ``fabric.setup`` with a DDP strategy, ``torch.compile``'s wrapper. ``spec``: the method
+    (``"topk:ratio=0.01"``, ``"auto"``, or a :class:`~gradpress.Compressor`).
+
+    Options (keywords; checked at once, a bad one raises ``ValueError``/``TypeError`` here):
+
+    * ``feedback`` (str): the error-feedback memory (``"residual"``, ``"none"``, …; default: the
+      method's own, ``residual`` for biased methods and ``none`` for unbiased ones).
+    * ``min_numel`` (int, default 0): tensors with fewer elements go uncompressed.
+    * ``exclude`` (str or list of str): parameter-name patterns (``fnmatch``: ``"conv1.*"``,
+      ``"*.bias"``) left uncompressed.
+    * ``warmup_steps`` (int, default 0): each tensor's first steps go uncompressed.
+    * ``seed`` (int, default 0): the seed of the shared and private random streams.
+    * ``timeout`` (seconds or ``timedelta``): a stuck collective raises after it (gradpress then talks on
+      a process group of its own with that timeout); default: the process group's.
+    * ``mode`` (default ``"collective"``): all-reduce / all-gather; ``"ps"``: a parameter server at
+      ``root``; ``"switch"``: integer-only aggregation at ``root``.
+    * ``master`` (spec): ``ps`` mode: the compressor re-compressing the aggregate (bidirectional).
+    * ``root`` (int, default 0): the rank of the parameter server / switch.
+    * ``overflow`` (default ``"widen"``): integer sums widen to a dtype that holds them; ``"raise"``.
+    * ``partial`` (float in (0, 1], default 1): ``ps``/``switch``: aggregate ⌈q·n⌉ workers per tensor
+      (THC's partial aggregation for stragglers).
+    * ``deterministic`` (bool, default True): float sums over 3+ workers in rank order (bit-reproducible);
+      False: the backend's all-reduce.
+    * with spec ``"auto"`` (:mod:`gradpress.auto`): ``candidates`` (the specs it chooses among),
+      ``settle_steps`` (2), ``measure_steps`` (5), ``recheck_every`` (500; 0: never) and ``margin``
+      (0.05: the predicted gain a change of methods needs).
+    * ``process_group``: the group to talk on (default: the DDP's own).
+
+    The options are those of :class:`gradpress.exchange.pipeline.Options` and, for ``"auto"``,
+    :class:`gradpress.auto.AutoOptions`.
+    """
+    found = _unwrap_ddp(ddp_model)
+    if found is None:
+        inner = getattr(ddp_model, "_forward_module", None)
+        if inner is not None:  # Lightning Fabric's module, set up without DDP
+            raise TypeError(f"expected a DistributedDataParallel model: this Fabric module wraps a "
+                            f"{type(inner).__name__}, not a DistributedDataParallel (gradpress hooks DDP: "
+                            f"Fabric(strategy='ddp') or gradpress.lightning.GradpressFabricStrategy, with "
+                            f"several processes)")
         raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    ddp_model = found
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
     state = GradpressState(spec, model=ddp_model.module, **options)
     ddp_model.register_comm_hook(state, hook)

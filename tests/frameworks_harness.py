@@ -1,5 +1,6 @@
-"""One 2-process run that executes the README's multi-process examples and the Lightning, Accelerate
-and no-op checks, sharing the processes (importing torch, Lightning and Accelerate costs seconds each).
+"""One 2-process run that executes the README's and docs/integrations.md's multi-process examples and
+the Lightning, Lightning Fabric, Accelerate, Hugging Face Trainer and no-op checks, sharing the
+processes (importing torch, Lightning, Accelerate and Transformers costs seconds each).
 
 Parent side: :func:`launch` starts this file as ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu
 --num_processes 2 …``, the invocation the README documents for 2 CPU processes (``torchrun`` where
@@ -32,16 +33,30 @@ from typing import Any, Callable
 import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+INTEGRATIONS = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
 MARKER = "<!-- run: 2 processes -->"
+FRAMEWORKS = ("lightning", "accelerate", "transformers")  # an example importing one needs it installed
 
 
-def readme_blocks() -> list[str]:
-    """The README's examples marked ``<!-- run: 2 processes -->``, in order."""
-    return re.findall(re.escape(MARKER) + r"\s*```python\n(.*?)```", README.read_text(), flags=re.S)
+def readme_blocks(path: Path = README) -> list[str]:
+    """The examples marked ``<!-- run: 2 processes -->`` in ``path`` (the README), in order."""
+    return re.findall(re.escape(MARKER) + r"\s*```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def doc_blocks() -> list[str]:
+    """docs/integrations.md's examples marked ``<!-- run: 2 processes -->``, in order."""
+    return readme_blocks(INTEGRATIONS) if INTEGRATIONS.exists() else []
+
+
+def framework_of(text: str) -> str | None:
+    """The framework an example imports (None: plain torch and gradpress)."""
+    return next((m for m in FRAMEWORKS if re.search(rf"^\s*(import|from) {m}\b", text, re.M)), None)
 
 
 def job_names() -> list[str]:
-    return [f"readme{i}" for i in range(len(readme_blocks()))] + ["noop", "lightning", "accelerate"]
+    return ([f"readme{i}" for i in range(len(readme_blocks()))]
+            + [f"docs{i}" for i in range(len(doc_blocks()))]
+            + ["noop", "lightning", "accelerate", "fabric", "huggingface"])
 
 
 # -- parent side ---------------------------------------------------------------------------------------
@@ -56,10 +71,10 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def launch(timeout: float = 300.0) -> dict[str, Any]:
-    """Run every job on 2 ranks; ``{"ranks": [rank 0's results, rank 1's], "output": the run's output,
-    "returncode": …, "command": …}``."""
-    jobs = job_names()
+def launch(timeout: float = 300.0, jobs: list[str] | None = None) -> dict[str, Any]:
+    """Run every job (or those named) on 2 ranks; ``{"ranks": [rank 0's results, rank 1's], "output":
+    the run's output, "returncode": …, "command": …}``."""
+    jobs = job_names() if jobs is None else jobs
     ports = _free_ports(len(jobs) + 1)
     out = Path(tempfile.mkdtemp(prefix="gradpress-frameworks-"))
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -144,20 +159,31 @@ def _sent_bytes(obj: Any) -> int:
     return int(obj.stats()["total"]["sent_bytes"])
 
 
-def run_readme(index: int) -> dict[str, Any]:
-    """Execute README block ``index`` as a script; what it leaves: the parameters of its model (``model``,
-    or a Lightning ``trainer``'s module) and the bytes its gradpress state sent."""
+def run_readme(index: int, text: str | None = None, source: str = "README") -> dict[str, Any]:
+    """Execute README block ``index`` (or ``text``) as a script; what it leaves: the parameters of its
+    model (``model``, a Lightning or Transformers ``trainer``'s module) and the bytes its gradpress
+    state sent (``state``, ``comm``, a Lightning trainer's or a Fabric's strategy, a Trainer's
+    GradpressCallback)."""
     scope: dict[str, Any] = {"__name__": "__main__"}
     printed = io.StringIO()
+    text = readme_blocks()[index] if text is None else text
     with contextlib.redirect_stdout(printed):
-        exec(compile(readme_blocks()[index], f"README 2-process block {index}", "exec"), scope)
+        exec(compile(text, f"{source} 2-process block {index}", "exec"), scope)
     found: dict[str, Any] = {"printed": printed.getvalue()}
     trainer = scope.get("trainer")
-    if trainer is not None:
+    if trainer is not None and hasattr(trainer, "lightning_module"):
         found["parameters"] = _parameters(trainer.lightning_module)
         found["sent_bytes"] = _sent_bytes(trainer.strategy.gradpress_state)
+    elif trainer is not None and hasattr(trainer, "callback_handler"):  # a transformers.Trainer
+        found["parameters"] = _parameters(trainer.model)
+        for callback in trainer.callback_handler.callbacks:
+            if hasattr(getattr(callback, "state", None), "stats"):
+                found["sent_bytes"] = _sent_bytes(callback.state)
     elif isinstance(scope.get("model"), torch.nn.Module):
         found["parameters"] = _parameters(scope["model"])
+    fabric = scope.get("fabric")
+    if getattr(getattr(fabric, "strategy", None), "gradpress_state", None) is not None:
+        found["sent_bytes"] = _sent_bytes(fabric.strategy.gradpress_state)
     for name in ("state", "comm"):
         if hasattr(scope.get(name), "stats"):
             found["sent_bytes"] = _sent_bytes(scope[name])
@@ -224,6 +250,7 @@ def job_lightning() -> dict[str, Any]:
     from that checkpoint to step 6, and Lightning's stock DDPStrategy given the gradpress pair."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import DDPStrategy
 
     import gradpress
@@ -243,15 +270,18 @@ def job_lightning() -> dict[str, Any]:
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(64, 1)), batch_size=1)
 
-    def trainer(strategy: Any, steps: int, callbacks: list | None = None) -> Any:
-        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+    def trainer(strategy: Any, steps: int, callbacks: list | None = None, logger: Any = False) -> Any:
+        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=logger,
                          callbacks=callbacks or [], enable_checkpointing=bool(callbacks),
-                         enable_progress_bar=False, enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=3)
 
-    whole = Net()
-    run = trainer(GradpressStrategy(SPEC, seed=0), 6,
-                  [ModelCheckpoint(dirpath="ckpt", every_n_train_steps=3, save_top_k=-1)])
+    whole = Net()  # (logging the figures must not change the training: the resumed run does not log them)
+    run = trainer(GradpressStrategy(SPEC, seed=0, log_stats=True), 6,
+                  [ModelCheckpoint(dirpath="ckpt", every_n_train_steps=3, save_top_k=-1)],
+                  logger=CSVLogger("logs"))
     run.fit(whole, loader)
+    logged = {name: float(value) for name, value in run.logged_metrics.items()
+              if name.startswith("gradpress/")}
     path = "ckpt/epoch=0-step=3.ckpt"
     saved = torch.load(path, weights_only=False)["gradpress"]
     resumed = Net()
@@ -281,7 +311,8 @@ def job_lightning() -> dict[str, Any]:
             "resumed_sent_bytes": _sent_bytes(again.strategy.gradpress_state),
             "saved_ranks": [part["rank"] for part in saved["ranks"]],
             "saved_steps": [part["steps"] for part in saved["ranks"]],
-            "stock_warnings": _warnings_of(record), "stock_sent_bytes": _sent_bytes(state)}
+            "stock_warnings": _warnings_of(record), "stock_sent_bytes": _sent_bytes(state),
+            "logged": logged, "flat": run.strategy.gradpress_state.stats(flat=True)}
 
 
 def job_accelerate() -> dict[str, Any]:
@@ -290,6 +321,24 @@ def job_accelerate() -> dict[str, Any]:
     from accelerate import Accelerator
 
     import gradpress.accelerate
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    # the launcher's environment without ACCELERATE_USE_CPU: on a machine without GPUs Accelerate then
+    # runs every process alone, and register says so instead of training each model on its own
+    os.environ.pop("ACCELERATE_USE_CPU")
+    try:
+        alone = Accelerator()
+        alone_type = str(alone.distributed_type)
+        try:
+            gradpress.accelerate.register(alone, alone.prepare(_net()), SPEC)
+            alone_error = None
+        except RuntimeError as error:
+            alone_error = str(error)
+    finally:
+        os.environ["ACCELERATE_USE_CPU"] = "1"
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
     def train(resume: bool) -> dict[str, Any]:
         accelerator = Accelerator()
@@ -314,7 +363,128 @@ def job_accelerate() -> dict[str, Any]:
 
     whole = train(resume=False)
     resumed = train(resume=True)
-    return {"whole": whole, "resumed": resumed}
+    return {"whole": whole, "resumed": resumed, "alone_type": alone_type, "alone_error": alone_error}
+
+
+def job_fabric() -> dict[str, Any]:
+    """Lightning Fabric, 2 CPU processes: GradpressFabricStrategy trains 6 steps with fabric.save at step
+    3; a fresh Fabric loads that checkpoint and trains steps 4 to 6; the control loads it stripped of its
+    gradpress state; and Fabric's own "ddp" strategy with gradpress.register(the Fabric module) trains
+    the 6 steps."""
+    import lightning as L
+
+    import gradpress
+    from gradpress.lightning import GradpressFabricStrategy
+
+    def setup(strategy: Any) -> tuple[Any, Any, Any]:
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+        fabric.launch()
+        model = _net()
+        return (fabric, *fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)))
+
+    def train(fabric: Any, model: Any, optimizer: Any, start: int, stop: int) -> None:
+        for step in range(start, stop):
+            x = _batch(fabric.global_rank, step)
+            loss = torch.nn.functional.mse_loss(model(x), x[:, :4])
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+
+    fabric, model, optimizer = setup(GradpressFabricStrategy(SPEC, seed=0))
+    train(fabric, model, optimizer, 0, 3)
+    fabric.save("fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 3})
+    train(fabric, model, optimizer, 3, 6)
+    whole, sent = _parameters(model), _sent_bytes(fabric.strategy.gradpress_state)
+    saved = torch.load("fabric.ckpt", weights_only=False)["gradpress"]
+
+    fabric, model, optimizer = setup(GradpressFabricStrategy(SPEC, seed=0))
+    remainder = fabric.load("fabric.ckpt", {"model": model, "optimizer": optimizer})
+    train(fabric, model, optimizer, remainder["step"], 6)
+    resumed, resumed_sent = _parameters(model), _sent_bytes(fabric.strategy.gradpress_state)
+
+    if fabric.global_rank == 0:  # the control: the same checkpoint without the gradpress state
+        checkpoint = torch.load("fabric.ckpt", weights_only=False)
+        del checkpoint["gradpress"]
+        torch.save(checkpoint, "stripped.ckpt")
+    fabric.barrier()
+    fabric, model, optimizer = setup(GradpressFabricStrategy(SPEC, seed=0))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fabric.load("stripped.ckpt", {"model": model, "optimizer": optimizer})
+    train(fabric, model, optimizer, 3, 6)
+    fresh, fresh_warnings = _parameters(model), _warnings_of(record)
+
+    fabric, model, optimizer = setup("ddp")
+    state = gradpress.register(model, SPEC, seed=0)
+    train(fabric, model, optimizer, 0, 6)
+    return {"whole": whole, "resumed": resumed, "fresh": fresh, "plain": _parameters(model),
+            "sent_bytes": sent, "resumed_sent_bytes": resumed_sent, "plain_sent_bytes": _sent_bytes(state),
+            "fresh_warnings": fresh_warnings, "remainder_keys": sorted(remainder),
+            "saved_ranks": [[part["rank"] for part in module["ranks"]] for module in saved],
+            "repr": repr(state)}
+
+
+def job_huggingface() -> dict[str, Any]:
+    """Hugging Face Trainer, 2 CPU processes, GradpressCallback: 6 steps with a checkpoint at step 3, a
+    Trainer resumed from it (train(resume_from_checkpoint=…)) to step 6, and the control: the same
+    checkpoint without the gradpress files."""
+
+    from transformers import Trainer, TrainingArguments
+
+    from gradpress.huggingface import GradpressCallback
+
+    class Net(torch.nn.Module):  # what Trainer trains: a module returning {"loss": …}
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": torch.nn.functional.mse_loss(self.net(x), x[:, :4])}
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"x": torch.randn(16, generator=torch.Generator().manual_seed(i))}
+
+    def train(folder: str, resume: str | None = None) -> tuple[Any, GradpressCallback, list[str]]:
+        args = TrainingArguments(output_dir=folder, max_steps=6, save_steps=3, per_device_train_batch_size=4,
+                                 learning_rate=0.05, use_cpu=True, report_to=[], logging_steps=2, seed=0,
+                                 disable_tqdm=True, ddp_find_unused_parameters=False)
+        callback = GradpressCallback(SPEC, seed=0, log_stats=True)
+        trainer = Trainer(model=Net(), args=args, train_dataset=Data(), callbacks=[callback])
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer.train(resume_from_checkpoint=resume)
+        return trainer, callback, _warnings_of(record)
+
+    refused = []
+    for spec, options in (("topk:ratio=2", {}), (SPEC, {"seed": -1}), (SPEC, {"bogus": 1})):
+        try:
+            GradpressCallback(spec, **options)
+        except (TypeError, ValueError) as error:
+            refused.append(f"{type(error).__name__}: {error}")
+    trainer, callback, _ = train("hf")
+    rank = trainer.args.process_index
+    logged = [entry for entry in trainer.state.log_history if "gradpress/sent_bytes" in entry]
+    whole = {"parameters": _parameters(trainer.model), "sent_bytes": _sent_bytes(callback.state),
+             "files": sorted(os.listdir("hf/checkpoint-3")), "repr": repr(callback.state),
+             "logged_steps": [entry["step"] for entry in logged],
+             "logged_total": logged[-1]["gradpress/total/sent_bytes"] if logged else None}
+    saved = torch.load(f"hf/checkpoint-3/gradpress_rank{rank}.pt", weights_only=True)
+    trainer, callback, _ = train("hf", resume="hf/checkpoint-3")
+    resumed = {"parameters": _parameters(trainer.model), "sent_bytes": _sent_bytes(callback.state)}
+
+    if rank == 0:  # the control: the checkpoint without the gradpress files
+        shutil.copytree("hf/checkpoint-3", "stripped/checkpoint-3")
+        for r in range(trainer.args.world_size):
+            os.remove(f"stripped/checkpoint-3/gradpress_rank{r}.pt")
+    torch.distributed.barrier()
+    trainer, callback, fresh_warnings = train("stripped", resume="stripped/checkpoint-3")
+    return {"whole": whole, "resumed": resumed, "fresh": _parameters(trainer.model),
+            "fresh_warnings": fresh_warnings, "saved_rank": saved["rank"], "saved_steps": saved["steps"],
+            "refused": refused, "callback_repr": repr(GradpressCallback(SPEC, seed=0, log_stats=True))}
 
 
 def _main() -> None:
@@ -327,9 +497,12 @@ def _main() -> None:
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     results: dict[str, Any] = {}
     runners: dict[str, Callable[[], Any]] = {"noop": job_noop, "lightning": job_lightning,
-                                              "accelerate": job_accelerate}
-    needs = {"lightning": "lightning", "accelerate": "accelerate"}
+                                              "accelerate": job_accelerate, "fabric": job_fabric,
+                                              "huggingface": job_huggingface}
+    needs = {"lightning": "lightning", "accelerate": "accelerate", "fabric": "lightning",
+             "huggingface": "transformers"}
     blocks = readme_blocks()
+    docs = doc_blocks()
     failed = False
     for job, port in zip(jobs, ports):
         os.environ["MASTER_PORT"] = port
@@ -339,9 +512,12 @@ def _main() -> None:
         started = time.perf_counter()
         if job.startswith("readme"):
             text = blocks[int(job[len("readme"):])]
-            module = next((m for m in ("lightning", "accelerate")
-                           if re.search(rf"^\s*(import|from) {m}\b", text, re.M)), None)
+            module = framework_of(text)
             run = lambda index=int(job[len("readme"):]): run_readme(index)  # noqa: E731
+        elif job.startswith("docs"):
+            text = docs[int(job[len("docs"):])]
+            module = framework_of(text)
+            run = functools.partial(run_readme, int(job[len("docs"):]), text, "docs/integrations.md")
         else:
             module, run = needs.get(job), runners[job]
         try:

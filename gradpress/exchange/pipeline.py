@@ -171,6 +171,49 @@ class Stats:
             }
 
 
+_SECONDS = ("compress_s", "decompress_s", "comm_s")
+
+
+def flat_stats(report: dict[str, Any], prefix: str = "gradpress/") -> dict[str, float]:
+    """A :meth:`Stats.report` (or a front end's ``stats()``) as one flat dict of numbers, ready for a
+    metrics logger (TensorBoard, Weights & Biases, Lightning's ``log_dict``): the latest step's figures as
+    ``<prefix><name>`` and the cumulative ones as ``<prefix>total/<name>``, times in milliseconds
+    (``compress_ms``, ``decompress_ms``, ``comm_ms``), byte counts and ``collectives`` as counted, and
+    ``compression_ratio``: the gradients' bytes over the packets' (``raw_bytes / packet_bytes``, the
+    compressor's ratio; left out while nothing was compressed), plus ``<prefix>steps``."""
+    flat: dict[str, float] = {f"{prefix}steps": float(report.get("steps", 0))}
+    for part, head in (("last", prefix), ("total", f"{prefix}total/")):
+        figures = report.get(part) or {}
+        for name in COUNTERS:
+            value = float(figures.get(name, 0))
+            if name in _SECONDS:
+                flat[f"{head}{name[:-2]}_ms"] = value * 1e3
+            else:
+                flat[f"{head}{name}"] = value
+        if figures.get("packet_bytes"):
+            flat[f"{head}compression_ratio"] = float(figures["raw_bytes"]) / float(figures["packet_bytes"])
+    return flat
+
+
+def changed_options(*option_sets: Any) -> dict[str, Any]:
+    """The fields of option dataclasses (:class:`Options`, :class:`gradpress.auto.AutoOptions`) whose value
+    differs from the class's default, in field order: what a front end's ``repr`` shows."""
+    out: dict[str, Any] = {}
+    for options in option_sets:
+        if options is None:
+            continue
+        default = type(options)()
+        out.update({f.name: getattr(options, f.name) for f in fields(options)
+                    if getattr(options, f.name) != getattr(default, f.name)})
+    return out
+
+
+def describe(spec: Any, *option_sets: Any) -> str:
+    """``'spec', name=value, …`` (the non-default options): the inside of a front end's ``repr``."""
+    changed = changed_options(*option_sets)
+    return ", ".join([repr(spec), *(f"{name}={value!r}" for name, value in changed.items())])
+
+
 class _Timer:
     def __init__(self, stats: Stats, step: int, name: str) -> None:
         self.stats, self.step, self.name = stats, step, name
