@@ -40,7 +40,7 @@ from gradpress.auto import AUTO, AutoOptions, AutoPipeline, is_auto
 from gradpress.compressor import Compressor
 from gradpress.driver import Driver
 from gradpress.runtime import Options, Pipeline, Stats, build
-from gradpress.state import gathered, own_state
+from gradpress.state import check_world_size_change, gathered, own_state
 from gradpress.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
 from gradpress.distributed import process_group as resolve_group
 
@@ -53,10 +53,16 @@ class GradpressState:
     Keys: parameter names when the module is known (``model=``, or :func:`register`); otherwise
     ``"param<i>"`` in the order parameters first reach the hook, which for DDP's first iteration is the
     same in every process, so saved states load into a fresh DDP.
+
+    ``on_world_size_change``: what :meth:`load_state_dict` does by default with a state saved at another
+    world size (``"raise"``, or ``"reset"``: see there); the way to choose it where a framework loads the
+    state (``GradpressStrategy(spec, on_world_size_change="reset")``, ``gradpress.accelerate.register``).
     """
 
     def __init__(self, spec: str | Compressor, *, process_group: Any = None, model: torch.nn.Module | None = None,
-                 **options: Any) -> None:
+                 on_world_size_change: str = "raise", **options: Any) -> None:
+        check_world_size_change(on_world_size_change)
+        self.on_world_size_change = on_world_size_change
         self.auto = AutoOptions.pop_from(options) if is_auto(spec) else None
         self.options = Options.of(**options)
         if self.auto is not None:  # a pipeline per chosen method (gradpress.auto)
@@ -161,18 +167,24 @@ class GradpressState:
             state = self._local_pipeline().state_dict()
         return _gathered(state, self._group) if gathered else state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], on_world_size_change: str | None = None) -> None:
         """Restore :meth:`state_dict` (this rank's, or a gathered one; before training resumes: it
         applies at the first bucket if the hook has not run yet). Checked at once: a state of another
-        rank, method or shape raises ``ValueError``. Load tensors onto the gradients' device
+        rank, method or shape raises ``ValueError``, and so does one of another world size unless
+        ``on_world_size_change="reset"`` (default: the state's own, ``"raise"`` unless made otherwise):
+        then the step counters, statistics and shared compressor state (PowerSGD's warm starts) are
+        kept, and the error-feedback memory starts afresh, with a ``UserWarning`` naming what was
+        dropped (:meth:`gradpress.runtime.Pipeline.own_part`). Load tensors onto the gradients' device
         (``torch.load(map_location=…)``)."""
+        mode = self.on_world_size_change if on_world_size_change is None else on_world_size_change
         if self._pipeline is not None:
-            self._pipeline.load_state_dict(state)
+            self._pipeline.load_state_dict(state, mode)
             self._plans.clear()  # the next step goes the general way, which checks the loaded shapes
         else:
-            rank, size = rank_and_size(self._group)
-            self._local_pipeline().load_state_dict(state)  # validate now
-            self._loaded = own_state(state, rank, size)  # this rank's part: state_dict() returns it
+            local = self._local_pipeline()
+            state = local.own_part(state, mode)  # this rank's part, of this world
+            local.load_state_dict(state)  # validate now
+            self._loaded = state  # state_dict() returns it
 
     def _local_pipeline(self) -> Pipeline | AutoPipeline:
         """A pipeline of this rank's, before the hook has run (for its state)."""
@@ -194,9 +206,9 @@ class GradpressState:
         """This rank's per-step and cumulative bytes and times (see :class:`gradpress.runtime.Stats`); with
         ``"auto"``, also ``"auto"``: what it chose and why (:mod:`gradpress.auto`)."""
         if self._pipeline is None:
-            if self.auto is None:
+            if self.auto is None and self._loaded is None:
                 return Stats().report()
-            local = self._local_pipeline()  # auto: what it will do (measure, or a loaded choice)
+            local = self._local_pipeline()  # what was loaded; auto: what it will do (measure, or a choice)
             if self._loaded is not None:
                 local.load_state_dict(self._loaded)
             return local.report()
@@ -269,6 +281,27 @@ def _is_ddp(module: Any) -> bool:
     return isinstance(module, torch.nn.parallel.DistributedDataParallel)
 
 
+def _is_fsdp(module: Any) -> bool:
+    """Whether ``module`` is sharded by FSDP: a ``FullyShardedDataParallel`` (FSDP1) or a module that
+    ``fully_shard`` made (FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # (torch without distributed support)
+        return False
+    return isinstance(module, (FullyShardedDataParallel, FSDPModule))
+
+
+def _not_ddp(model: Any) -> str:
+    """Why :func:`register` refuses ``model``, which is not a DistributedDataParallel."""
+    name = type(model).__name__
+    if _is_fsdp(model):
+        return (f"gradpress.register hooks DistributedDataParallel, got {name}: FSDP is not supported by "
+                "register (FSDP reduce-scatters each rank's shard of the gradients, and its comm hooks "
+                "take another form than DDP's); a sharded path is planned as gradpress.fsdp")
+    hint = " (wrap it first: DistributedDataParallel(model))" if isinstance(model, torch.nn.Module) else ""
+    return f"gradpress.register: expected a torch.nn.parallel.DistributedDataParallel, got {name}{hint}"
+
+
 def _calling_ddp(module: torch.nn.Module, depth: int = 12) -> Any:
     """The DistributedDataParallel whose forward is calling ``module`` (a few frames up), or None."""
     frame = sys._getframe(2)
@@ -296,7 +329,7 @@ def _own_part(state: GradpressState, value: Any, device: torch.device | str) -> 
     """This rank's part of ``value`` (its own state or a gathered one), its tensors on ``device``: what a
     framework integration hands to :meth:`GradpressState.load_state_dict` after loading a checkpoint
     onto the CPU."""
-    return _moved(own_state(value, *rank_and_size(state._group)), device)
+    return _moved(own_state(value, *rank_and_size(state._group), state.on_world_size_change), device)
 
 
 def _gathered(state: dict[str, Any], group: Any) -> dict[str, Any]:
@@ -315,17 +348,19 @@ def ddp_comm_hook(spec: str | Compressor, **options: Any) -> tuple[GradpressStat
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``.
 
     Options: those of :class:`gradpress.runtime.Options`, plus ``process_group`` (default: the default
-    group; pass the DDP's own if it has another) and ``model`` (the module, for parameter names; needed
-    by ``exclude``); with ``spec`` ``"auto"``, those of :class:`gradpress.auto.AutoOptions`.
+    group; pass the DDP's own if it has another), ``model`` (the module, for parameter names; needed
+    by ``exclude``) and ``on_world_size_change`` (:class:`GradpressState`); with ``spec`` ``"auto"``,
+    those of :class:`gradpress.auto.AutoOptions`.
     """
     return GradpressState(spec, **options), hook
 
 
 def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> GradpressState:
     """Register the gradpress hook on ``ddp_model`` (a DistributedDataParallel) and return its state,
-    keyed by the module's parameter names and talking on the DDP's process group."""
-    if not hasattr(ddp_model, "register_comm_hook"):
-        raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    keyed by the module's parameter names and talking on the DDP's process group. Anything else
+    (FSDP's ``FullyShardedDataParallel`` or a ``fully_shard`` module among them) raises ``TypeError``."""
+    if not _is_ddp(ddp_model):
+        raise TypeError(_not_ddp(ddp_model))
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
     state = GradpressState(spec, model=ddp_model.module, **options)
     ddp_model.register_comm_hook(state, hook)
