@@ -50,7 +50,7 @@ import torch
 from gradpress.core.compressor import make
 from gradpress.exchange.protocol import AllGather, AllReduce, Broadcast, Gather, Protocol, ReduceScatter, Round
 from gradpress.exchange.pipeline import Group, Options, Pipeline, Stats
-from gradpress.exchange.state import FORMAT, own_state, shapes_of
+from gradpress.exchange.state import FORMAT, own_state, resized, shapes_of, warn_resized
 
 if TYPE_CHECKING:
     from gradpress.costmodel import ComputeProfile, MethodCost
@@ -646,23 +646,57 @@ class AutoPipeline:
             "format": FORMAT, "spec": AUTO, "feedback_spec": self.options.feedback,
             "master_spec": self.options.master, "rank": self.rank, "world_size": self.world_size,
             "shapes": {key: list(shape) for key, shape in self.shapes.items()}, "steps": dict(self.steps),
-            "feedback": {}, "compressor": {},
+            "feedback": {}, "compressor": {}, "stats": self.stats.state_dict(),
             "auto": {
                 "candidates": list(self.auto.candidates), "choice": dict(self.choice),
                 "decided_at": self.decided_at,
                 "next_decision": None if math.isinf(self.next_decision) else int(self.next_decision),
                 "why": _plain(self.why), "flush": {key: t.clone() for key, t in self._flush.items()},
-                "pipelines": {spec: p.state_dict() for spec, p in self._pipelines.items()},
+                "pipelines": {spec: _without_stats(p.state_dict()) for spec, p in self._pipelines.items()},
             },
         }
 
-    def load_state_dict(self, state: Any) -> None:
+    def own_part(self, state: Any, on_world_size_change: str = "raise") -> dict[str, Any]:
+        """:meth:`gradpress.exchange.pipeline.Pipeline.own_part` for an ``"auto"`` state: with ``"reset"``, a state of
+        another world size keeps the choice, the step counters, shapes, this rank's statistics and each
+        method's shared state, drops every method's error-feedback memory and the residuals waiting to
+        be sent, and decides again for this world (after measuring the next steps); one
+        ``UserWarning`` says what was dropped."""
+        part = own_state(state, self.rank, self.world_size, on_world_size_change)
+        if on_world_size_change == "raise" or part["world_size"] == self.world_size:
+            return part
+        out, dropped, kept = resized(part, self.rank, self.world_size, {})
+        section = part.get("auto")
+        if isinstance(section, dict):
+            section = dict(section)
+            flush = section.get("flush")
+            if isinstance(flush, dict) and flush:
+                dropped.append(f"the residuals of {len(flush)} tensors waiting to be sent once")
+            section["flush"] = {}
+            saved = section.get("pipelines")
+            if isinstance(saved, dict):
+                pipelines = {}
+                for spec, sub in saved.items():
+                    if spec in self.auto.candidates:  # (else refused when loaded)
+                        sub, lost, _ = resized(own_state(sub, self.rank, self.world_size), self.rank,
+                                               self.world_size, self._fresh(spec).shared_sections())
+                        dropped += [f"{spec}: {what}" for what in lost]
+                    pipelines[spec] = sub
+                section["pipelines"] = pipelines
+            section["next_decision"] = 0  # the choice was made for another n: measure and decide again
+            kept.append("the choice of methods until it is made again for this world")
+            out["auto"] = section
+        warn_resized(part["world_size"], self.world_size, dropped, kept)
+        return out
+
+    def load_state_dict(self, state: Any, on_world_size_change: str = "raise") -> None:
         """Restore :meth:`state_dict` (this rank's, or a gathered one); everything is checked first, and
         a ``ValueError`` names what does not fit (another method, rank or world size; a choice outside
-        the candidates; a memory of the wrong shape or holding NaN/Inf)."""
+        the candidates; a memory of the wrong shape or holding NaN/Inf). ``on_world_size_change``: see
+        :meth:`own_part`."""
         from gradpress.exchange.state import _check_keyed
 
-        state = own_state(state, self.rank, self.world_size)
+        state = self.own_part(state, on_world_size_change)
         for name, value in (("spec", AUTO), ("world_size", self.world_size), ("rank", self.rank)):
             if state[name] != value:
                 raise ValueError(f"gradpress state: {name} is {state[name]!r}, this runtime's is {value!r}")
@@ -696,16 +730,22 @@ class AutoPipeline:
                 raise ValueError(f"gradpress state: auto.pipelines holds {spec!r}, not among this runtime's "
                                  f"candidates {list(self.auto.candidates)}")
             pipeline = self._fresh(spec)
-            pipeline.load_state_dict(sub)  # checked (gradpress.exchange.state.check), raising ValueError
+            pipeline.stats = Stats()  # (the statistics are this state's own, loaded below)
+            pipeline.load_state_dict(_without_stats(sub))  # checked (gradpress.exchange.state.check): ValueError
             pipelines[spec] = pipeline
+        stats = state.get("stats")  # (absent from a state saved before statistics were: they start from zero)
+        if stats is not None:
+            Stats.check_state(stats)
         # everything checked: load
         self.steps.clear()
         self.steps.update(steps)
         self.shapes.clear()
         self.shapes.update(shapes)
         self._expected_shapes = dict(shapes)
+        self.stats.load_state_dict(stats if stats is not None else Stats().state_dict())
         for pipeline in pipelines.values():
             pipeline.steps, pipeline.shapes, pipeline._expected_shapes = self.steps, self.shapes, {}
+            pipeline.stats = self.stats
         self._pipelines = pipelines
         self.pipeline(UNCOMPRESSED)
         self.choice = dict(choice)
@@ -717,6 +757,11 @@ class AutoPipeline:
         self._arrivals.clear()
         self._current_step = -1
         self._costs, self._costs_layout, self._captured = None, None, None
+
+
+def _without_stats(state: Any) -> Any:
+    """A method's pipeline state without its statistics (they are the ``"auto"`` state's, shared)."""
+    return {k: v for k, v in state.items() if k != "stats"} if isinstance(state, dict) else state
 
 
 def _chain(protocols: Sequence[Protocol]) -> Protocol:

@@ -10,8 +10,11 @@ checked as it is parsed by the ``type=`` converters below (numbers and their ran
 ``argparse.ArgumentTypeError``; what needs several arguments or the data (a model for another task than
 the dataset's, a batch larger than a worker's shard, options that do not fit the compressor) is checked
 by the subcommand before it starts anything, raising :class:`UsageError`. argparse's own errors
-(unknown arguments, a missing subcommand) take the same one-line form, without the usage text. Errors of
-the program itself still end in a traceback.
+(unknown arguments, a missing subcommand) take the same one-line form, without the usage text. Sizes are
+checked against the memory available (:func:`check_memory`), and an allocation that fails all the same
+is answered in one line too (exit status 2). Ctrl-C prints ``interrupted`` and exits with 130 (128 +
+SIGINT), after the command's own cleanup (workers stopped, temporary files removed). Errors of the
+program itself still end in a traceback.
 """
 from __future__ import annotations
 
@@ -111,26 +114,104 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the exit status after Ctrl-C (128 + SIGINT, as a shell reports a process that SIGINT ended)
+INTERRUPTED = 130
+
+
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen ``func``; a :class:`UsageError` becomes ``gradpress: error: …``
-    and exit status 2 (argparse's own errors exit with 2 as they are found)."""
-    args, unknown = parser.parse_known_args(argv)
-    missing = None if args.command in LIBRARY_COMMANDS else _missing_testbed_library()
-    if getattr(args, "unavailable", None) or missing is not None:
-        print(PREFIX + (getattr(args, "unavailable", None) or _needs_testbed(args.command, missing)),
-              file=sys.stderr)
-        return 2
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    and exit status 2 (argparse's own errors exit with 2 as they are found), and so does an allocation
+    that failed (:func:`allocation_failure`); Ctrl-C becomes ``interrupted`` and status 130."""
     try:
-        return int(args.func(args) or 0)
-    except UsageError as error:
-        print(PREFIX + one_line(error), file=sys.stderr)
-        return 2
+        args, unknown = parser.parse_known_args(argv)
+        missing = None if args.command in LIBRARY_COMMANDS else _missing_testbed_library()
+        if getattr(args, "unavailable", None) or missing is not None:
+            print(PREFIX + (getattr(args, "unavailable", None) or _needs_testbed(args.command, missing)),
+                  file=sys.stderr)
+            return 2
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        try:
+            return int(args.func(args) or 0)
+        except UsageError as error:
+            print(PREFIX + one_line(error), file=sys.stderr)
+            return 2
+        except (MemoryError, RuntimeError) as error:
+            failure = allocation_failure(error)
+            if failure is None:
+                raise
+            print(PREFIX + failure, file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser(), argv)
+    try:
+        parser = build_parser()  # (imports every subcommand: seconds)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return run(parser, argv)
+
+
+# -- memory ---------------------------------------------------------------------------------------------
+_ALLOCATION = re.compile(r"can't allocate memory|not enough memory|out of memory|"
+                         r"cannot allocate memory|std::bad_alloc", re.IGNORECASE)
+
+
+def allocation_failure(error: BaseException) -> str | None:
+    """The one line that reports ``error`` if it is an allocation that failed (``MemoryError``, or torch's
+    ``RuntimeError`` from its allocator: "DefaultCPUAllocator: can't allocate memory", CUDA's out of
+    memory); None for any other error."""
+    if isinstance(error, MemoryError):
+        return "out of memory" + (f": {one_line(error)}" if str(error) else "") + f" ({memory_words()})"
+    text = str(error)
+    if type(error).__name__ == "OutOfMemoryError" or _ALLOCATION.search(text):
+        found = re.search(r"you tried to allocate (\d+) bytes", text)
+        what = f"an allocation of {_bytes(int(found[1]))} failed" if found else one_line(text)[:300]
+        return f"out of memory: {what} ({memory_words()}); try smaller sizes"
+    return None
+
+
+def available_memory() -> tuple[int, int] | None:
+    """(bytes available now, bytes of physical memory) from ``/proc/meminfo`` (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as info:
+            fields = dict(line.split(":", 1) for line in info if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def memory_words() -> str:
+    memory = available_memory()
+    if memory is None:
+        return "memory available unknown"
+    return f"{_bytes(memory[0])} of this machine's {_bytes(memory[1])} are available"
+
+
+def _bytes(count: float) -> str:
+    """``count`` bytes in words: ``512 bytes``, ``3.5 GiB``."""
+    if count < 1024:
+        return f"{count:.0f} bytes"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        count /= 1024
+        if count < 1024:
+            break
+    else:
+        count /= 1024
+        unit = "EiB"
+    return f"{count:.1f} {unit}"
+
+
+def check_memory(what: str, nbytes: int) -> None:
+    """Raise :class:`UsageError` when ``nbytes`` (what a command will hold at once, at least: its
+    largest tensors) exceeds the memory available now: ``what`` names the arguments that ask for it."""
+    memory = available_memory()
+    if memory is not None and nbytes > memory[0]:
+        raise UsageError(f"{what}: needs at least {_bytes(nbytes)} of memory; {memory_words()}")
 
 
 # -- argument types: each raises argparse.ArgumentTypeError, which argparse reports as

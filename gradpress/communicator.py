@@ -133,11 +133,14 @@ class Communicator:
         state = self._pipeline.state_dict()
         return _gathered(gather_objects(state, self._group)) if gathered else state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], on_world_size_change: str = "raise") -> None:
         """Restore :meth:`state_dict` (this rank's, or a gathered one); ``ValueError`` if it is another
-        rank's, method's or shape's. The next exchange agrees on the loaded step counters
-        (:mod:`gradpress.exchange.agreement`): ranks resumed from different steps raise there."""
-        self._pipeline.load_state_dict(state)
+        rank's, method's or shape's, or another world size's unless ``on_world_size_change="reset"``:
+        then error feedback starts afresh, with a ``UserWarning`` naming what was dropped
+        (:meth:`gradpress.exchange.pipeline.Pipeline.own_part`). The next exchange agrees on the loaded
+        step counters (:mod:`gradpress.exchange.agreement`): ranks resumed from different steps raise
+        there."""
+        self._pipeline.load_state_dict(state, on_world_size_change)
 
     def stats(self, flat: bool = False) -> dict[str, Any]:
         """This rank's per-step and cumulative bytes and times (see

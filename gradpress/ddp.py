@@ -42,7 +42,7 @@ from gradpress.auto import AUTO, AutoOptions, AutoPipeline, is_auto
 from gradpress.core.compressor import Compressor
 from gradpress.exchange.driver import Driver, failed_future
 from gradpress.exchange.pipeline import Options, Pipeline, Stats, build, describe, flat_stats
-from gradpress.exchange.state import gathered, own_state, shapes_of
+from gradpress.exchange.state import check_world_size_change, gathered, own_state, shapes_of
 from gradpress.exchange.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
 from gradpress.exchange.distributed import process_group as resolve_group
 
@@ -58,10 +58,16 @@ class GradpressState:
     Keys: parameter names when the module is known (``model=``, or :func:`register`); otherwise
     ``"param<i>"`` in the order parameters first reach the hook, which for DDP's first iteration is the
     same in every process, so saved states load into a fresh DDP.
+
+    ``on_world_size_change``: what :meth:`load_state_dict` does by default with a state saved at another
+    world size (``"raise"``, or ``"reset"``: see there); the way to choose it where a framework loads the
+    state (``GradpressStrategy(spec, on_world_size_change="reset")``, ``gradpress.accelerate.register``).
     """
 
     def __init__(self, spec: str | Compressor, *, process_group: Any = None, model: torch.nn.Module | None = None,
-                 **options: Any) -> None:
+                 on_world_size_change: str = "raise", **options: Any) -> None:
+        check_world_size_change(on_world_size_change)
+        self.on_world_size_change = on_world_size_change
         self.auto = AutoOptions.pop_from(options) if is_auto(spec) else None
         self.options = Options.of(**options)
         if self.auto is not None:  # a pipeline per chosen method (gradpress.auto)
@@ -199,22 +205,26 @@ class GradpressState:
             state = self._local_pipeline().state_dict()
         return _gathered(state, self._executor().group) if gathered else state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], on_world_size_change: str | None = None) -> None:
         """Restore :meth:`state_dict` (this rank's, or a gathered one; before training resumes: it
         applies at the first bucket if the hook has not run yet). Checked at once: a state of another
         rank, method or shape raises ``ValueError``, and so does one keyed another way than this hook keys
-        the parameters (by name with ``model=`` or :func:`register`, else ``"param<i>"``). The next
-        exchange agrees on the loaded step counters (:mod:`gradpress.exchange.agreement`): ranks resumed from
-        different steps raise there. Load tensors onto the gradients' device
-        (``torch.load(map_location=…)``)."""
+        the parameters (by name with ``model=`` or :func:`register`, else ``"param<i>"``), and one of another
+        world size unless ``on_world_size_change="reset"`` (default: the state's own, ``"raise"`` unless
+        made otherwise): then the step counters, statistics and shared compressor state (PowerSGD's warm
+        starts) are kept, and the error-feedback memory starts afresh, with a ``UserWarning`` naming what
+        was dropped (:meth:`gradpress.exchange.pipeline.Pipeline.own_part`). The next exchange agrees on the
+        loaded step counters (:mod:`gradpress.exchange.agreement`): ranks resumed from different steps
+        raise there. Load tensors onto the gradients' device (``torch.load(map_location=…)``)."""
+        mode = self.on_world_size_change if on_world_size_change is None else on_world_size_change
         pipeline = self._pipeline if self._pipeline is not None else self._local_pipeline()
-        mine = own_state(state, pipeline.rank, pipeline.world_size)
+        mine = pipeline.own_part(state, mode)  # this rank's part, of this world
         self._check_keys(mine)
         pipeline.load_state_dict(mine)  # checked before anything is loaded
         if self._pipeline is not None:
             self._plans.clear()  # the next step goes the general way, which checks the loaded shapes
         else:
-            self._loaded = mine  # this rank's part, loaded at the first bucket (state_dict() returns it)
+            self._loaded = mine  # loaded at the first bucket (state_dict() returns it)
 
     def _check_keys(self, state: dict[str, Any]) -> None:
         """A state keyed as this hook keys the parameters (by name where it knows the module, else
@@ -259,10 +269,10 @@ class GradpressState:
         why (:mod:`gradpress.auto`). ``flat=True``: the same figures as one flat dict of numbers for a
         metrics logger (``"gradpress/sent_bytes"``, …: :func:`gradpress.flat_stats`)."""
         if self._pipeline is None:
-            if self.auto is None:
+            if self.auto is None and self._loaded is None:
                 report = Stats().report()
             else:
-                local = self._local_pipeline()  # auto: what it will do (measure, or a loaded choice)
+                local = self._local_pipeline()  # what was loaded; auto: what it will do (measure, or a choice)
                 if self._loaded is not None:
                     local.load_state_dict(self._loaded)
                 report = local.report()
@@ -353,6 +363,27 @@ def _unwrap_ddp(model: Any) -> Any:
     return None
 
 
+def _is_fsdp(module: Any) -> bool:
+    """Whether ``module`` is sharded by FSDP: a ``FullyShardedDataParallel`` (FSDP1) or a module that
+    ``fully_shard`` made (FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # (torch without distributed support)
+        return False
+    return isinstance(module, (FullyShardedDataParallel, FSDPModule))
+
+
+def _not_ddp(model: Any) -> str:
+    """Why :func:`register` refuses ``model``, which is not a DistributedDataParallel."""
+    name = type(model).__name__
+    if _is_fsdp(model):
+        return (f"gradpress.register hooks DistributedDataParallel, got {name}: FSDP is not supported by "
+                "register (FSDP reduce-scatters each rank's shard of the gradients, and its comm hooks "
+                "take another form than DDP's); a sharded path is planned as gradpress.fsdp")
+    hint = " (wrap it first: DistributedDataParallel(model))" if isinstance(model, torch.nn.Module) else ""
+    return f"gradpress.register: expected a torch.nn.parallel.DistributedDataParallel, got {name}{hint}"
+
+
 def _calling_ddp(module: torch.nn.Module, depth: int = 12) -> Any:
     """The DistributedDataParallel whose forward is calling ``module`` (a few frames up), or None."""
     frame = sys._getframe(2)
@@ -392,7 +423,7 @@ def _own_part(state: GradpressState, value: Any, device: torch.device | str) -> 
     """This rank's part of ``value`` (its own state or a gathered one), its tensors on ``device``: what a
     framework integration hands to :meth:`GradpressState.load_state_dict` after loading a checkpoint
     onto the CPU."""
-    return _moved(own_state(value, *rank_and_size(state._group)), device)
+    return _moved(own_state(value, *rank_and_size(state._group), state.on_world_size_change), device)
 
 
 def _gathered(state: dict[str, Any], group: Any) -> dict[str, Any]:
@@ -438,6 +469,8 @@ def ddp_comm_hook(spec: str | Compressor, **options: Any) -> tuple[GradpressStat
     * ``process_group``: the group to talk on (default: the default group; pass the DDP's own if it
       has another).
     * ``model``: the module DDP wraps, for parameter names (keys of the state; needed by ``exclude``).
+    * ``on_world_size_change`` (default ``"raise"``): ``"reset"`` loads a state of another world size
+      with the error-feedback memory started afresh (:class:`GradpressState`).
 
     The options are those of :class:`gradpress.exchange.pipeline.Options` and, for ``"auto"``,
     :class:`gradpress.auto.AutoOptions`.
@@ -477,6 +510,10 @@ def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> Gradpres
       ``settle_steps`` (2), ``measure_steps`` (5), ``recheck_every`` (500; 0: never) and ``margin``
       (0.05: the predicted gain a change of methods needs).
     * ``process_group``: the group to talk on (default: the DDP's own).
+    * ``on_world_size_change`` (default ``"raise"``): ``"reset"`` loads a state of another world size
+      with the error-feedback memory started afresh (:class:`GradpressState`).
+
+    FSDP's ``FullyShardedDataParallel`` and ``fully_shard`` modules raise ``TypeError``.
 
     The options are those of :class:`gradpress.exchange.pipeline.Options` and, for ``"auto"``,
     :class:`gradpress.auto.AutoOptions`.
@@ -489,7 +526,9 @@ def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> Gradpres
                             f"{type(inner).__name__}, not a DistributedDataParallel (gradpress hooks DDP: "
                             f"Fabric(strategy='ddp') or gradpress.lightning.GradpressFabricStrategy, with "
                             f"several processes)")
-        raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp_model).__name__}")
+        raise TypeError(_not_ddp(ddp_model))
+    if _is_fsdp(found):
+        raise TypeError(_not_ddp(found))
     ddp_model = found
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
     state = GradpressState(spec, model=ddp_model.module, **options)

@@ -49,7 +49,8 @@ from gradpress.ddp import GradpressState, _check_options, _own_part, register
 from gradpress.exchange.pipeline import Options
 
 CHECKPOINT_KEY = "gradpress"
-_OPTIONS = frozenset(f.name for f in (*fields(Options), *fields(AutoOptions)))  # ("auto"'s own too)
+_OPTIONS = frozenset({*(f.name for f in (*fields(Options), *fields(AutoOptions))),  # ("auto"'s own too)
+                      "on_world_size_change"})
 _REFUSED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
@@ -59,7 +60,9 @@ class GradpressStrategy(DDPStrategy):
     ``spec``: the compressor (``"topk:ratio=0.01"``, or a :class:`~gradpress.Compressor`). Keyword
     arguments named like gradpress's options (``feedback``, ``min_numel``, ``exclude``, ``warmup_steps``,
     ``seed``, ``timeout``, ``mode``, ``master``, ``root``, ``overflow``, ``deterministic``, ``partial``;
-    see :class:`gradpress.exchange.pipeline.Options`) go to gradpress; ``exclude`` matches the LightningModule's
+    see :class:`gradpress.exchange.pipeline.Options`) go to gradpress, and so does ``on_world_size_change``
+    (``"reset"``: resuming a checkpoint of another world size starts error feedback afresh, see
+    :class:`~gradpress.ddp.GradpressState`); ``exclude`` matches the LightningModule's
     parameter names. The others go to :class:`~lightning.pytorch.strategies.DDPStrategy` and from it to
     DistributedDataParallel (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``,
     ``process_group_backend``, ``start_method``, …); Lightning's process-group timeout is

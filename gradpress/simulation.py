@@ -24,6 +24,7 @@ import torch
 from gradpress.core.compressor import Compressor
 from gradpress.core.compressor import make
 from gradpress.exchange.pipeline import Options, Pipeline, build
+from gradpress.exchange.state import gathered
 from gradpress.exchange.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
                                 fold_sum, traffic)
 
@@ -73,15 +74,18 @@ class Simulator:
         real run's ``state_dict(gathered=True)`` returns)."""
         return [p.state_dict() for p in self.pipelines]
 
-    def load_state_dict(self, state: Sequence[dict[str, Any]] | dict[str, Any]) -> None:
-        if isinstance(state, dict):  # a gathered state: every worker takes its own part
-            for pipeline in self.pipelines:
-                pipeline.load_state_dict(state)
-            return
-        if len(state) != self.world_size:
-            raise ValueError(f"a state of {len(state)} workers cannot load into {self.world_size}")
-        for pipeline, mine in zip(self.pipelines, state):
-            pipeline.load_state_dict(mine)
+    def load_state_dict(self, state: Sequence[dict[str, Any]] | dict[str, Any],
+                        on_world_size_change: str = "raise") -> None:
+        """Restore :meth:`state_dict` (a list by rank) or a gathered state. A state of another number of
+        workers raises ``ValueError`` unless ``on_world_size_change="reset"`` (see
+        :meth:`gradpress.exchange.pipeline.Pipeline.own_part`: error feedback starts afresh)."""
+        if not isinstance(state, dict):
+            if len(state) != self.world_size and on_world_size_change != "reset":
+                raise ValueError(f"a state of {len(state)} workers cannot load into {self.world_size} (load "
+                                 f"with on_world_size_change='reset' to start error feedback afresh)")
+            state = gathered(list(state))
+        for pipeline in self.pipelines:  # every worker takes its own part
+            pipeline.load_state_dict(state, on_world_size_change)
 
     # -- lockstep ------------------------------------------------------------------------------------
     def _lockstep(self, groups, control: bool = False) -> Any:

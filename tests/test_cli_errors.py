@@ -173,6 +173,15 @@ BAD_TOGETHER = [
     ("bench powersgd --dataset synthetic --model ncf", "--model ncf: model 'ncf' is for recommendation data"),
     ("sim cost --results nonexistent", "sim cost: nonexistent: no such file or directory"),
     ("data no-such-data", "unknown dataset no-such-data; known: fashion-mnist"),
+    # sizes no machine holds: refused before anything is allocated
+    ("sim nmse --numel 2^40", "--numel 1099511627776 with 1024 workers: needs at least 4.0 PiB of memory; "),
+    ("bench ops --sizes 2^62", "--sizes 4611686018427387904: needs at least 48.0 EiB of memory"),
+    # an option given twice, or beside its own flag: which value runs would be a guess
+    ("train --option mode=ps --option mode=switch", "--option mode is given twice ('mode=ps', 'mode=switch')"),
+    ("train --option timeout=5 --timeout 10", "--option timeout=5: give --timeout instead"),
+    ("train --option seed=3", "--option seed=3: give --seed instead"),
+    ("compare --option min_numel=1 --option min_numel=1", "--option min_numel is given twice"),
+    ("sim quality --option seed=3", "--option seed=3: give --seed instead"),
 ]
 
 # found after parsing, with the data (Fashion-MNIST, fortunes)
@@ -224,6 +233,90 @@ def test_good_arguments_get_past_the_checks(argv, nothing_runs, capsys):
     assert "error" not in capsys.readouterr().err
 
 
+def test_compare_refuses_an_out_that_holds_files_unless_told_to_overwrite(nothing_runs, capsys):
+    """Two runs into one --out would leave a mix of both runs' files under the second's report."""
+    out = nothing_runs / "out"
+    out.mkdir()
+    (out / "report.md").write_text("an earlier run's report")
+    code, stdout, err = run_cli(["compare", "--compressors", "noop", "--out", "out"], capsys)
+    assert_one_line_error(code, stdout, err, "--out out is not empty (report.md): give a new directory, "
+                                             "or --overwrite")
+    assert (out / "report.md").read_text() == "an earlier run's report"
+
+
+def test_compare_overwrite_removes_an_earlier_runs_files_and_keeps_the_others(tmp_path):
+    """``compare(…, overwrite=True)`` (``--overwrite``) clears what a compare run writes when it starts; a
+    file of the user's stays. Here no run can start (a spec out of range), so what is left shows it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = ["report.md", "results.json", "throughput.png", "run-topk_ratio_0.1.json"]
+    for name in [*earlier, "notes.txt"]:
+        (out / name).write_text("earlier")
+    base = TrainConfig(model="mlp:hidden=8,depth=1", steps=1)
+    with pytest.raises(ValueError, match="is not empty"):
+        COMPARE(base, ["topk:ratio=2"], out, say=lambda _: None)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*earlier, "notes.txt"])
+    with pytest.raises(TrainFailed, match="every run failed"):
+        COMPARE(base, ["topk:ratio=2"], out, say=lambda _: None, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_an_allocation_that_fails_is_one_line(capsys):
+    """What the size checks cannot foresee: the allocator's own failure is reported in one line, status 2."""
+    import torch
+
+    from gradpress.cli import Parser, run
+
+    parser = Parser(prog="gradpress")
+    parser.set_defaults(func=lambda args: torch.empty(2**62, dtype=torch.uint8))
+    code = run(parser, [])
+    out, err = capsys.readouterr()
+    assert_one_line_error(code, out, err, "out of memory: an allocation of 4.0 EiB failed (")
+    assert "try smaller sizes" in err
+    parser.set_defaults(func=lambda args: [][1])  # any other error is the program's own: a traceback
+    with pytest.raises(IndexError):
+        run(parser, [])
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
+    """SIGINT to a running ``gradpress`` (what Ctrl-C sends): ``interrupted``, exit status 130, no traceback.
+    The run is seen to have started by its progress line (rich draws it when told the stream is a
+    terminal)."""
+    import signal
+    import threading
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "gradpress", "sim", "nmse", "--compressors", "none",
+                                "--numel", "2^16", "--workers", "64", "--trials", "100000"],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = bytearray()
+
+    def pump() -> None:
+        while chunk := os.read(process.stderr.fileno(), 4096):
+            err.extend(chunk)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        while b"simulating" not in err and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b"simulating" in err, bytes(err)
+        process.send_signal(signal.SIGINT)
+        out = process.stdout.read()
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(10)
+    text = err.decode(errors="replace")
+    assert code == 130, text
+    assert "Traceback" not in text and text.rstrip().endswith("interrupted"), text
+    assert out == b""
+
+
 def test_missing_data_says_how_to_get_it(nothing_runs, monkeypatch, capsys):
     def unavailable(**_):
         raise data.DataUnavailable("Fashion-MNIST is missing: run `gradpress data` as root")
@@ -241,12 +334,14 @@ def test_from_the_shell(tmp_path):
     cases = {
         "train --workers 0": "argument --workers: expected a positive integer, got '0'",
         "compare --compressors noop,topk:ratio=2 --out out": "topk:ratio=2: topk",
+        "sim nmse --numel 2^40": "--numel 1099511627776 with 1024 workers: needs at least 4.0 PiB of memory",
+        "bench ops --sizes 2^62": "--sizes 4611686018427387904: needs at least 48.0 EiB of memory",
     }
     running = {argv: subprocess.Popen([sys.executable, "-m", "gradpress", *argv.split()], cwd=tmp_path, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for argv in cases}
     for argv, process in running.items():
-        out, err = process.communicate(timeout=60)
+        out, err = process.communicate(timeout=240)
         assert_one_line_error(process.returncode, out, err, cases[argv])
     assert list(tmp_path.iterdir()) == []
 

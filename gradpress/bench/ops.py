@@ -200,6 +200,7 @@ def main(args: argparse.Namespace) -> int:
         raise cli.UsageError("--device cuda: CUDA is not available on this machine")
     specs = resolve_compressors(args.compressors)
     sizes = args.sizes  # a list: checked as it was parsed (cli.sizes)
+    cli.check_memory(f"--sizes {max(sizes)}", 3 * 4 * max(sizes))  # the tensor, its copy, its decompression
     from rich.console import Console
 
     console = Console(stderr=True)

@@ -102,7 +102,8 @@ class Compressor:
       it itself; methods that decode themselves (THC, PowerSGD, the sketch) saturate in their decode.
     * ``stateful_decode``: :meth:`decode_sum` updates per-key state that every rank must keep alike
       (PowerSGD's warm start). In ``ps`` mode with a master compressor the server then broadcasts the
-      sums as well, and every rank decodes them.
+      sums as well, and every rank decodes them. Such a method's :meth:`state_dict` is that state alone:
+      it carries over to a world of another size (``on_world_size_change="reset"``).
     * ``elementwise``: compress and decode map each element alone, with no per-tensor statistics,
       randomness or state (no compression, a cast): the packet of a concatenation is the
       concatenation of the packets. The runtime then exchanges tensors that lie back to back in one

@@ -19,6 +19,7 @@ state before it loads.
 from __future__ import annotations
 
 import fnmatch
+import math
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -34,7 +35,7 @@ from gradpress.core.feedback import SumParts, make_feedback
 from gradpress.core.packet import Packet, adjacent
 from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
 from gradpress.core.rng import Context
-from gradpress.exchange.state import FORMAT, check, shapes_of
+from gradpress.exchange.state import FORMAT, check, own_state, resized, shapes_of, warn_resized
 from gradpress.exchange.strategy import MODES, OVERFLOW, Strategy, check_partial
 
 
@@ -134,6 +135,9 @@ class Stats:
     * ``compress_s`` (compensate, prepare, compress, feedback update), ``decompress_s`` (decoding and
       aggregation), ``comm_s`` (from issuing each round of collectives to its completion; rounds of
       different buckets overlap, so this is not wall time).
+
+    The figures are saved with the pipeline's state (:meth:`state_dict`): after a resume ``total`` goes on
+    from where it was, as the step counters do, so ``total`` over ``steps`` stays a mean per step.
     """
 
     def __init__(self) -> None:
@@ -169,6 +173,44 @@ class Stats:
                 "last": dict(self._steps[latest]) if latest is not None else dict.fromkeys(COUNTERS, 0),
                 "total": dict(self._total),
             }
+
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"total": cumulative figures, "steps": {step: its figures}}`` (the latest steps kept)."""
+        with self._lock:
+            return {"total": dict(self._total), "steps": {step: dict(f) for step, f in self._steps.items()}}
+
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """Raise ``ValueError`` unless ``state`` is a :meth:`state_dict`: figures named as :data:`COUNTERS`,
+        each a finite number >= 0, and steps numbered by integers >= 0."""
+        if not isinstance(state, dict) or not isinstance(state.get("total"), dict) \
+                or not isinstance(state.get("steps"), dict):
+            raise ValueError("gradpress state: stats must be a dict of 'total' and 'steps'")
+        tables = [("stats['total']", state["total"])]
+        for step, figures in state["steps"].items():
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0 \
+                    or not isinstance(figures, dict):
+                raise ValueError(f"gradpress state: stats['steps'] must map step numbers to figures, "
+                                 f"got {step!r}")
+            tables.append((f"stats['steps'][{step}]", figures))
+        for where, figures in tables:
+            for name, value in figures.items():
+                if name not in COUNTERS:
+                    raise ValueError(f"gradpress state: {where} names {name!r}, not one of "
+                                     f"{', '.join(COUNTERS)}")
+                if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                        or value < 0):
+                    raise ValueError(f"gradpress state: {where}[{name!r}] must be a finite number >= 0, "
+                                     f"got {value!r}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (checked by :meth:`check_state` first)."""
+        self.check_state(state)
+        with self._lock:
+            self._total = {**dict.fromkeys(COUNTERS, 0), **state["total"]}
+            self._steps = {step: {**dict.fromkeys(COUNTERS, 0), **figures}
+                           for step, figures in sorted(state["steps"].items())[-2:]}
 
 
 _SECONDS = ("compress_s", "decompress_s", "comm_s")
@@ -479,20 +521,47 @@ class Pipeline:
                  "master_spec": self.master.spec if self.master is not None else None,
                  "rank": self.rank, "world_size": self.world_size,
                  "shapes": {key: list(shape) for key, shape in self.shapes.items()}, "steps": dict(self.steps),
-                 "feedback": self.feedback.state_dict(), "compressor": self.compressor.state_dict()}
+                 "feedback": self.feedback.state_dict(), "compressor": self.compressor.state_dict(),
+                 "stats": self.stats.state_dict()}
         if self.master is not None:
             state["master"] = self.master.state_dict()
         return state
 
-    def load_state_dict(self, state: Any) -> None:
+    def shared_sections(self) -> dict[str, bool]:
+        """Which compressor states of :meth:`state_dict` every rank holds alike, so that they carry over to
+        another world size: those of a :attr:`~gradpress.core.compressor.Compressor.stateful_decode` method,
+        whose state is what its decode of the ranks' sum keeps (PowerSGD's warm starts). Another method's
+        state is its rank's own (DGC's momentum and velocity)."""
+        return {"compressor": self.compressor.stateful_decode,
+                "master": self.master is not None and self.master.stateful_decode}
+
+    def own_part(self, state: Any, on_world_size_change: str = "raise") -> dict[str, Any]:
+        """This rank's part of ``state`` (its own state, or its part of a gathered one). With
+        ``on_world_size_change="reset"``, a state saved at another world size becomes one of this world
+        (:func:`gradpress.exchange.state.resized`: the step counters, shapes, shared compressor state and this
+        rank's statistics kept, the error-feedback memory dropped), with a ``UserWarning`` saying what
+        was dropped; with ``"raise"`` (the default) it is refused when loaded."""
+        part = own_state(state, self.rank, self.world_size, on_world_size_change)
+        if on_world_size_change == "raise" or part["world_size"] == self.world_size:
+            return part
+        out, dropped, kept = resized(part, self.rank, self.world_size, self.shared_sections())
+        warn_resized(part["world_size"], self.world_size, dropped, kept)
+        return out
+
+    def load_state_dict(self, state: Any, on_world_size_change: str = "raise") -> None:
         """Restore :meth:`state_dict`, or this rank's part of a gathered one (:func:`gradpress.exchange.state.gathered`).
         Everything is checked before anything is loaded (:func:`gradpress.exchange.state.check`): a ``ValueError``
         names the key at fault (a state of another method, memory, rank or world size; a tensor of the
-        wrong shape or dtype, or holding NaN/Inf)."""
+        wrong shape or dtype, or holding NaN/Inf). ``on_world_size_change="reset"`` loads a state saved at
+        another world size with error feedback started afresh (:meth:`own_part`)."""
         expected = {"spec": self.compressor.spec, "feedback_spec": self.feedback.spec,
                     "master_spec": self.master.spec if self.master is not None else None,
                     "world_size": self.world_size, "rank": self.rank}
+        state = self.own_part(state, on_world_size_change)
         state = check(state, expected, {"compressor": self.compressor, "master": self.master})
+        stats = state.get("stats")  # (absent from a state saved before statistics were: they start from zero)
+        if stats is not None:
+            Stats.check_state(stats)
         self.steps = dict(state["steps"])
         self._agreed.clear()  # the next exchange agrees on the loaded steps
         self.shapes = shapes_of(state)
@@ -501,6 +570,7 @@ class Pipeline:
         self.compressor.load_state_dict(state["compressor"])
         if self.master is not None and "master" in state:
             self.master.load_state_dict(state["master"])
+        self.stats.load_state_dict(stats if stats is not None else Stats().state_dict())
 
 
 def _steps_text(keys: Sequence[str], steps: dict[str, int]) -> str:

@@ -4,7 +4,9 @@ GRACE's Section 5 question on one machine: for this model on this network, which
 Each compressor (or reference row) is trained with the same settings by :func:`gradpress.testbed.train.train`;
 the runs go to ``DIR/results.json`` and :func:`gradpress.testbed.report.write_report` writes
 ``DIR/report.md`` with the table and plots (quality against wall-clock and against data volume,
-throughput with the ``noop`` upper bound).
+throughput with the ``noop`` upper bound). ``DIR`` must be new or empty: a second run into it would
+leave a mix of both runs' files that its report does not describe; ``--overwrite`` removes an earlier
+run's files there (:data:`OUTPUTS`) when the new run starts, and leaves any other file alone.
 """
 from __future__ import annotations
 
@@ -26,6 +28,23 @@ DEMO_SET = ("none", "fp16", "topk:ratio=0.01", "qsgd", "natural", "thc", "powers
             "torch-powersgd", "noop")
 
 
+#: what a compare run writes into its directory: the report, its plots, the results and each run's record
+OUTPUTS = ("report.md", "results.json", "quality_vs_time.png", "quality_vs_bytes.png", "throughput.png",
+           "run-*.json")
+
+
+def check_out(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """``out_dir`` as a Path; ValueError if it holds anything and ``overwrite`` is not given."""
+    out = Path(out_dir)
+    if out.is_dir() and not overwrite:
+        held = sorted(path.name for path in out.iterdir())
+        if held:
+            listed = ", ".join(held[:4]) + (", …" if len(held) > 4 else "")
+            raise ValueError(f"--out {out} is not empty ({listed}): give a new directory, or --overwrite to "
+                             "replace an earlier compare run's files")
+    return out
+
+
 def available(specs: list[str]) -> tuple[list[str], list[str]]:
     """Split ``specs`` into those this installation can run and those it can't (unknown methods)."""
     import gradpress
@@ -45,15 +64,20 @@ def available(specs: list[str]) -> tuple[list[str], list[str]]:
 
 
 def compare(base: TrainConfig, specs: list[str], out_dir: str | Path, progress: bool = True,
-            say=print) -> tuple[Path, list[Run], dict[str, str]]:  # noqa: ANN001
+            say=print, overwrite: bool = False) -> tuple[Path, list[Run], dict[str, str]]:  # noqa: ANN001
     """Train ``base`` once per spec; returns the report's path, the runs, and the failures by spec.
 
     A spec that cannot run with ``base``'s options and workers (:func:`~gradpress.testbed.train.check_exchange`)
     fails before its workers start; every failure is reported with its reason, and
-    :class:`~gradpress.testbed.train.TrainFailed` names every reason if no run is left."""
+    :class:`~gradpress.testbed.train.TrainFailed` names every reason if no run is left. ``out_dir`` must
+    be new or empty (ValueError), unless ``overwrite``: an earlier run's :data:`OUTPUTS` there are removed."""
     if not specs:
         raise ValueError("no compressor to compare")
-    out = Path(out_dir)
+    out = check_out(out_dir, overwrite)
+    for pattern in OUTPUTS if out.is_dir() else ():
+        for path in out.glob(pattern):
+            if path.is_file():
+                path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     runs, failures = [], {}
     for spec in specs:
@@ -87,11 +111,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         default="demo",
                         help="comma-separated specs and references, or 'demo' for: " + ", ".join(DEMO_SET))
     parser.add_argument("--out", type=cli.output_dir, default="out/compare",
-                        help="directory for report.md, results.json and plots")
+                        help="directory for report.md, results.json, the plots and each run's record; it "
+                             "must be new or empty, so that it holds one run's files")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --out: an earlier compare run's files there are removed "
+                             "when this run starts (other files are left alone)")
     parser.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
+    try:
+        check_out(args.out, args.overwrite)
+    except ValueError as error:
+        raise cli.UsageError(str(error)) from None
     base = checked_config(args, "none")
     demo = args.compressors == "demo"
     specs, skipped = [], {}
@@ -108,7 +140,7 @@ def _main(args: argparse.Namespace) -> int:
     if not specs:
         raise cli.UsageError("--compressors demo: no method of the demo set can run here (see above)")
     try:
-        report, runs, failures = compare(base, specs, args.out)
+        report, runs, failures = compare(base, specs, args.out, overwrite=args.overwrite)
     except TrainFailed as error:
         print(f"{cli.PREFIX}{error}", file=sys.stderr)
         return 1

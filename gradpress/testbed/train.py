@@ -632,7 +632,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=cli.positive_int,
                         help="evaluate every this many steps (default: each epoch)")
     parser.add_argument("--option", type=cli.option, action="append", default=[], metavar="KEY=VALUE",
-                        help="gradpress runtime option (feedback, min_numel, warmup_steps, mode, master, ...)")
+                        help="gradpress runtime option (feedback, min_numel, warmup_steps, mode, master, "
+                             "...), each key once; the seed and timeout are --seed and --timeout")
     parser.add_argument("--timeout", type=cli.positive_float, default=300.0,
                         help="seconds before a stuck collective raises")
     parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads per worker")
@@ -646,13 +647,25 @@ def config_from_args(args: argparse.Namespace, compressor: str) -> TrainConfig:
                        options=parse_options(args.option), timeout=args.timeout, threads=args.threads)
 
 
-def parse_options(items: list[str]) -> dict[str, Any]:
-    """``["min_numel=1024", "exclude=net.0.*", "feedback=none"]`` -> typed runtime options."""
+#: the runtime options that ``train`` and ``compare`` take as flags of their own, not as ``--option``
+DEDICATED = {"seed": "--seed", "timeout": "--timeout"}
+
+
+def parse_options(items: list[str], dedicated: dict[str, str] | None = None) -> dict[str, Any]:
+    """``["min_numel=1024", "exclude=net.0.*", "feedback=none"]`` -> typed runtime options. A key given
+    twice, or one of ``dedicated`` (key -> the command's own flag for it; default :data:`DEDICATED`),
+    raises ValueError: neither value would be sure to be the one used."""
+    dedicated = DEDICATED if dedicated is None else dedicated
     options: dict[str, Any] = {}
     for item in items:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"--option {item!r}: expected KEY=VALUE")
+        if key in dedicated:
+            raise ValueError(f"--option {item}: give {dedicated[key]} instead (the command's own flag)")
+        if key in options:
+            first = next(i for i in items if i.partition("=")[0] == key)
+            raise ValueError(f"--option {key} is given twice ({first!r}, {item!r}); give it once")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -844,6 +857,8 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     try:
         worker(TrainConfig(**json.loads(payload)), int(rank_text), address_text, int(port_text),
                Path(result_text))
+    except KeyboardInterrupt:  # Ctrl-C reaches the workers too: the launcher says "interrupted", once
+        _exit(cli.INTERRUPTED)
     except Exception as error:
         _record_failure(Path(result_text), int(rank_text), error)  # the launcher's TrainFailed says why
         traceback.print_exc()

@@ -92,7 +92,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=cli.positive_float, help="learning rate (default: the model's)")
     p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--option", type=cli.option, action="append", default=[], metavar="KEY=VALUE",
-                   help="gradpress runtime option (feedback, min_numel, warmup_steps, ...)")
+                   help="gradpress runtime option (feedback, min_numel, warmup_steps, ...), each key once; "
+                        "the seed is --seed")
     p.add_argument("--json", type=cli.output_file, help="write the runs here")
     p.add_argument("--plot", type=cli.output_file, help="write a plot of final quality against n here (PNG)")
     p.set_defaults(func=_reporting_errors(_main_quality))
@@ -127,6 +128,8 @@ def _reporting_errors(main: Callable[[argparse.Namespace], int]) -> Callable[[ar
 def _main_nmse(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    most = max(args.workers)  # n + 1 float32 vectors (the signal and each worker's) and the float64 mean
+    cli.check_memory(f"--numel {args.numel} with {most} workers", ((most + 1) * 4 + 8) * args.numel)
     specs = split_specs(args.compressors)
     with Console(stderr=True).status("simulating") as status:
         points = nmse_vs_workers(specs, args.workers, args.numel, args.dist, args.trials, args.seed,
@@ -151,12 +154,15 @@ def _main_quality(args: argparse.Namespace) -> int:
     from gradpress.testbed.models import models
     from gradpress.testbed.train import parse_options
 
+    try:
+        options = parse_options(args.option, dedicated={"seed": "--seed"})
+    except ValueError as error:
+        raise cli.UsageError(str(error)) from None
     name = args.data or models.get(parse_spec(args.model)[0]).dataset
     try:
         dataset = datasets.load(name)
     except datasets.DataUnavailable as error:
         raise cli.UsageError(f"--data {name} is not available: {error}") from None
-    options = parse_options(args.option)
     _check_quality(args, dataset, options)
     points = []
     from rich.console import Console
