@@ -49,6 +49,12 @@ class UsageError(Exception):
     exit status 2, by :func:`main`."""
 
 
+def package_summary(package: str) -> str:
+    """The first paragraph of the docstring of ``package`` (a command's package, imported before the module
+    that builds the command's parser): the command's description."""
+    return (sys.modules[package].__doc__ or "").split("\n\n")[0]
+
+
 def one_line(message: object) -> str:
     """``message`` on one line: its non-empty lines joined by ``; ``."""
     return "; ".join(line.strip() for line in str(message).splitlines() if line.strip())

@@ -2,7 +2,6 @@
 workload they name, and the run that prints the advice."""
 from __future__ import annotations
 
-import sys
 import argparse
 import json
 import math
@@ -90,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("advise", help="which compressor pays off for a model on a network: profile, "
                                              "then the α–β model",
-                              description=_package_summary())
+                              description=cli.package_summary(__package__))
     p.add_argument("--model", type=_model, default="mlp-wide",
                    help="a testbed model spec (mlp-wide, resnet:width=32, …) or package.module:factory "
                         "returning an nn.Module (default mlp-wide)")
@@ -308,8 +307,3 @@ def _print_checks(console: Any, checks: list[Checked]) -> None:
     if scaled:
         console.print(f"top pick with noop's compute {scaled[0].spec}: measured rank "
                       f"{scaled[0].measured_rank} by samples/s")
-
-
-def _package_summary() -> str:
-    """The first paragraph of the docstring of this command's package (imported before this module)."""
-    return (sys.modules[__package__].__doc__ or "").split("\n\n")[0]

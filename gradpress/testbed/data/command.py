@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from gradpress.testbed.data.dataset import CACHE_ENV, DataUnavailable, cache_dir
 from gradpress.testbed.data.registry import DATASETS, dataset_names, fetch, load
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from gradpress.cli import package_summary
+
     parser = subparsers.add_parser("data", help="fetch and check the testbed's datasets (offline sources)",
-                                   description=_package_summary())
+                                   description=package_summary(__package__))
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"datasets (default: all of {', '.join(DATASETS)})")
     parser.add_argument("--no-install", action="store_true", help="only check: never run apt-get or pip")
@@ -36,8 +37,3 @@ def _run(args: argparse.Namespace) -> int:
             continue
         print(f"{name}: {where}\n  {data.summary()}")
     return 1 if failed else 0
-
-
-def _package_summary() -> str:
-    """The first paragraph of the docstring of this command's package (imported before this module)."""
-    return (sys.modules[__package__].__doc__ or "").split("\n\n")[0]

@@ -2,7 +2,6 @@
 their checks before anything runs, and what each prints and writes."""
 from __future__ import annotations
 
-import sys
 import argparse
 import json
 import math
@@ -62,7 +61,7 @@ def _latency(text: str) -> float | str:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     sim = subparsers.add_parser("sim", help="many simulated workers in one process; the α–β cost model",
-                                description=_package_summary())
+                                description=cli.package_summary(__package__))
     modes = sim.add_subparsers(dest="sim", required=True)
 
     p = modes.add_parser("nmse", help="NMSE of the aggregate against the number of workers (THC §8.4)")
@@ -257,8 +256,3 @@ def _prediction_dict(p: Prediction) -> dict[str, Any]:
     out = asdict(p)
     out["samples_per_s"] = p.samples_per_s
     return out
-
-
-def _package_summary() -> str:
-    """The first paragraph of the docstring of this command's package (imported before this module)."""
-    return (sys.modules[__package__].__doc__ or "").split("\n\n")[0]
