@@ -19,8 +19,7 @@ from gradpress.testbed.advise.check import Checked, check_against, render_checks
 from gradpress.testbed.advise.local import measure_local_steps
 from gradpress.testbed.advise.output import describe_profile, plot, render, summary_lines, to_json
 from gradpress.testbed.advise.quality import QUALITY_REFERENCE
-from gradpress.testbed.advise.workload import (Workload, factory_workload, is_factory, load_object,
-                                               testbed_workload, workload_of)
+from gradpress.testbed.advise.workload import Workload, is_factory, load_object, workload_of
 from gradpress.testbed.sim.common import wide_console
 from gradpress.testbed.sim.cost import load_results
 
