@@ -66,12 +66,13 @@ def test_uniform_codes_follow_the_documented_draw():
     assert torch.equal(unpack_bits(packet["codes"], 3, 1001).long(), expected)
 
 
-@pytest.mark.parametrize("spec", ["thc", "thc:partition=100", "thc_uniform"])
+@pytest.mark.parametrize("spec", ["thc", "thc:partition=100", "thc:partition=4", "thc_uniform"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("numba", [True, False], ids=["numba", "torch"])
 def test_nonfinite_input_with_finite_prepared_values_raises(spec, bad, numba):
     """checks_finite: the kernels see NaN/Inf in the values they quantize (THC: a NaN/Inf makes every
-    coordinate of its block NaN/Inf) even when the preliminary values were finite."""
+    coordinate of its block NaN/Inf) even when the preliminary values were finite, and a NaN's grid index
+    stays in the tables on every CPU (blocks of 16 and more, and the scalar blocks of 4)."""
     c = gradpress.make(spec)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
     prepared = c.prepare(x, Context(), 1).values

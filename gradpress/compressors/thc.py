@@ -204,7 +204,8 @@ def _affine(origin: float, width: float, top: int) -> tuple[np.float32, np.float
 def _quantize_numba(x, pre, origin, scale, top, gap, table, inv_gap, seed, codes):  # pragma: no cover
     zero = np.float32(0.0)
     for i in range(x.size):
-        a = min(max((x[i] * pre - origin) * scale, zero), top)
+        a = (x[i] * pre - origin) * scale
+        a = min(a if a > zero else zero, top)  # (NaN: 0, an index in range)
         z = gap[np.int64(a)]
         up = np.float32(mix32(i, seed) >> np.uint32(8)) < (a - table[z]) * inv_gap[z]
         codes[i] = np.uint8(z + up)
@@ -423,7 +424,8 @@ def _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work
             _load_signed(x, first, count, n, key, tiny, u(0))
             _stages(tiny, u(0), n, s)
             for i in range(n):
-                a = min(max((tiny[i] * pre - origin) * qscale, np.float32(0.0)), top)
+                a = (tiny[i] * pre - origin) * qscale
+                a = min(a if a > np.float32(0.0) else np.float32(0.0), top)  # (NaN: 0, an index in range)
                 z = np.int64(a)
                 up = np.float32(mix32(start + i, seed) >> np.uint32(8)) < (a - point_low[z]) * point_inv[z]
                 _or_code(codes, start + i, bits, point_gap[z] + up)

@@ -312,13 +312,14 @@ shl = _binary("shl", None, "shl")
 
 @intrinsic
 def clamp(typingctx, v, low, high):  # pragma: no cover - compiled
-    """min(max(v, low), high) for non-NaN lanes (as ``torch.clamp`` and numba's min/max)."""
+    """min(max(v, low), high), with NaN lanes set to ``low``: an index computed from the result is in
+    range whatever the input held (callers that must see NaN/Inf test the unclamped values)."""
     if not (v == low == high == vf32):
         return None
 
     def codegen(context, builder, sig, args):
         x, lo, hi = args
-        x = builder.select(builder.fcmp_ordered("<", x, lo), lo, x)
+        x = builder.select(builder.fcmp_unordered("<", x, lo), lo, x)
         return builder.select(builder.fcmp_ordered(">", x, hi), hi, x)
 
     return vf32(v, low, high), codegen
@@ -771,9 +772,10 @@ def select(typingctx, mask, a, b):  # pragma: no cover - compiled
 
 @intrinsic
 def permute32(typingctx, low, high, index):  # pragma: no cover - compiled
-    """Lane l: entry index[l] (< 32) of the 32-entry table held in two vectors (``low``: entries 0-15,
-    ``high``: 16-31), of either kind: one AVX-512 ``vpermi2ps`` where the CPU has it, else a gather from
-    a copy on the stack. Load the table once, outside the loop (:func:`load`)."""
+    """Lane l: entry index[l] mod 32 of the 32-entry table held in two vectors (``low``: entries 0-15,
+    ``high``: 16-31), of either kind: one AVX-512 ``vpermi2ps`` where the CPU has it (which reads the
+    index's low five bits), else a gather from a copy on the stack at the index's low five bits (so no
+    index reads outside the copy). Load the table once, outside the loop (:func:`load`)."""
     if not (isinstance(low, Vec) and low == high and index == vi32):
         return None
 
@@ -789,8 +791,9 @@ def permute32(typingctx, low, high, index):  # pragma: no cover - compiled
             builder.store(builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 2 * LANES),
                                                                      list(range(2 * LANES)))), table)
             base = builder.bitcast(table, ir.FloatType().as_pointer())
+            index = builder.and_(args[2], ir.Constant(_I, [2 * LANES - 1] * LANES))
             address = builder.add(_splat(builder, builder.ptrtoint(base, _i64), _Q),
-                                  builder.mul(builder.zext(args[2], _Q), ir.Constant(_Q, [4] * LANES)))
+                                  builder.mul(builder.zext(index, _Q), ir.Constant(_Q, [4] * LANES)))
             pointers = builder.inttoptr(address, ir.VectorType(ir.FloatType().as_pointer(), LANES))
             gather_ = _intrinsic_function(builder, "llvm.masked.gather.v16f32.v16p0", _F,
                                           [pointers.type, _i32, _M, _F])
