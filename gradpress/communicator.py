@@ -63,7 +63,6 @@ class Communicator:
         compressor = build(spec) if auto is None else None  # a bad spec raises before any collective
         executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout), process_group)
         self.rank, self.world_size = executor.rank, executor.world_size
-        self._group = executor.group
         self._pipeline: Pipeline | AutoPipeline
         if auto is not None:  # a pipeline per chosen method (gradpress.auto)
             self._pipeline = AutoPipeline(auto, self.options, self.rank, self.world_size)
@@ -131,7 +130,7 @@ class Communicator:
         state (warm starts). ``gathered=True`` (collective): every rank's state in one dict, for a
         checkpoint written by one rank; each rank loads its own part of it."""
         state = self._pipeline.state_dict()
-        return _gathered(gather_objects(state, self._group)) if gathered else state
+        return _gathered(gather_objects(state, self._driver.executor.group)) if gathered else state
 
     def load_state_dict(self, state: dict[str, Any], on_world_size_change: str = "raise") -> None:
         """Restore :meth:`state_dict` (this rank's, or a gathered one); ``ValueError`` if it is another

@@ -43,7 +43,7 @@ from gradpress.core.compressor import Compressor
 from gradpress.exchange.driver import Driver, failed_future
 from gradpress.exchange.pipeline import Options, Pipeline, Stats, build, describe, flat_stats
 from gradpress.exchange.state import check_world_size_change, gathered, own_state, shapes_of
-from gradpress.exchange.distributed import ProcessGroupExecutor, gather_objects, rank_and_size
+from gradpress.exchange.distributed import ProcessGroupExecutor, chain, gather_objects, rank_and_size
 from gradpress.exchange.distributed import process_group as resolve_group
 
 
@@ -185,8 +185,8 @@ class GradpressState:
             future = driver.start(groups[0].protocol, groups[0].step, devices, then=lambda one: assemble([one]))
         else:
             started = [driver.start(g.protocol, g.step, devices) for g in groups]
-            future = torch.futures.collect_all(started).then(  # (driver.wait: a failure as gradpress raised it)
-                lambda done: assemble([driver.wait(f) for f in done.value()]))
+            future = chain(torch.futures.collect_all(started),  # (driver.wait: a failure as gradpress raised it)
+                           lambda done: assemble([driver.wait(f) for f in done.value()]))
         if bucket.is_last():
             driver.advance()
         return future

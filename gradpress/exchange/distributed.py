@@ -7,10 +7,27 @@ the group gradpress talks on (a new one with its own timeout when asked), :func:
 Everything else in the library builds protocols and never touches a process group, so
 ``gradpress.simulate`` can run them in one process. Drivers outside the library (the testbed's
 training loop, the benchmarks) set up their own process groups.
+
+Leaving the interpreter: a callback on a collective's future runs on the backend's thread (Gloo's
+worker threads), and that thread takes the GIL again after the thread waiting on the future has woken
+(to return from ``set_result``, to let go of the callback and of the future's value). A script that
+returns right after its last step lets the interpreter finalize meanwhile, and CPython ends a thread
+that asks for the GIL then (``pthread_exit``) inside a C++ destructor: "terminate called without an
+active exception", SIGABRT. So every callback gradpress hands to a backend goes through :func:`chain`,
+which counts it until the backend lets it go and keeps what it reaches (the round's works, their
+tensors, the future of its result) referenced from Python; at exit gradpress waits, the GIL released,
+until the backends have let every callback of its go, then destroys the groups it made
+(:func:`process_group`), newest first. The same loop with PyTorch's own comm hook still leaves that
+race to chance; ``torch.distributed.destroy_process_group()`` at the end of a script, as PyTorch
+documents, is still what ends the backends' own work.
 """
 from __future__ import annotations
 
+import atexit
+import functools
+import os
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -54,8 +71,8 @@ class Handle:
             return then(self._finish())
 
         if len(self._works) == 1:
-            return self._works[0].get_future().then(finish)
-        return torch.futures.collect_all([w.get_future() for w in self._works]).then(finish)
+            return chain(self._works[0].get_future(), finish, keep=self)
+        return chain(torch.futures.collect_all([w.get_future() for w in self._works]), finish, keep=self)
 
     def _finish(self) -> list:
         results = self._results()
@@ -89,10 +106,13 @@ class ProcessGroupExecutor:
             options.reduceOp, options.asyncOp = op, True
             self._allreduce_options[name] = options
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        _EXIT.adopt(self)
 
     def issue(self, round_: Round, sent: Callable[[int, int], None], done: Callable[[float], None]) -> Handle:
         """Start every collective of ``round_`` in order; ``sent(bytes_sent, bytes_received)`` is called
         per collective, ``done(seconds)`` when the round completes."""
+        if self.group is _CLOSED:
+            raise RuntimeError("gradpress: the interpreter is exiting; gradpress destroyed its process group")
         works, builders = [], []
         group = self.given if round_.long_wait else self.group
         for request in round_.requests:
@@ -176,5 +196,140 @@ def process_group(group: Any = None, timeout: float | timedelta | None = None) -
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return dist.new_group(ranks=ranks, timeout=timeout, backend=dist.get_backend(group),
+    made = dist.new_group(ranks=ranks, timeout=timeout, backend=dist.get_backend(group),
                           use_local_synchronization=True)
+    _EXIT.made(made)
+    return made
+
+
+# -- leaving the interpreter (see the module docstring) ------------------------------------------------
+EXIT_WAIT_S = 10.0
+"""At exit, how long gradpress waits for the backends to let its callbacks go (a collective still in
+flight, a peer stuck or gone) before it leaves the rest to PyTorch; a healthy job waits microseconds."""
+
+
+class _Closed:
+    """The group of an executor whose group gradpress destroyed at exit."""
+
+    def __repr__(self) -> str:
+        return "<gradpress: process group destroyed at exit>"
+
+
+_CLOSED: Any = _Closed()
+
+
+def chain(future: torch.futures.Future, callback: Callable[[torch.futures.Future], Any],
+          keep: Any = None) -> torch.futures.Future:
+    """``future.then(callback)``, ``callback`` (run by the backend thread that completes ``future``)
+    counted until the backend lets it go, and ``keep`` (what it reaches: a :class:`Handle`, its works
+    and tensors), ``future`` and the returned future referenced until then, so that the backend's thread
+    never holds their last reference: it would need the GIL to release them."""
+    return _EXIT.chain(future, callback, keep)
+
+
+_THEN = torch._C.Future.then
+
+
+class _Counted(functools.partial):
+    """A callback handed to a backend: it tells :class:`_Exit` when the backend lets it go. A partial,
+    called from C, is in no frame of a traceback (a Python function would be, and an error of the
+    callback, kept by the driver, would keep it alive)."""
+
+    __slots__ = ()
+    registry: _Exit
+
+    def __del__(self) -> None:
+        self.registry.gone(id(self))
+
+
+class _Exit:
+    """The callbacks gradpress has handed to backend threads and the groups it made, for a clean exit.
+    (Without a lock: each change is one operation on a dict or list, whole under the GIL.)"""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, list] = {}  # id(callback) -> [keep, the future, the next]: not let go yet
+        self.let_go: list[list] = []  # what callbacks let go reached, dropped by the next chain()
+        self.groups: list[tuple[Any, weakref.WeakSet]] = []  # made groups and their executors, oldest first
+        self._registered = False
+        self._parents: list = []  # in a forked child, its parent's (never touched: see forked)
+
+    def _register(self) -> None:
+        if not self._registered:
+            self._registered = True
+            atexit.register(self.exit)
+
+    def chain(self, future: torch.futures.Future, callback: Callable[[torch.futures.Future], Any],
+              keep: Any) -> torch.futures.Future:
+        if not self._registered:
+            self._register()
+        run = _Counted(callback)
+        entry = [keep, future, None]
+        self.pending[id(run)] = entry
+        if self.let_go:
+            self.let_go = []  # dropped here, on a Python thread
+        # a future complete already runs ``run`` here; an error it raises keeps its frame and so its
+        # callers' frames with their locals: ``run`` goes to the C method (torch's ``Future.then`` would
+        # hold it in a local) and leaves this frame
+        entry[2] = _THEN(future, run)
+        del run
+        return entry[2]
+
+    def gone(self, key: int) -> None:
+        """A backend let a callback go (on its thread, holding the GIL): what it reached is kept a while."""
+        entry = self.pending.pop(key, None)
+        if entry is not None:
+            self.let_go.append(entry)
+
+    def forked(self) -> None:
+        """In a child forked from this process: the parent's callbacks and groups are not the child's to
+        wait for or destroy (their backend threads did not fork), nor to release (their locks may be held)."""
+        self._parents.append((self.pending, self.let_go, self.groups))
+        self.pending, self.let_go, self.groups = {}, [], []
+
+    def made(self, group: Any) -> None:
+        """``group`` was made by gradpress: destroyed at exit."""
+        self._register()
+        self.groups.append((group, weakref.WeakSet()))
+
+    def adopt(self, executor: ProcessGroupExecutor) -> None:
+        for group, executors in self.groups:
+            if group is executor.group:
+                executors.add(executor)
+
+    def settle(self, timeout: float) -> bool:
+        """Wait, the GIL released, until the backends have let every callback go; whether they have."""
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return not self.pending
+
+    def exit(self) -> None:
+        """At exit: settle, then destroy the groups gradpress made (a collective still in flight on one
+        would hold up its destruction: they are left to PyTorch then). What the callbacks reached stays
+        referenced until the interpreter's own teardown."""
+        if self.settle(EXIT_WAIT_S):
+            self.destroy_groups()
+
+    def destroy_groups(self) -> None:
+        """Destroy the groups gradpress made, newest first (the same order on every rank), and close the
+        executors on them."""
+        import torch.distributed as dist
+
+        groups, self.groups = self.groups, []
+        for group, executors in reversed(groups):
+            for executor in list(executors):
+                executor.group = _CLOSED
+                if executor.given is group:
+                    executor.given = _CLOSED
+            if dist.is_available() and dist.is_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except ValueError:  # destroyed already (with the default group)
+                    pass
+        del groups  # the groups' last references: their backends' threads end here
+
+
+_EXIT = _Exit()
+_Counted.registry = _EXIT
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_EXIT.forked)
