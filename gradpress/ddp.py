@@ -379,7 +379,8 @@ def _not_ddp(model: Any) -> str:
     if _is_fsdp(model):
         return (f"gradpress.register hooks DistributedDataParallel, got {name}: FSDP is not supported by "
                 "register (FSDP reduce-scatters each rank's shard of the gradients, and its comm hooks "
-                "take another form than DDP's); a sharded path is planned as gradpress.fsdp")
+                "take another form than DDP's); use gradpress.fsdp.register(model, spec, mesh=mesh) on a "
+                "model sharded with torch.distributed.fsdp.fully_shard (FSDP2, HSDP included)")
     hint = " (wrap it first: DistributedDataParallel(model))" if isinstance(model, torch.nn.Module) else ""
     return f"gradpress.register: expected a torch.nn.parallel.DistributedDataParallel, got {name}{hint}"
 
@@ -513,7 +514,8 @@ def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> Gradpres
     * ``on_world_size_change`` (default ``"raise"``): ``"reset"`` loads a state of another world size
       with the error-feedback memory started afresh (:class:`GradpressState`).
 
-    FSDP's ``FullyShardedDataParallel`` and ``fully_shard`` modules raise ``TypeError``.
+    FSDP's ``FullyShardedDataParallel`` and ``fully_shard`` modules raise ``TypeError`` (a model sharded
+    with ``fully_shard``: :func:`gradpress.fsdp.register`).
 
     The options are those of :class:`gradpress.exchange.pipeline.Options` and, for ``"auto"``,
     :class:`gradpress.auto.AutoOptions`.

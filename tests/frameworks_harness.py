@@ -152,7 +152,10 @@ def result(run: dict[str, Any], job: str) -> list[Any]:
 def _parameters(model: Any) -> dict[str, torch.Tensor]:
     for _ in range(3):
         model = getattr(model, "module", None) or getattr(model, "_orig_mod", None) or model
-    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    def local(p: torch.Tensor) -> torch.Tensor:  # (FSDP's DTensors: this rank's part)
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    return {name: local(p.detach()).cpu().clone() for name, p in model.named_parameters()}
 
 
 def _sent_bytes(obj: Any) -> int:

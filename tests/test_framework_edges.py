@@ -273,7 +273,7 @@ def test_register_refuses_fsdp_and_elastic_resume_in_two_processes(tmp_path):
     for rank, found in enumerate(results):
         for kind in ("fsdp1", "fsdp2"):
             assert "FSDP is not supported by register" in found[kind], found[kind]
-            assert "gradpress.fsdp" in found[kind]
+            assert "use gradpress.fsdp.register(model, spec, mesh=mesh)" in found[kind], found[kind]
         assert "expected a torch.nn.parallel.DistributedDataParallel, got Sequential" in found["plain"]
         assert found["after"] == found["before"] and found["after"]["total"]["raw_bytes"] > 0
         assert "a gathered state of 4 ranks cannot load into a world of 2" in found["default"]

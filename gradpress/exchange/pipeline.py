@@ -343,12 +343,13 @@ class Pipeline:
         step = max((self.steps.get(key, 0) for key, _ in items), default=0)
         return Group(list(range(len(items))), agree(parts, self.world_size, device), step)
 
-    def compresses(self, key: str, tensor: torch.Tensor) -> bool:
-        """Whether ``key``'s next step is compressed (not excluded, not too small, past warm-up)."""
+    def compresses(self, key: str, tensor: torch.Tensor, name: str | None = None) -> bool:
+        """Whether ``key``'s next step is compressed (not excluded, not too small, past warm-up).
+        ``name``: what ``exclude`` matches, where it is not the key (a row of a reduce-scatter)."""
         o = self.options
         if tensor.numel() < o.min_numel or self.steps.get(key, 0) < o.warmup_steps:
             return False
-        return not any(fnmatch.fnmatchcase(key, pattern) for pattern in o.exclude)
+        return not any(fnmatch.fnmatchcase(key if name is None else name, pattern) for pattern in o.exclude)
 
     def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None,
                writable: bool = False) -> list[Group]:
@@ -392,6 +393,43 @@ class Pipeline:
                 groups.append(Group(members, protocol, step, flat))
         return groups
 
+    def scatter_groups(self, rows: Sequence[Sequence[tuple[str, torch.Tensor]]],
+                       names: Sequence[str]) -> list[Group]:
+        """The protocols of a compressed reduce-scatter: ``rows[j]`` holds the items (key, tensor) whose
+        average rank j receives (the same shapes and dtypes in every row, the i-th item of each row
+        being the part of ``names[i]`` that rank j keeps; its key names the row, e.g. ``"w[j]"``, so that
+        each row has its own feedback memory, step counter and random streams). Each rank compresses
+        every row, as it would for an all-reduce (the preliminary exchange, if any, combines every
+        row's values on every rank); the rows' summands then meet in one reduce-scatter
+        (:meth:`gradpress.exchange.strategy.Strategy.reduce_scatter`) and each rank decodes its own
+        row only. Each group's protocol returns the averages of this rank's row for its members
+        (positions in a row); ``exclude`` matches ``names``. The rows may be overwritten."""
+        n = self.world_size
+        if len(rows) != n or len({len(row) for row in rows}) != 1 or len(rows[0]) != len(names):
+            raise ValueError(f"a reduce-scatter takes {n} rows of {len(names)} items, one row per rank")
+        items = [item for row in rows for item in row]
+        keys = [key for key, _ in items]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"duplicate keys in one exchange: "
+                             f"{sorted(k for k in set(keys) if keys.count(k) > 1)}")
+        for key, tensor in items:
+            if key not in self.shapes or self._expected_shapes:
+                self._record_shape(key, tuple(tensor.shape))
+        flags = [self.compresses(key, tensor, name) for (key, tensor), name in zip(rows[0], names)]
+        steps = [self.steps.get(key, 0) for key in keys]
+        for key, step in zip(keys, steps):
+            self.steps[key] = step + 1
+        groups = []
+        for compressed in (True, False):
+            members = [i for i, flag in enumerate(flags) if flag == compressed]
+            if members:
+                positions = [j * len(names) + i for j in range(n) for i in members]
+                chosen_steps = [steps[p] for p in positions]
+                protocol = self._protocol([items[p] for p in positions], chosen_steps, compressed, True,
+                                          scatter=True)
+                groups.append(Group(members, protocol, max(chosen_steps)))
+        return groups
+
     def flat_allreduce(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor) -> FlatAllReduce | None:
         """The plan of ``items``' exchange where it is, every step, one in-place all-reduce of the whole
         ``bucket`` divided by n (``none``, summed by a single all-reduce: two workers, or more without
@@ -430,10 +468,11 @@ class Pipeline:
         return adjacent(tensors, {flat.untyped_storage().data_ptr()})
 
     def _protocol(self, items, steps, compressed: bool, writable: bool,
-                  members: Sequence[str] | None = None) -> Protocol:
+                  members: Sequence[str] | None = None, scatter: bool = False) -> Protocol:
         """GRACE Algorithm 1 lines 4-14 for a group of tensors, THC's preliminary stage included.
         ``members``: the keys of the tensors one flat item stands for (see :meth:`_as_one`), which
-        errors name.
+        errors name. ``scatter``: the items are n rows, row j averaged at rank j only (see
+        :meth:`scatter_groups`).
 
         A gradient holding NaN/Inf does not end this rank's part: its input becomes zeros, its feedback
         memory is left as it was, and the exchange carries the rank's fault flag in-band, so every
@@ -499,8 +538,10 @@ class Pipeline:
             stats.add(step, compress_s=time.perf_counter() - start,
                       raw_bytes=sum(g.numel() * g.element_size() for g in grads),
                       packet_bytes=sum(p.nbytes for p in packets))
-            return (yield from strategy.exchange(packets, ctxs, grads if writable else None,
-                                                 lambda: stats.timer(step, "decompress_s"),
+            timer = lambda: stats.timer(step, "decompress_s")
+            if scatter:
+                return (yield from strategy.reduce_scatter(packets, timer, None if carried else faulty))
+            return (yield from strategy.exchange(packets, ctxs, grads if writable else None, timer,
                                                  None if carried else faulty))
         except Exception as error:  # the step never happened: the memory goes back to before it
             if before is not None:

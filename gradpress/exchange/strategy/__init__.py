@@ -180,6 +180,21 @@ class Strategy:
             return (yield from server.sum_at_server(self, packets, ctxs, timer, faulty))
         return (yield from server.gather_at_server(self, packets, ctxs, timer, faulty))
 
+    def reduce_scatter(self, packets: Sequence[Packet], timer: Timer = nullcontext,
+                       faulty: bool | None = False) -> Protocol:
+        """The averages of this rank's row, where ``packets`` are n rows of equally many packets, row j
+        the ones rank j decodes (each row's packets of the same structure): the rows' summands meet in
+        one reduce-scatter and each rank decodes its own row
+        (:func:`gradpress.exchange.strategy.allreduce.reduce_scatter`). Summable methods in
+        ``collective`` mode only; ``faulty`` as in :meth:`exchange`."""
+        if self.mode != "collective" or not self.compressor.summable:
+            raise ValueError(f"a compressed reduce-scatter adds the packets' summands: it needs a summable "
+                             f"method in mode 'collective', not {self.compressor.spec} in mode {self.mode!r}")
+        if all(p.numel == 0 for p in packets):
+            m = len(packets) // self.world_size
+            return [self.compressor.decompress(p) for p in packets[self.rank * m:(self.rank + 1) * m]]
+        return (yield from allreduce.reduce_scatter(self, packets, timer, faulty))
+
     def summands(self, packet: Packet) -> list[torch.Tensor]:
         """The packet's summands, integers widened so that n of them add without wrapping."""
         summands = self.compressor.summands(packet)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from gradpress.core.packet import concat
-from gradpress.exchange.protocol import Protocol, flag_slots, flagged_ranks, parallel, raise_flagged, reduce_tensor
+from gradpress.exchange.protocol import (Protocol, ReduceScatter, flag_slots, flagged_ranks, parallel,
+                                         raise_flagged, reduce_tensor, single)
 from gradpress.exchange.strategy.common import by_dtype, unflatten
 
 if TYPE_CHECKING:
@@ -54,6 +55,43 @@ def exchange(s: Strategy, packets, outputs, writable, timer, faulty) -> Protocol
         return [s.compressor.decode_sum(p, summed, s.world_size, out) if out is not None
                 else s.compressor.decode_sum(p, summed, s.world_size)
                 for p, summed, out in zip(packets, per_item, outputs)]
+
+
+def reduce_scatter(s: Strategy, packets, timer, faulty) -> Protocol:
+    """The reduce-scatter of summable packets (a sharded model's gradient reduction, as FSDP's): n rows
+    of packets, row j to be averaged at rank j. Each row's summands are grouped by dtype as for the
+    all-reduce (the rows alike), the rows stacked into one (n, length) buffer per dtype and
+    reduce-scattered (summed in rank order, bit-reproducible); rank r decodes row r with its own packets
+    of that row (GRACE Algorithm 1 line 9 on one shard). The fault flag rides in every row: a NaN at
+    position r of each row of the first float buffer of n values or more, else n flag slots after each
+    row of the first buffer, so that every rank reads every rank's flag."""
+    n, rank = s.world_size, s.rank
+    m = len(packets) // n
+    summands = [s.summands(p) for p in packets]
+    mine = packets[rank * m:(rank + 1) * m]
+    own = summands[rank * m:(rank + 1) * m]
+    members = by_dtype(own)
+    stacks = [torch.cat([summands[j * m + i][k].reshape(-1) for j in range(n) for i, k in group]).view(n, -1)
+              for group in members]
+    carrier = next((g for g, t in enumerate(stacks) if t.is_floating_point() and t.shape[1] >= n), None)
+    if faulty is None:
+        pass
+    elif carrier is None:
+        slots = flag_slots(faulty, rank, n, "sum", stacks[0])
+        stacks[0] = torch.cat([stacks[0], slots.expand(n, n)], dim=1)
+    elif faulty:
+        stacks[carrier][:, rank] = math.nan
+    sums = yield from parallel([single(ReduceScatter(t), final=True) for t in stacks])
+    if faulty is None:
+        pass
+    elif carrier is None:
+        raise_flagged(flagged_ranks(sums[0][-n:]))
+        sums[0] = sums[0][:-n]
+    else:
+        raise_flagged(flagged_ranks(sums[carrier][:n], "nan"))
+    per_item = unflatten(sums, members, own)
+    with timer():
+        return [s.compressor.decode_sum(p, summed, n) for p, summed in zip(mine, per_item)]
 
 
 @functools.cache
