@@ -19,12 +19,14 @@ program itself still end in a traceback.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import importlib.util
 import math
 import re
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -60,12 +62,68 @@ def one_line(message: object) -> str:
     return "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
 
 
+_ROLE = re.compile(r":[a-z]+:`~?(?:[\w.]*\.)?([^`<]+?)(?: <[^>]+>)?`")  # :func:`gradpress.simulate`
+
+
+def plain(text: str) -> str:
+    """Docstring markup as a terminal shows it: ``x`` and :func:`a.b.x` (``~`` included) become x."""
+    return _ROLE.sub(r"\1", text).replace("``", "")
+
+
+_DEFAULT_ONLY = "\0"  # the help of an option that has none but a default to show
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help without reStructuredText markup, descriptions kept in their paragraphs (each filled
+    to the terminal's width), and each option's default where it has one that its help does not already
+    give (``(default: 2)``)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = (" ".join(paragraph.split()) for paragraph in plain(text).split("\n\n"))
+        return "\n\n".join(textwrap.fill(paragraph, width, initial_indent=indent, subsequent_indent=indent)
+                           for paragraph in paragraphs if paragraph)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and _shows_default(action):  # (argparse prints no help line without help)
+            action = copy.copy(action)
+            action.help = _DEFAULT_ONLY
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = "" if action.help == _DEFAULT_ONLY else plain(action.help or "").strip()
+        if _shows_default(action) and "default" not in text:
+            default = action.default
+            shown = ",".join(map(str, default)) if isinstance(default, list) else default
+            text = f"{text} (default: {str(shown).replace('%', '%%')})".strip()
+        return text
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    """Whether the help gives ``action``'s default: an option that takes a value and has one."""
+    default = action.default
+    unset = default is None or default is False or default is argparse.SUPPRESS or default == []
+    return not unset and bool(action.option_strings) and action.nargs != 0
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse's parser answering usage errors in one line, ``gradpress: error: MESSAGE``, exit status 2
-    (subparsers are made of the same class)."""
+    """argparse's parser answering usage errors in one line, ``gradpress: error: MESSAGE``, exit status 2,
+    a mistyped choice with the closest one (subparsers are made of the same class), help through
+    :class:`HelpFormatter`."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, PREFIX + one_line(message) + "\n")
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if action.choices is not None and value not in action.choices:
+            from gradpress.core.registry import did_you_mean
+
+            choices = [str(choice) for choice in action.choices]
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{did_you_mean(str(value), choices)}"
+                                                 f" (choose from {', '.join(map(repr, choices))})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,9 +188,10 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     that failed (:func:`allocation_failure`); Ctrl-C becomes ``interrupted`` and status 130."""
     try:
         args, unknown = parser.parse_known_args(argv)
-        missing = None if args.command in LIBRARY_COMMANDS else _missing_testbed_library()
+        command = getattr(args, "command", None)  # (None: a parser without subcommands)
+        missing = None if command in LIBRARY_COMMANDS else _missing_testbed_library()
         if getattr(args, "unavailable", None) or missing is not None:
-            print(PREFIX + (getattr(args, "unavailable", None) or _needs_testbed(args.command, missing)),
+            print(PREFIX + (getattr(args, "unavailable", None) or _needs_testbed(command, missing)),
                   file=sys.stderr)
             return 2
         if unknown:
@@ -355,29 +414,52 @@ def compressor_or_reference(text: str) -> str:
     return text
 
 
-def compressor_list(references: bool = False, keywords: tuple[str, ...] = (), separator: str = ",",
-                    ) -> Callable[[str], str]:
-    """A converter of a list of specs (``separator``-separated; with ``,`` a spec's own parameters continue
-    it, :func:`gradpress.core.registry.split_specs`), each checked; a keyword (``all``, ``demo``) is taken
-    as it is. Returns the text as written."""
+def all_methods() -> list[str]:
+    """Every registered method at its defaults (the ``all`` of a ``--compressors`` list)."""
+    import gradpress
 
-    def convert(text: str) -> str:
-        if text.strip() in keywords:
-            return text.strip()
-        if separator == ",":
-            from gradpress.core.registry import split_specs
+    return gradpress.compressor_names()
 
-            try:
-                specs = split_specs(text)
-            except ValueError as error:
-                raise argparse.ArgumentTypeError(str(error)) from None
-        else:
-            specs = [piece.strip() for piece in text.split(separator) if piece.strip()]
+
+class Specs(list):
+    """The specs of a ``--compressors`` list, expanded and in order, each once; ``expanded``: those that
+    came from a keyword (``demo``, ``all``) rather than being named."""
+
+    def __init__(self, specs: list[str], expanded: set[str]) -> None:
+        super().__init__(specs)
+        self.expanded = expanded
+
+
+def compressor_list(references: bool = False,
+                    keywords: dict[str, Callable[[], list[str]]] | None = None) -> Callable[[str], Specs]:
+    """A converter of a comma-separated list of specs, the one rule of every command's lists: spaces
+    around the commas do not matter (``"topk, qsgd"`` is ``"topk,qsgd"``), a spec's own parameters
+    continue it (:func:`gradpress.core.registry.split_specs`), and a keyword (``demo``, ``all``) stands
+    for its specs, alone or beside others (``demo,topk:ratio=0.1``). Each spec is checked; returns the
+    :class:`Specs`."""
+    keywords = keywords or {}
+
+    def convert(text: str) -> Specs:
+        from gradpress.core.registry import split_specs
+
+        try:
+            pieces = split_specs(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        specs: list[str] = []
+        expanded: set[str] = set()
+        for piece in pieces:
+            if piece in keywords:
+                members = keywords[piece]()
+                expanded.update(spec for spec in members if spec not in specs)
+            else:
+                _check_spec(piece, references)
+                expanded.discard(piece)
+                members = [piece]
+            specs += [spec for spec in members if spec not in specs]
         if not specs:
             raise argparse.ArgumentTypeError(f"expected at least one compressor spec, got {text!r}")
-        for spec in specs:
-            _check_spec(spec, references)
-        return text
+        return Specs(specs, expanded)
 
     convert.__name__ = "specs"
     return convert

@@ -140,7 +140,7 @@ BAD = [
     ("bench sketch --workers 2,x", "argument --workers: '2,x'"),
     ("bench sketch --lam -1", "argument --lam"),
     ("bench thc --p 0", "argument --p: expected a positive finite number"),
-    ("bench thc --specs thc;bogus", "argument --specs: bogus: unknown compressor"),
+    ("bench thc --specs thc,bogus", "argument --specs: bogus: unknown compressor"),
     ("bench powersgd --start 1", "argument --start: expected an integer >= 2"),
     ("bench powersgd --matrix 10xabc", "argument --matrix: expected ROWSxCOLS"),
     ("bench powersgd --model bogus", "unknown model 'bogus'"),
@@ -172,7 +172,7 @@ BAD_TOGETHER = [
     ("bench powersgd --start 10 --steps 5", "--start 10: no compressed step in --steps 5"),
     ("bench powersgd --dataset synthetic --model ncf", "--model ncf: model 'ncf' is for recommendation data"),
     ("sim cost --results nonexistent", "sim cost: nonexistent: no such file or directory"),
-    ("data no-such-data", "unknown dataset no-such-data; known: fashion-mnist"),
+    ("data no-such-data", "unknown dataset 'no-such-data'; known: fashion-mnist"),
     # sizes no machine holds: refused before anything is allocated
     ("sim nmse --numel 2^40", "--numel 1099511627776 with 1024 workers: needs at least 4.0 PiB of memory; "),
     ("bench ops --sizes 2^62", "--sizes 4611686018427387904: needs at least 48.0 EiB of memory"),

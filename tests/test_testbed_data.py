@@ -309,7 +309,7 @@ def test_cli_reports_missing_data(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"cache: {tmp_path}" in out and "movielens-100k: NOT AVAILABLE" in out
     assert cli_main(["data", "no-such-data"]) == 2
-    assert "unknown dataset no-such-data" in capsys.readouterr().err
+    assert "unknown dataset 'no-such-data'" in capsys.readouterr().err
 
 
 def test_load_unknown_name():

@@ -65,8 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_bench(bench_subparsers: argparse._SubParsersAction, name: str, help: str, doc: str | None,
               add_arguments: Callable[[argparse.ArgumentParser], None], main: Main) -> None:
     """``gradpress bench NAME``: a subparser described by the module's ``doc``, its arguments, its ``main``."""
-    parser = bench_subparsers.add_parser(name, help=help, description=doc,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_subparsers.add_parser(name, help=help, description=doc)
     add_arguments(parser)
     parser.set_defaults(func=main)
 
@@ -74,7 +73,7 @@ def add_bench(bench_subparsers: argparse._SubParsersAction, name: str, help: str
 def run_as_script(doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None], main: Main) -> None:
     """``python -m gradpress.bench.MODULE …``: the same arguments as its ``gradpress bench`` subcommand,
     and the same one-line answers to bad ones (:mod:`gradpress.cli`)."""
-    parser = cli.Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=doc)
     add_arguments(parser)
     parser.set_defaults(func=main)
     sys.exit(cli.run(parser))

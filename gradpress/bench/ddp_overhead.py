@@ -134,9 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gradpress.core.registry import split_specs
 
-    specs = split_specs(args.specs)
+    specs = list(args.specs)
     if args.model is not None and (args.width is not None or args.depth is not None):
         raise cli.UsageError("give either --model or --width/--depth, not both")
     width, depth = MODELS[args.model] if args.model is not None else MODELS["mlp-4m"]

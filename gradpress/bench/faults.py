@@ -93,7 +93,7 @@ def run(specs: list[str], workers: int = 2, timeout: float = 30.0) -> list[dict[
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compressors", type=cli.compressor_list(keywords=("all",)), default="all",
+    parser.add_argument("--compressors", type=cli.compressor_list(keywords={"all": cli.all_methods}), default="all",
                         help="comma-separated specs, or 'all' (default)")
     parser.add_argument("--workers", type=cli.positive_int, default=2)
     parser.add_argument("--timeout", type=cli.positive_float, default=30.0,
@@ -102,10 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import gradpress
-    from gradpress.core.registry import split_specs
-
-    specs = gradpress.compressor_names() if args.compressors == "all" else split_specs(args.compressors)
+    specs = list(args.compressors)
     rows = run(specs, args.workers, args.timeout)
     print(f"{args.workers} Gloo workers, timeout {args.timeout:g} s; rank {args.workers - 1} is the faulty one")
     for row in rows:

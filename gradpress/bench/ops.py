@@ -34,7 +34,6 @@ import torch
 import gradpress
 from gradpress import cli
 from gradpress.bench import add_glibc_defaults, keep_freed_memory
-from gradpress.core.registry import split_specs
 from gradpress.core.rng import Context
 
 DEFAULT_SIZES = (2**20, 2**22)
@@ -59,16 +58,6 @@ class OpsRecord:
     decompress_syncs: int | None = None
     compress_host_ops: list[str] | None = None  # operators that made a CPU tensor (CUDA only)
     decompress_host_ops: list[str] | None = None
-
-
-def resolve_compressors(text: str) -> list[str]:
-    """``all`` (every registered method with its defaults) or a comma-separated list of specs."""
-    if text == "all":
-        return gradpress.compressor_names()
-    specs = split_specs(text)
-    for spec in specs:
-        gradpress.make(spec)  # fail early with the registry's message
-    return specs
 
 
 def median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -198,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise cli.UsageError("--device cuda: CUDA is not available on this machine")
-    specs = resolve_compressors(args.compressors)
+    specs = list(args.compressors)
     sizes = args.sizes  # a list: checked as it was parsed (cli.sizes)
     cli.check_memory(f"--sizes {max(sizes)}", 3 * 4 * max(sizes))  # the tensor, its copy, its decompression
     from rich.console import Console
@@ -221,8 +210,8 @@ def main(args: argparse.Namespace) -> int:
 def add_bench_parser(bench: argparse._SubParsersAction) -> None:
     """Adds ``gradpress bench ops``."""
     ops = bench.add_parser("ops", help="bits, NMSE and speed of each compressor on one tensor",
-                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ops.add_argument("--compressors", type=cli.compressor_list(keywords=("all",)), default="all",
+                           description=__doc__)
+    ops.add_argument("--compressors", type=cli.compressor_list(keywords={"all": cli.all_methods}), default="all",
                      help="'all' or a comma-separated list of specs (e.g. topk:ratio=0.01,qsgd:levels=16,bucket=512)")
     ops.add_argument("--sizes", type=cli.sizes, default=",".join(map(str, DEFAULT_SIZES)),
                      help="comma-separated sizes, 2^22 allowed")

@@ -161,7 +161,7 @@ def format_result(result: SketchEmbeddingResult) -> str:
 def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     """Adds ``gradpress bench sketch``."""
     parser = bench_subparsers.add_parser("sketch", help="S2 sketch vs all-gathering an embedding's non-zero rows",
-                                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                         description=__doc__)
     parser.add_argument("--vocab", type=cli.positive_int, default=50_000)
     parser.add_argument("--dim", type=cli.positive_int, default=64)
     parser.add_argument("--rows-touched", type=cli.positive_int, default=500,

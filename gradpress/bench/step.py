@@ -99,10 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gradpress.core.registry import split_specs
-
     feedbacks = ("default", "none") if args.feedback == "both" else (args.feedback,)
-    result = run(split_specs(args.compressors), args.model, args.workers, args.batch, args.steps, args.warmup,
+    result = run(list(args.compressors), args.model, args.workers, args.batch, args.steps, args.warmup,
                  feedbacks)
     runs = result["runs"]
     print(f"{args.workers} Gloo workers (loopback), {args.model} ({result['numel'] / 1e6:.2f} M parameters), "

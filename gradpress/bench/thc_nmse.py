@@ -220,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
         update = lambda what: status.update(f"benchmarking {what}")  # noqa: E731
         by_granularity = nmse_vs_granularity(args.bits, args.granularities, args.workers, args.p,
                                              args.dim, args.repeats, args.seed, update, not args.asymmetric)
-        by_workers = nmse_vs_workers([s.strip() for s in args.specs.split(";") if s.strip()], args.workers_list,
+        by_workers = nmse_vs_workers(list(args.specs), args.workers_list,
                                      args.dim, args.worker_repeats, args.seed, update)
     render(by_granularity, by_workers)
     if args.json:
@@ -250,8 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vectors per granularity point (the paper: 100)")
     parser.add_argument("--workers-list", type=cli.int_list(1), default=",".join(map(str, DEFAULT_WORKERS)),
                         help="numbers of workers of the scalability sweep")
-    parser.add_argument("--specs", type=cli.compressor_list(separator=";"), default=";".join(SAME_BITS),
-                        help="';'-separated specs of the scalability sweep (default: 4 bits per value each)")
+    parser.add_argument("--specs", type=cli.compressor_list(), default=",".join(SAME_BITS),
+                        help="comma-separated specs of the scalability sweep (default: 4 bits per value each)")
     parser.add_argument("--worker-repeats", type=cli.positive_int, default=3,
                         help="draws per (spec, workers) point")
     parser.add_argument("--threads", type=cli.positive_int, default=1)

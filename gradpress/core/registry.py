@@ -27,6 +27,7 @@ type.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import numbers
@@ -34,7 +35,7 @@ import re
 import types
 import typing
 from fractions import Fraction
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterable, TypeVar
 
 T = TypeVar("T")
 
@@ -67,7 +68,8 @@ class Registry(Generic[T]):
         try:
             return self._types[name]
         except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}") from None
+            raise ValueError(f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; "
+                             f"known: {', '.join(self.names())}") from None
 
     def make(self, spec: str, **overrides: Any) -> T:
         """The object ``spec`` names; ``overrides`` (Python values) replace the spec's keys of the same
@@ -80,10 +82,23 @@ class Registry(Generic[T]):
         for key, value in {**params, **overrides}.items():
             if key not in fields:
                 known = ", ".join(fields) or "none"
-                raise ValueError(f"{self.kind} {name!r} has no parameter {key!r}; its parameters: {known}")
+                raise ValueError(f"{self.kind} {name!r} has no parameter {key!r}{did_you_mean(key, fields)}; "
+                                 f"its parameters: {known}")
             kwargs[key] = convert(value, fields[key], f"{name}:{key}") if isinstance(value, str) else value
         check_params(cls, kwargs, name)
         return cls(**kwargs)
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'topk'?)"`` for the known name closest to a mistyped ``name`` (difflib's ratio
+    of at least 0.6, as Python's own suggestions), ``""`` when none is close; a name with spaces that
+    joins known names gets the list rule instead: ``" (lists are comma-separated: 'topk,qsgd')"``."""
+    known = list(known)
+    words = name.split()
+    if len(words) > 1 and all(word.split(":")[0] in known for word in words):
+        return f" (lists are comma-separated: {','.join(words)!r})"
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:

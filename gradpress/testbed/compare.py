@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from gradpress import cli
-from gradpress.core.registry import split_specs
 from gradpress.testbed.report import write_report
 from gradpress.testbed.results import REFERENCES, Run
 from gradpress.testbed.train import (
@@ -99,6 +98,10 @@ def compare(base: TrainConfig, specs: list[str], out_dir: str | Path, progress: 
     return write_report(runs, out), runs, failures
 
 
+def demo_set() -> list[str]:
+    return list(DEMO_SET)
+
+
 def _slug(spec: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
 
@@ -107,9 +110,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("compare", help="train with several compressors and write a report",
                                    description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    parser.add_argument("--compressors", type=cli.compressor_list(references=True, keywords=("demo",)),
+    parser.add_argument("--compressors", type=cli.compressor_list(references=True, keywords={"demo": demo_set}),
                         default="demo",
-                        help="comma-separated specs and references, or 'demo' for: " + ", ".join(DEMO_SET))
+                        help="comma-separated specs and references; 'demo' stands for: " + ", ".join(DEMO_SET))
     parser.add_argument("--out", type=cli.output_dir, default="out/compare",
                         help="directory for report.md, results.json, the plots and each run's record; it "
                              "must be new or empty, so that it holds one run's files")
@@ -125,20 +128,19 @@ def _main(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise cli.UsageError(str(error)) from None
     base = checked_config(args, "none")
-    demo = args.compressors == "demo"
     specs, skipped = [], {}
-    for spec in DEMO_SET if demo else split_specs(args.compressors):
+    for spec in args.compressors:
         try:
             check_exchange(replace(base, compressor=spec))
             specs.append(spec)
         except ValueError as error:
-            if not demo:  # the user's own list: every run must be able to start
+            if spec not in args.compressors.expanded:  # the user's own: every run must be able to start
                 raise cli.UsageError(f"--compressors: {spec}: {cli.one_line(error)}") from None
             skipped[spec] = cli.one_line(error)
     for spec, why in skipped.items():
         print(f"skipped {spec}: {why}", file=sys.stderr)
     if not specs:
-        raise cli.UsageError("--compressors demo: no method of the demo set can run here (see above)")
+        raise cli.UsageError("--compressors: no method of the demo set can run here (see above)")
     try:
         report, runs, failures = compare(base, specs, args.out, overwrite=args.overwrite)
     except TrainFailed as error:

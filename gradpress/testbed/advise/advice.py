@@ -39,15 +39,17 @@ def default_candidates() -> list[str]:
     return specs
 
 
-def candidates(text: str) -> list[str]:
-    """``default`` (:func:`default_candidates`), ``demo`` (:data:`DEMO`) or comma-separated specs."""
-    from gradpress.core.registry import split_specs
+def demo_candidates() -> list[str]:
+    return list(DEMO)
 
-    if text == "default":
-        return default_candidates()
-    if text == "demo":
-        return list(DEMO)
-    return [spec for spec in split_specs(text) if spec != BASELINE]
+
+#: the keywords of advise's ``--compressors`` list
+KEYWORDS = {"default": default_candidates, "demo": demo_candidates}
+
+
+def candidates(specs: list[str]) -> list[str]:
+    """The methods to rank: ``specs`` but the baseline (it is measured anyway)."""
+    return [spec for spec in specs if spec != BASELINE]
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from gradpress import cli
 from gradpress.testbed import netem
 from gradpress import costmodel
-from gradpress.testbed.advise.advice import DEMO, Advice, advise, candidates
+from gradpress.testbed.advise.advice import DEMO, KEYWORDS, Advice, advise, candidates
 from gradpress.testbed.advise.check import Checked, check_against, render_checks, runs_link
 from gradpress.testbed.advise.local import measure_local_steps
 from gradpress.testbed.advise.output import describe_profile, plot, render, summary_lines, to_json
@@ -110,7 +110,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--efficiency", type=_efficiency, metavar="STRATEGY=F[,...]",
                    help="a collective's rate beyond the bucket as a fraction of the link's, e.g. "
                         "allgather=0.65 (default 1; --check fits it from the other runs)")
-    p.add_argument("--compressors", type=cli.compressor_list(keywords=("default", "demo")), default="default",
+    p.add_argument("--compressors", type=cli.compressor_list(keywords=KEYWORDS), default="default",
                    help="comma-separated specs; 'default': every registered method at its defaults and "
                         "top-k/random-k at ratios 0.1 and 0.001; 'demo': " + ",".join(DEMO))
     p.add_argument("--quality-steps", type=cli.positive_int, metavar="K",

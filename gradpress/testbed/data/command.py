@@ -24,7 +24,10 @@ def _run(args: argparse.Namespace) -> int:
     names = args.names or dataset_names()
     unknown = [name for name in names if name not in DATASETS]
     if unknown:
-        raise UsageError(f"unknown dataset {', '.join(unknown)}; known: {', '.join(DATASETS)}")
+        from gradpress.core.registry import did_you_mean
+
+        raise UsageError(f"unknown dataset {unknown[0]!r}{did_you_mean(unknown[0], DATASETS)}; "
+                         f"known: {', '.join(DATASETS)}")
     print(f"cache: {cache_dir()}  (${CACHE_ENV})")
     failed = 0
     for name in names:

@@ -29,7 +29,9 @@ def dataset_names() -> list[str]:
 
 def _source(name: str) -> Source:
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
+        from gradpress.core.registry import did_you_mean
+
+        raise ValueError(f"unknown dataset {name!r}{did_you_mean(name, DATASETS)}; known: {', '.join(DATASETS)}")
     return DATASETS[name]
 
 

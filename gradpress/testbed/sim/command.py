@@ -12,7 +12,6 @@ from typing import Any
 
 import gradpress
 from gradpress import cli
-from gradpress.core.registry import split_specs
 from gradpress import costmodel
 from gradpress.testbed.data import Dataset
 from gradpress.testbed.sim.aggregate import (DEFAULT_WORKERS, DISTRIBUTIONS, nmse_vs_workers, plot_nmse,
@@ -129,7 +128,7 @@ def _main_nmse(args: argparse.Namespace) -> int:
 
     most = max(args.workers)  # n + 1 float32 vectors (the signal and each worker's) and the float64 mean
     cli.check_memory(f"--numel {args.numel} with {most} workers", ((most + 1) * 4 + 8) * args.numel)
-    specs = split_specs(args.compressors)
+    specs = args.compressors
     with Console(stderr=True).status("simulating") as status:
         points = nmse_vs_workers(specs, args.workers, args.numel, args.dist, args.trials, args.seed,
                                  args.spread, progress=lambda what: status.update(f"simulating {what}"))
@@ -167,7 +166,7 @@ def _main_quality(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     with Console(stderr=True).status("training") as status:
-        for spec in split_specs(args.compressors):
+        for spec in args.compressors:
             for n in args.workers:
                 status.update(f"training {spec} with {n} simulated workers")
                 points.append(train_simulated(args.model, dataset, n, spec, args.steps, args.batch_size,
@@ -199,7 +198,7 @@ def _check_quality(args: argparse.Namespace, dataset: Dataset, options: dict[str
     if len(dataset.train) // most < batch_size:
         raise cli.UsageError(f"--batch-size {batch_size}: a shard of {dataset.name} for {most} workers holds "
                              f"{len(dataset.train) // most} samples, not one batch")
-    for spec in split_specs(args.compressors):
+    for spec in args.compressors:
         for n in sorted(set(args.workers)):
             try:
                 gradpress.Simulator(spec, n, **{"seed": args.seed, **options})
