@@ -18,9 +18,11 @@ import torch
 from gradpress.auto import AutoOptions, AutoPipeline, is_auto
 from gradpress.core.compressor import Compressor
 from gradpress.exchange.driver import Driver
+from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 from gradpress.exchange.state import gathered as _gathered
-from gradpress.exchange.distributed import ProcessGroupExecutor, gather_objects, process_group as resolve_group
+from gradpress.exchange.distributed import (NodeExecutor, ProcessGroupExecutor, gather_objects,
+                                            process_group as resolve_group, spans_world)
 
 
 class Communicator:
@@ -48,6 +50,11 @@ class Communicator:
       (THC's partial aggregation for stragglers).
     * ``deterministic`` (bool, default True): float sums over 3+ workers in rank order (bit-reproducible);
       False: the backend's all-reduce.
+    * ``hierarchy`` (default None): ``"node"``: several nodes, each summing its ranks' gradients
+      uncompressed and compressing only what crosses between nodes, 1/k of it per rank
+      (:mod:`gradpress.exchange.hierarchy`); ``root`` then names a node.
+    * ``local_size`` (int): with ``hierarchy="node"``, the ranks of a node (default: torchrun's
+      ``LOCAL_WORLD_SIZE``).
     * with spec ``"auto"`` (:mod:`gradpress.auto`: a method per key, chosen by measuring the job):
       ``candidates`` (the specs it chooses among), ``settle_steps`` (2), ``measure_steps`` (5),
       ``recheck_every`` (500; 0: never) and ``margin`` (0.05: the predicted gain a change of methods
@@ -60,15 +67,21 @@ class Communicator:
     def __init__(self, spec: str | Compressor, process_group: Any = None, **options: Any) -> None:
         auto = AutoOptions.pop_from(options) if is_auto(spec) else None
         self.options = Options.of(**options)
+        check_options(self.options, auto is not None)
         compressor = build(spec) if auto is None else None  # a bad spec raises before any collective
         executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout), process_group)
         self.rank, self.world_size = executor.rank, executor.world_size
-        self._pipeline: Pipeline | AutoPipeline
+        self._pipeline: Pipeline | AutoPipeline | HierarchicalPipeline
         if auto is not None:  # a pipeline per chosen method (gradpress.auto)
             self._pipeline = AutoPipeline(auto, self.options, self.rank, self.world_size)
         else:
-            self._pipeline = Pipeline(compressor, self.options, self.rank, self.world_size)
-        self._driver = Driver(executor, self._pipeline.stats)
+            whole = self.options.hierarchy is None or spans_world(process_group)
+            self._pipeline = make_pipeline(compressor, self.options, self.rank, self.world_size,
+                                           whole_world=whole)
+        talk: ProcessGroupExecutor | NodeExecutor = executor
+        if isinstance(self._pipeline, HierarchicalPipeline):  # rounds inside the node and between nodes
+            talk = NodeExecutor(executor, self._pipeline.layout.local_size, self.options.timeout)
+        self._driver = Driver(talk, self._pipeline.stats)
         self._auto = auto
         self._spec = "auto" if auto is not None else compressor.spec
 

@@ -41,10 +41,12 @@ import torch
 from gradpress.auto import AUTO, AutoOptions, AutoPipeline, is_auto
 from gradpress.core.compressor import Compressor
 from gradpress.exchange.driver import Driver, failed_future
+from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, Stats, build, describe, flat_stats
 from gradpress.exchange.state import check_world_size_change, gathered, own_state, shapes_of
 from gradpress.exchange.distributed import ProcessGroupExecutor, chain, gather_objects, rank_and_size
-from gradpress.exchange.distributed import process_group as resolve_group
+from gradpress.exchange.distributed import NodeExecutor
+from gradpress.exchange.distributed import process_group as resolve_group, spans_world
 
 
 _PLAIN_KEY = re.compile(r"param\d+")  # the keys of a hook that does not know the module's names
@@ -70,6 +72,7 @@ class GradpressState:
         self.on_world_size_change = on_world_size_change
         self.auto = AutoOptions.pop_from(options) if is_auto(spec) else None
         self.options = Options.of(**options)
+        check_options(self.options, self.auto is not None)
         if self.auto is not None:  # a pipeline per chosen method (gradpress.auto)
             self.compressor, self.spec, self.master = None, AUTO, None
         else:
@@ -84,7 +87,7 @@ class GradpressState:
                              "or use gradpress.register(ddp_model, …)")
         self._keys: dict[int, str] = {}
         self._plans: dict[int, Any] = {}  # per bucket index: its FlatAllReduce, where its exchange has one
-        self._pipeline: Pipeline | AutoPipeline | None = None
+        self._pipeline: Pipeline | AutoPipeline | HierarchicalPipeline | None = None
         self._driver: Driver | None = None
         self._talk: ProcessGroupExecutor | None = None
         self._loaded: dict[str, Any] | None = None
@@ -106,9 +109,11 @@ class GradpressState:
         return self._talk
 
     def _setup(self) -> None:
-        executor = self._executor()
-        self._pipeline = self._new_pipeline(executor.rank, executor.world_size)
-        self._driver = Driver(executor, self._pipeline.stats)
+        executor: ProcessGroupExecutor | NodeExecutor = self._executor()
+        pipeline = self._pipeline = self._new_pipeline(executor.rank, executor.world_size)
+        if isinstance(pipeline, HierarchicalPipeline):  # rounds inside the node and between nodes
+            executor = NodeExecutor(self._executor(), pipeline.layout.local_size, self.options.timeout)
+        self._driver = Driver(executor, pipeline.stats)
         if self._loaded is not None:
             self._pipeline.load_state_dict(self._loaded)
             self._loaded = None
@@ -247,14 +252,15 @@ class GradpressState:
                                                                    if len(foreign) > 4 else "")
             raise ValueError(f"gradpress state: keys {shown} match no parameter of this hook; {how}")
 
-    def _local_pipeline(self) -> Pipeline | AutoPipeline:
+    def _local_pipeline(self) -> Pipeline | AutoPipeline | HierarchicalPipeline:
         """A pipeline of this rank's, before the hook has run (for its state)."""
         return self._new_pipeline(*rank_and_size(self._group))
 
-    def _new_pipeline(self, rank: int, world_size: int) -> Pipeline | AutoPipeline:
+    def _new_pipeline(self, rank: int, world_size: int) -> Pipeline | AutoPipeline | HierarchicalPipeline:
         if self.auto is not None:
             return AutoPipeline(self.auto, self.options, rank, world_size)
-        return Pipeline(self.compressor, self.options, rank, world_size, self.master)
+        whole = self.options.hierarchy is None or spans_world(self._group)
+        return make_pipeline(self.compressor, self.options, rank, world_size, self.master, whole)
 
     @property
     def error(self) -> BaseException | None:
@@ -403,6 +409,7 @@ def _check_options(spec: str | Compressor, options: dict[str, Any]) -> None:
     given = {name: value for name, value in options.items() if name not in ("process_group", "model")}
     auto = AutoOptions.pop_from(given) if is_auto(spec) else None
     checked = Options.of(**given)
+    check_options(checked, auto is not None)
     if auto is None:
         build(spec)
         if checked.master is not None:
@@ -464,6 +471,11 @@ def ddp_comm_hook(spec: str | Compressor, **options: Any) -> tuple[GradpressStat
       (THC's partial aggregation for stragglers).
     * ``deterministic`` (bool, default True): float sums over 3+ workers in rank order (bit-reproducible);
       False: the backend's all-reduce.
+    * ``hierarchy`` (default None): ``"node"``: several nodes, each summing its ranks' gradients
+      uncompressed and compressing only what crosses between nodes, 1/k of it per rank
+      (:mod:`gradpress.exchange.hierarchy`); ``root`` then names a node.
+    * ``local_size`` (int): with ``hierarchy="node"``, the ranks of a node (default: torchrun's
+      ``LOCAL_WORLD_SIZE``).
     * with spec ``"auto"`` (:mod:`gradpress.auto`): ``candidates`` (the specs it chooses among),
       ``settle_steps`` (2), ``measure_steps`` (5), ``recheck_every`` (500; 0: never) and ``margin``
       (0.05: the predicted gain a change of methods needs).
@@ -507,6 +519,11 @@ def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> Gradpres
       (THC's partial aggregation for stragglers).
     * ``deterministic`` (bool, default True): float sums over 3+ workers in rank order (bit-reproducible);
       False: the backend's all-reduce.
+    * ``hierarchy`` (default None): ``"node"``: several nodes, each summing its ranks' gradients
+      uncompressed and compressing only what crosses between nodes, 1/k of it per rank
+      (:mod:`gradpress.exchange.hierarchy`); ``root`` then names a node.
+    * ``local_size`` (int): with ``hierarchy="node"``, the ranks of a node (default: torchrun's
+      ``LOCAL_WORLD_SIZE``).
     * with spec ``"auto"`` (:mod:`gradpress.auto`): ``candidates`` (the specs it chooses among),
       ``settle_steps`` (2), ``measure_steps`` (5), ``recheck_every`` (500; 0: never) and ``margin``
       (0.05: the predicted gain a change of methods needs).

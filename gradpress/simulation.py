@@ -12,6 +12,11 @@ After a final round every rank decodes the same received bytes in the same order
 (invariant: bit-identical ranks, docs/design.md), so the simulation decodes once, on worker 0, and copies
 worker 0's compressor state (e.g. warm
 starts) to the others; that keeps n = 1024 workers affordable.
+
+With ``hierarchy="node"`` and ``local_size=k`` (:mod:`gradpress.exchange.hierarchy`) the workers are
+nodes of k ranks: worker r is local rank r mod k of node ⌊r / k⌋. A round's ``scope`` says which workers
+meet in it (those of a node, or those of one local index on every node); a group's round is carried
+out when all its workers have reached it, and every worker decodes its own shard.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 
 from gradpress.core.compressor import Compressor
 from gradpress.core.compressor import make
+from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, build
 from gradpress.exchange.state import gathered
 from gradpress.exchange.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
@@ -33,7 +39,9 @@ WorkerGrads = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 class Simulator:
     """``workers`` simulated ranks sharing one spec and options; :meth:`step` exchanges one step's
-    gradients and keeps feedback memory, step counters and warm starts for the next."""
+    gradients and keeps feedback memory, step counters and warm starts for the next. With
+    ``hierarchy="node", local_size=k``: nodes of k workers, the two-level exchange
+    (:mod:`gradpress.exchange.hierarchy`)."""
 
     def __init__(self, spec: str | Compressor, workers: int, **options: Any) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -41,7 +49,14 @@ class Simulator:
         self.options = Options.of(**options)
         self.world_size = workers
         build(spec)  # a bad spec or object raises once, here
-        self.pipelines = [Pipeline(_own(spec), self.options, rank, workers) for rank in range(workers)]
+        check_options(self.options, False)
+        if self.options.hierarchy is not None and self.options.local_size is None:
+            raise ValueError("simulating hierarchy='node' needs the ranks of a node: pass local_size=")
+        self.pipelines: list[Pipeline | HierarchicalPipeline] = [
+            make_pipeline(_own(spec), self.options, rank, workers, env={}) for rank in range(workers)]
+        first = self.pipelines[0]
+        self.hierarchical = isinstance(first, HierarchicalPipeline)
+        self.layout = first.layout if isinstance(first, HierarchicalPipeline) else None
 
     def step(self, worker_grads: Sequence[WorkerGrads]) -> WorkerGrads:
         """Exchange one step: ``worker_grads[r]`` is rank r's gradients (a tensor, a list of tensors or a
@@ -59,10 +74,14 @@ class Simulator:
         groups = [p.groups(mine) for p, mine in zip(self.pipelines, items)]
         out: list[torch.Tensor] = [None] * len(items[0])  # type: ignore[list-item]
         for g, first in enumerate(groups[0]):
-            results = self._lockstep([worker_groups[g] for worker_groups in groups])
+            if self.hierarchical:
+                results = self._scoped([worker_groups[g] for worker_groups in groups])
+            else:
+                results = self._lockstep([worker_groups[g] for worker_groups in groups])
             for i, result in zip(first.members, results):
                 out[i] = result
-        self._share_compressor_state()
+        if not self.hierarchical:  # (every worker decoded its own shard)
+            self._share_compressor_state()
         return _restore(worker_grads[0], out)
 
     def stats(self) -> list[dict[str, Any]]:
@@ -102,7 +121,7 @@ class Simulator:
                     if control:
                         stats.add(groups[rank].step, control_bytes=sent + received)
                     else:
-                        stats.add(groups[rank].step, sent_bytes=sent, received_bytes=received, collectives=1)
+                        stats.add_traffic(groups[rank].step, round_.scope, sent, received)
             if rounds[0].final:
                 replies = _results([r.requests for r in rounds], self.world_size, only=0)
                 try:
@@ -123,6 +142,56 @@ class Simulator:
             replies = _results([r.requests for r in rounds], self.world_size, only=None)
             rounds = _send_all(protocols, replies)
         return rounds[0]
+
+    def _scoped(self, groups) -> Any:
+        """Drive every worker's protocol for one group of the two-level exchange, each round among the
+        workers of its scope, once they have all reached it; worker 0's result. A worker whose protocol
+        raises stops there, as a real rank does; the lowest rank's error is raised once no group can go
+        on (a real run's other ranks raise too, or, waiting for it, time out)."""
+        layout = self.layout
+        assert layout is not None
+        protocols = [g.protocol for g in groups]
+        waiting: dict[int, Round] = {}
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+
+        def resume(rank: int, reply: Any) -> None:
+            try:
+                waiting[rank] = protocols[rank].send(reply)
+            except StopIteration as stop:
+                results[rank] = stop.value
+            except Exception as error:  # noqa: BLE001 - raised below, as every real rank raises
+                errors[rank] = error
+
+        for rank in range(self.world_size):
+            resume(rank, None)
+        moved = True
+        while waiting and moved:
+            moved = False
+            for rank in sorted(waiting):
+                round_ = waiting.get(rank)
+                if round_ is None:
+                    continue
+                members = layout.members(rank, round_.scope)
+                if not all(m in waiting and waiting[m].scope == round_.scope for m in members):
+                    continue
+                rounds = [waiting.pop(m) for m in members]
+                _check_same(rounds)
+                for position, (member, mine) in enumerate(zip(members, rounds)):
+                    for request in mine.requests:
+                        sent, received = traffic(request, position, len(members))
+                        stats = self.pipelines[member].stats
+                        stats.add_traffic(groups[member].step, mine.scope, sent, received)
+                replies = _results([r.requests for r in rounds], len(members), only=None)
+                for member, reply in zip(members, replies):
+                    resume(member, reply)
+                moved = True
+        if errors:
+            raise errors[min(errors)]
+        if waiting:
+            raise RuntimeError(f"workers diverged: workers {sorted(waiting)} wait in collectives their "
+                               "groups' other workers never issue")
+        return results[0]
 
     def _share_compressor_state(self) -> None:
         state = self.pipelines[0].compressor.state_dict()
@@ -185,9 +254,9 @@ def _describe(request: Collective) -> tuple:
 
 
 def _check_same(rounds: list[Round]) -> None:
-    first = [_describe(r) for r in rounds[0].requests], rounds[0].final
+    first = [_describe(r) for r in rounds[0].requests], rounds[0].final, rounds[0].scope
     for rank, round_ in enumerate(rounds[1:], start=1):
-        mine = [_describe(r) for r in round_.requests], round_.final
+        mine = [_describe(r) for r in round_.requests], round_.final, round_.scope
         if mine != first:
             raise RuntimeError(f"workers issued different collectives: worker 0 {first}, worker {rank} {mine}")
 

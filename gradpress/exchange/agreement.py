@@ -6,8 +6,9 @@ or tensor shapes meet in collectives of different sizes, and the process group a
 So before the first exchange of a set of tensors, every rank all-gathers a fingerprint of its side: one
 64-bit digest of all its components (the compressor's spec, the options and seed, the world size, the
 keys, their shapes, dtypes and devices, and the step counters that seed the shared random streams and
-the schedules), whatever their number: ranks whose sides have different components (``"auto"`` adds
-its own) still meet in collectives of the same sizes. Equal digests cost one all-gather of 8 bytes a
+the schedules; with ``hierarchy="node"``, the hierarchy and the node size each rank found:
+:mod:`gradpress.exchange.hierarchy`), whatever their number: ranks whose sides have different components
+(``"auto"`` adds its own) still meet in collectives of the same sizes. Equal digests cost one all-gather of 8 bytes a
 rank, once per set of keys (and again after a state is loaded). Where they differ, the ranks gather
 every component's text (a size, then the texts padded to the longest) and every rank raises the same
 ``ValueError`` saying what differs on which rank.

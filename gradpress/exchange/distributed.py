@@ -202,6 +202,73 @@ def process_group(group: Any = None, timeout: float | timedelta | None = None) -
     return made
 
 
+# -- two levels: the ranks of a node, and the ranks of one local index across nodes -------------------
+def spans_world(group: Any = None) -> bool:
+    """Whether ``group`` (None: the default group) holds every rank of the job in rank order, so that
+    torchrun's per-node environment (``LOCAL_WORLD_SIZE``, ``GROUP_RANK``) describes its ranks."""
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return True
+    return dist.get_process_group_ranks(group) == list(range(dist.get_world_size()))
+
+
+def node_groups(group: Any, local_size: int, timeout: float | timedelta | None = None) -> tuple[Any, Any]:
+    """``(node, cross)``: this rank's node group (the ``local_size`` ranks of ``group`` whose group ranks
+    are ``node·local_size`` … ``node·local_size + local_size − 1``) and its cross-node group (the ranks of
+    ``group`` with this rank's local index on every node), made with ``new_group``. Every rank of
+    ``group`` calls it, and so calls every ``new_group`` in the same order: the node groups by node,
+    then the cross-node groups by local index (each rank a member of one of each, so the ranks of a new
+    group have made as many groups before it, and name it alike). ``timeout``: what their collectives
+    wait (default: PyTorch's default for the backend). Destroyed at exit, as :func:`process_group`'s.
+
+    The two-level exchange's reduce-scatter inside the node is an all-to-all and a rank-order sum
+    (:class:`~gradpress.exchange.protocol.ReduceScatter`), as every gradpress sum over 3+ ranks: Gloo in
+    torch 2.13 has ``reduce_scatter_tensor`` and ``all_gather_into_tensor``, but the order in which its
+    reduce-scatter adds the ranks' values is its own, and simulate's sums are in rank order."""
+    import torch.distributed as dist
+
+    if timeout is not None and not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    rank = dist.get_rank(group)
+    nodes = len(ranks) // local_size
+    backend = dist.get_backend(group)
+    layouts = ([ranks[n * local_size:(n + 1) * local_size] for n in range(nodes)]
+               + [ranks[j::local_size] for j in range(local_size)])
+    mine = [rank // local_size, nodes + rank % local_size]
+    made = []
+    for members in layouts:
+        created = dist.new_group(ranks=members, timeout=timeout, backend=backend,
+                                 use_local_synchronization=True)
+        if created is not None and created is not dist.GroupMember.NON_GROUP_MEMBER:
+            _EXIT.made(created)
+        made.append(created)
+    return made[mine[0]], made[mine[1]]
+
+
+class NodeExecutor:
+    """Issues a round on the group gradpress talks on, or by its ``scope``
+    (:class:`~gradpress.exchange.protocol.Round`) on this rank's node group (``"node"``) or cross-node
+    group (``"cross"``), made (:func:`node_groups`) when the first such round is issued: after the
+    ranks' agreement, which checks that they see the same nodes (a rank that saw others would call
+    ``new_group`` with other ranks and wait)."""
+
+    def __init__(self, executor: ProcessGroupExecutor, local_size: int, timeout: float | None = None) -> None:
+        self.talk, self.local_size, self.timeout = executor, local_size, timeout
+        self.group, self.given = executor.group, executor.given
+        self.rank, self.world_size = executor.rank, executor.world_size
+        self._scoped: dict[str, ProcessGroupExecutor] | None = None
+
+    def issue(self, round_: Round, sent: Callable[[int, int], None], done: Callable[[float], None]) -> Handle:
+        if not round_.scope:
+            return self.talk.issue(round_, sent, done)
+        if self._scoped is None:
+            node, cross = node_groups(self.talk.group, self.local_size, self.timeout)
+            self._scoped = {"node": ProcessGroupExecutor(node), "cross": ProcessGroupExecutor(cross)}
+        return self._scoped[round_.scope].issue(round_, sent, done)
+
+
 # -- leaving the interpreter (see the module docstring) ------------------------------------------------
 EXIT_WAIT_S = 10.0
 """At exit, how long gradpress waits for the backends to let its callbacks go (a collective still in

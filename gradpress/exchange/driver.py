@@ -217,9 +217,10 @@ class Driver:
         if run.control:
             return self.executor.issue(round_, lambda sent, received: self.stats.add(
                 step, control_bytes=sent + received), lambda seconds: None)
+        scope = round_.scope
         return self.executor.issue(
             round_,
-            lambda sent, received: self.stats.add(step, sent_bytes=sent, received_bytes=received, collectives=1),
+            lambda sent, received: self.stats.add_traffic(step, scope, sent, received),
             lambda seconds: self.stats.add(step, comm_s=seconds))
 
     def _record(self, error: BaseException, order: int) -> None:

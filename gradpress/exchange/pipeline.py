@@ -72,6 +72,11 @@ class Options:
       ``min_numel``, warm-up) meet at the same server and are aggregated partially too.
     * ``deterministic``: float sums over 3+ workers in rank order (bit-reproducible, equal to
       ``simulate``); ``False`` uses the backend's all-reduce, whose order depends on the algorithm.
+    * ``hierarchy``: ``None`` (one level: every rank exchanges its compressed gradients with every
+      other) or ``"node"``: a two-level exchange that compresses only what crosses between nodes
+      (:mod:`gradpress.exchange.hierarchy`); ``root`` then names the node of the servers.
+    * ``local_size``: with ``hierarchy="node"``, the ranks of one node (default: torchrun's
+      ``LOCAL_WORLD_SIZE``).
     """
 
     feedback: str | None = None
@@ -86,6 +91,8 @@ class Options:
     overflow: str = "widen"
     deterministic: bool = True
     partial: float = 1.0
+    hierarchy: str | None = None
+    local_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.exclude, str):
@@ -107,6 +114,14 @@ class Options:
         check_partial(self.partial, self.mode)
         if self.feedback is not None:
             make_feedback(self.feedback)  # unknown names raise here, listing the known ones
+        if self.hierarchy not in HIERARCHIES:
+            raise ValueError(f"option hierarchy must be None or 'node', got {self.hierarchy!r}")
+        if self.local_size is not None:
+            size = self.local_size
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"option local_size must be an integer >= 1, got {self.local_size!r}")
+            if self.hierarchy is None:
+                raise ValueError("option local_size (the ranks of a node) needs hierarchy='node'")
 
     @classmethod
     def of(cls, **options: Any) -> Options:
@@ -117,9 +132,14 @@ class Options:
         return cls(**options)
 
 
+#: the values of the ``hierarchy`` option
+HIERARCHIES = (None, "node")
+
+
 # -- statistics ----------------------------------------------------------------------------------------
 COUNTERS = ("raw_bytes", "packet_bytes", "sent_bytes", "received_bytes", "collectives",
-            "compress_s", "decompress_s", "comm_s", "control_bytes")
+            "compress_s", "decompress_s", "comm_s", "control_bytes",
+            "intra_node_sent_bytes", "intra_node_received_bytes")
 
 
 class Stats:
@@ -132,6 +152,11 @@ class Stats:
       the downstream direction included.
     * ``control_bytes``: bytes sent and received for the ranks' agreement on what they exchange
       (:mod:`gradpress.exchange.agreement`, once per set of keys), not counted in the figures above.
+    * with ``hierarchy="node"`` (:mod:`gradpress.exchange.hierarchy`): ``sent_bytes`` and
+      ``received_bytes`` are the exchange between nodes (the compressed shards), and
+      ``intra_node_sent_bytes`` / ``intra_node_received_bytes`` the uncompressed reduce-scatter and
+      all-gather inside the node (zero in a one-level exchange); ``raw_bytes`` and ``packet_bytes``
+      are those of this rank's shard.
     * ``compress_s`` (compensate, prepare, compress, feedback update), ``decompress_s`` (decoding and
       aggregation), ``comm_s`` (from issuing each round of collectives to its completion; rounds of
       different buckets overlap, so this is not wall time).
@@ -156,6 +181,14 @@ class Stats:
             for name, value in values.items():
                 current[name] += value
                 total[name] += value
+
+    def add_traffic(self, step: int, scope: str, sent: int, received: int) -> None:
+        """One collective's bytes, as :func:`gradpress.exchange.protocol.traffic` counts them, issued in a
+        round of ``scope`` (:class:`gradpress.exchange.protocol.Round`): inside the node, or not."""
+        if scope == "node":
+            self.add(step, intra_node_sent_bytes=sent, intra_node_received_bytes=received, collectives=1)
+        else:
+            self.add(step, sent_bytes=sent, received_bytes=received, collectives=1)
 
     def timer(self, step: int, name: str) -> _Timer:
         """A context manager adding the seconds it encloses to ``name``."""
@@ -325,23 +358,29 @@ class Pipeline:
         if signature in self._agreed:
             return None
         self._agreed.add(signature)
-        o = self.options
-        settings = {f.name: getattr(o, f.name) for f in fields(o) if f.name != "timeout"}
-        settings["feedback"] = self.feedback.spec
-        parts = {
-            "the compressor": repr(self.compressor.spec),
-            "the options": ", ".join(f"{name}={value!r}" for name, value in settings.items()),
-            "the world size": str(self.world_size),
-            "the keys": repr([key for key, _ in items]),
-            "the shapes": repr([tuple(t.shape) for _, t in items]),
-            "the dtypes and devices": repr([f"{t.dtype} on {t.device.type}" for _, t in items]),
-            # each tensor's step seeds its shared random streams and decides its warm-up
-            "the steps": _steps_text([key for key, _ in items], self.steps),
-        }
+        parts = self.agreement_parts(items, self.world_size, self.steps)
         parts.update(more or {})
         device = items[0][1].device if items else torch.device("cpu")
         step = max((self.steps.get(key, 0) for key, _ in items), default=0)
         return Group(list(range(len(items))), agree(parts, self.world_size, device), step)
+
+    def agreement_parts(self, items: Sequence[tuple[str, torch.Tensor]], world_size: int,
+                        steps: dict[str, int], options: Options | None = None) -> dict[str, str]:
+        """The components of :meth:`agreement` (name -> text) for ``items`` in a world of ``world_size``
+        whose step counters are ``steps``, under ``options`` (default: this pipeline's)."""
+        o = self.options if options is None else options
+        settings = {f.name: getattr(o, f.name) for f in fields(o) if f.name != "timeout"}
+        settings["feedback"] = self.feedback.spec
+        return {
+            "the compressor": repr(self.compressor.spec),
+            "the options": ", ".join(f"{name}={value!r}" for name, value in settings.items()),
+            "the world size": str(world_size),
+            "the keys": repr([key for key, _ in items]),
+            "the shapes": repr([tuple(t.shape) for _, t in items]),
+            "the dtypes and devices": repr([f"{t.dtype} on {t.device.type}" for _, t in items]),
+            # each tensor's step seeds its shared random streams and decides its warm-up
+            "the steps": _steps_text([key for key, _ in items], steps),
+        }
 
     def compresses(self, key: str, tensor: torch.Tensor, name: str | None = None) -> bool:
         """Whether ``key``'s next step is compressed (not excluded, not too small, past warm-up).

@@ -73,11 +73,15 @@ class Round:
     other ranks wait here for one rank's long, one-off work (``auto``'s decision: rank 0 measures the
     candidates while the others wait in its broadcast), so the round runs on the process group
     gradpress was given, under that group's timeout, not under gradpress's ``timeout``, which bounds
-    a wait for a peer that should be there within it."""
+    a wait for a peer that should be there within it. ``scope``: the group the round runs on, ``""`` the
+    whole group gradpress talks on; a two-level exchange (:mod:`gradpress.exchange.hierarchy`) issues
+    rounds on ``"node"`` (the ranks of this rank's node) and ``"cross"`` (the ranks of the same local
+    index on every node), whose ranks and sizes the requests' ``src``, ``dst`` and rows then refer to."""
 
     requests: list[Collective]
     final: bool = False
     long_wait: bool = False
+    scope: str = ""
 
 
 Protocol = Generator[Round, list, Any]
