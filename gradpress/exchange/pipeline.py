@@ -352,7 +352,8 @@ class Pipeline:
 
     def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None,
                writable: bool = False) -> list[Group]:
-        """The protocols exchanging ``items`` (key, gradient): the compressed ones, then the plain ones.
+        """The protocols exchanging ``items`` (key, gradient): the compressed ones, then the plain ones,
+        then the empty ones, which no compressor, memory or collective sees (their average is empty).
 
         Starts the items' steps. ``bucket``: a flat tensor the gradients are views of, which the
         exchange may overwrite (a DDP bucket's buffer): collectives then work in it where they can.
@@ -377,8 +378,9 @@ class Pipeline:
             self.steps[key] = step + 1
         writable = writable or bucket is not None
         groups = []
+        empty = [i for i, (_, tensor) in enumerate(items) if tensor.numel() == 0]
         for compressed in (True, False):
-            members = [i for i, flag in enumerate(flags) if flag == compressed]
+            members = [i for i, flag in enumerate(flags) if flag == compressed and items[i][1].numel()]
             if members:
                 chosen = [items[i] for i in members]
                 chosen_steps = [steps[i] for i in members]
@@ -390,6 +392,9 @@ class Pipeline:
                     protocol = self._protocol([(chosen[0][0], flat)], [step], compressed, writable,
                                               members=[key for key, _ in chosen])
                 groups.append(Group(members, protocol, step, flat))
+        if empty:  # nothing to send: the same on every rank, whose shapes agree
+            tensors = [items[i][1] for i in empty]
+            groups.append(Group(empty, _unexchanged(tensors), max(steps[i] for i in empty)))
         return groups
 
     def flat_allreduce(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor) -> FlatAllReduce | None:
@@ -635,6 +640,12 @@ class FlatAllReduce:
                 return then(p.strategy.compressor.decode_sum(self.packet, [summed], n))
 
         return driver.start_round(Round([AllReduce(flat)], final=True), step, finish)
+
+
+def _unexchanged(tensors: list[torch.Tensor]) -> Protocol:
+    """The protocol of empty tensors: no round, their averages empty tensors like them."""
+    return [torch.empty_like(t) for t in tensors]
+    yield  # (a generator: a protocol that issues no round)
 
 
 _FAULTY = object()
