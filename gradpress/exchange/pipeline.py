@@ -30,7 +30,7 @@ import torch
 
 from gradpress.exchange.agreement import agree
 from gradpress.core.compressor import (Compressor, NonFiniteError, any_nonfinite, divide_counting_nonfinite, make,
-                                  scaled_sum)
+                                  saturate, scaled_sum)
 from gradpress.core.feedback import SumParts, make_feedback
 from gradpress.core.packet import Packet, adjacent
 from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
@@ -465,9 +465,14 @@ class Pipeline:
                 prelims = []
                 for i, (x, ctx, grad, parts) in enumerate(zip(inputs, ctxs, grads, sums)):
                     pre = _prepare(compressor, x, ctx, self.world_size, grad, parts)
-                    if pre is _FAULTY:
-                        faulty, inputs[i] = True, torch.zeros_like(x)
-                        pre = _prepare(compressor, inputs[i], ctx, self.world_size)
+                    if pre is _FAULTY:  # the gradient's NaN/Inf, or φ's own overflow (then saturated)
+                        saturated = _saturated(xs[i], grad)
+                        pre = _FAULTY if saturated is None else _prepare(compressor, saturated, ctx,
+                                                                         self.world_size)
+                        if pre is _FAULTY:
+                            faulty, saturated = True, torch.zeros_like(x)
+                            pre = _prepare(compressor, saturated, ctx, self.world_size)
+                        inputs[i] = saturated
                     prelims.append(pre)
                 sums = [None] * len(items)  # φ is formed
                 stats.add(step, compress_s=time.perf_counter() - start)
@@ -492,8 +497,16 @@ class Pipeline:
                 except NonFiniteError:
                     if carried:  # not seen before the preliminary exchange: no flag can travel now
                         raise
-                    faulty = True
-                    packet = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
+                    packet = None
+                    saturated = _saturated(x, grad)  # φ (out holds it after an error) overflowed?
+                    if saturated is not None:
+                        try:
+                            packet = _compress(compressor, saturated, ctx, ready, divided, writable)
+                        except NonFiniteError:  # (a flag then travels: no rank waits for this one)
+                            packet = None
+                    if packet is None:
+                        faulty = True
+                        packet = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
                 packets.append(packet)
             if feedback.updates and not faulty:
                 for (key, _), grad, x, packet, done in zip(items, grads, xs, packets, formed):
@@ -640,6 +653,24 @@ class FlatAllReduce:
                 return then(p.strategy.compressor.decode_sum(self.packet, [summed], n))
 
         return driver.start_round(Round([AllReduce(flat)], final=True), step, finish)
+
+
+def _saturated(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    """What to compress in place of φ = β·m + γ·g (``x``, formed by the feedback memory) when φ, or its
+    cast to the gradient's dtype, holds NaN/Inf: None when the finite gradient is not the cause (``x``
+    is the gradient itself, or the gradient holds NaN/Inf: a fault the exchange reports), else φ
+    saturated. A finite memory and gradient overflow only to ±Inf, with the sign of the exact sum: ``x``
+    is clamped in place to its dtype's largest finite value (what lies beyond float32's range is lost:
+    the memory cannot hold it), and the input is ``x`` cast to the gradient's dtype saturating at that
+    dtype's largest value; the memory's update keeps what this leaves unsent (an fp16/bf16 φ beyond the
+    gradient's range stays in the float32 memory for later steps: error feedback, GRACE Eq. 5)."""
+    if x is grad or any_nonfinite(grad.reshape(-1).contiguous()):
+        return None
+    largest = torch.finfo(x.dtype).max
+    x.clamp_(-largest, largest)
+    if x.dtype == grad.dtype:
+        return x
+    return saturate(x.reshape(-1), grad.dtype, inplace=False).to(grad.dtype).view(grad.shape)
 
 
 def _unexchanged(tensors: list[torch.Tensor]) -> Protocol:
