@@ -689,7 +689,7 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
     or, for a method that finds them in its own passes, in its preliminary values (a max norm, P = MQ).
     Preliminary values that are not finite although ``x`` is (PowerSGD's P of values near float32's
     largest) travel as they are: every rank then holds the combined values and the method raises its
-    ``OverflowError`` (or names another worker) on every rank at the same point. ``parts``: x is
+    ``OverflowError`` (naming this worker or another) on every rank at the same point. ``parts``: x is
     ``parts.out``, where φ = β·m + γ·``grad`` is formed first — by the method's own preliminary pass
     (:meth:`~gradpress.core.compressor.Compressor.prepare_sum`) where it finds NaN/Inf itself."""
     if parts is not None and not compressor.checks_finite:
