@@ -414,12 +414,12 @@ def _overflow_on_rank_one(rank: int, world_size: int) -> list:
 
 def test_a_p_that_overflows_on_one_worker_raises_on_every_worker():
     """A finite gradient whose P overflows float32 on one worker: the Inf reaches the summed P every worker
-    holds, so every worker raises at the same point — that worker an OverflowError, the others a
-    NonFiniteError that says another worker's values did it — rather than that worker alone raising
-    before the preliminary exchange while the others wait in it."""
+    holds, so every worker raises an OverflowError at the same point — that worker saying its own M Q
+    overflowed, the others that another worker's did (never a NonFiniteError: every gradient is finite)
+    — rather than that worker alone raising before the preliminary exchange while the others wait in it."""
     first, second = run_workers(_overflow_on_rank_one, 2, timeout=60, group_timeout=30)
     assert first[0][0] == second[0][0] == "ok" and torch.equal(first[0][1], second[0][1])
-    assert first[1][0] == "NonFiniteError" and "another worker" in first[1][1]
+    assert first[1][0] == "OverflowError" and "another worker's M Q" in first[1][1]
     assert second[1][0] == "OverflowError" and "this worker's M Q overflowed" in second[1][1]
 
 

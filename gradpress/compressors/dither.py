@@ -174,14 +174,16 @@ def _codes_torch(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, levels: int,
     return ((k + up.long()) << 1) | (x.view(torch.int32) < 0).long()
 
 
-def _values_torch(codes: torch.Tensor, scales: torch.Tensor, levels: int, natural: bool) -> torch.Tensor:
-    """The torch twin of the kernels' ``_decode_segment`` (``scales`` per value)."""
+def _values_torch(codes: torch.Tensor, scales: torch.Tensor, levels: int, natural: bool,
+                  norms: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin of the kernels' ``_decode_segment`` (``scales`` per value, and for the standard
+    partition the ``norms`` ν that bound its magnitudes)."""
     k = codes >> 1
     if natural:
         level = torch.where(k > 0, torch.ldexp(torch.ones_like(scales), k - levels), 0.0)
+        values = scales * level
     else:
-        level = k.float()
-    values = scales * level
+        values = torch.minimum(scales * k.float(), norms)
     return torch.where(codes & 1 == 1, -values, values)
 
 
@@ -284,7 +286,8 @@ class Dithering:
             return out
         scales = norms if natural else (norms.double() / self.levels).float()
         codes = unpack_bits(codes, self.code_bits, n).long()
-        return _values_torch(codes, scales.repeat_interleave(size)[:n], self.levels, natural)
+        bounds = None if natural else norms.float().repeat_interleave(size)[:n]
+        return _values_torch(codes, scales.repeat_interleave(size)[:n], self.levels, natural, bounds)
 
     def accumulate(self, total: torch.Tensor, packet: Packet) -> None:
         """``total += decompress(packet)`` on a flat float32 ``total``, the same bits: on the CPU decoded

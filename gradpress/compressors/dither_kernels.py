@@ -312,10 +312,11 @@ DECODE = -1  # _decode_segment's mode that stores the decoded values as they are
 
 
 @inline
-def _decode_segment(codes, base, start, stop, scale, levels, natural, mode, count, reciprocal,
+def _decode_segment(codes, base, start, stop, scale, norm, levels, natural, mode, count, reciprocal,
                     out):  # pragma: no cover - compiled
-    """±fl32(scale · k) (standard, scale = fl32(ν/s)) or ±ν·2^(k-s) (natural, scale = ν) per code, stored
-    into ``out`` (``mode`` :data:`DECODE`) or folded into it in float32 (:func:`gradpress.kernels.jit.fold`);
+    """±min(fl32(scale · k), ν) (standard, scale = fl32(ν/s): ν·k/s ≤ ν, which a scale rounded up would
+    pass, to Inf for ν near float32's largest) or ±ν·2^(k-s) (natural, scale = ν) per code, stored into
+    ``out`` (``mode`` :data:`DECODE`) or folded into it in float32 (:func:`gradpress.kernels.jit.fold`);
     the largest exponent field stored when finishing."""
     largest = np.int32(0)
     for i in range(start, stop):
@@ -325,7 +326,7 @@ def _decode_segment(codes, base, start, stop, scale, levels, natural, mode, coun
             level = f32_from_bits(U(U(k + U(127 - levels)) << U(23))) if k != U(0) else np.float32(0.0)
             value = f32_from_bits(U(bits_of_f32(scale * level) | U(c << U(31))))
         else:  # float32(k), exactly, in 32-bit lanes (2^23 + k has k as its mantissa)
-            magnitude = scale * (f32_from_bits(U(k | U(0x4B000000))) - np.float32(2.0**23))
+            magnitude = min(scale * (f32_from_bits(U(k | U(0x4B000000))) - np.float32(2.0**23)), norm)
             value = -magnitude if c & U(1) else magnitude
         if mode == DECODE:
             out[np.uint64(i)] = value
@@ -357,9 +358,11 @@ def _decode_blocks(packed, norms, bucket, levels, natural, code_bits, mode, coun
             end = min(stop, (b + 1) * bucket)
             # each call with constant flags, so that _decode_segment's other branches compile away
             if natural:
-                top = _decode_segment(codes8, start, i, end, scales[b], levels, True, mode, c, r, out)
+                top = _decode_segment(codes8, start, i, end, scales[b], norms[b], levels, True, mode, c, r,
+                                      out)
             else:
-                top = _decode_segment(codes8, start, i, end, scales[b], levels, False, mode, c, r, out)
+                top = _decode_segment(codes8, start, i, end, scales[b], norms[b], levels, False, mode, c, r,
+                                      out)
             largest = max(largest, top)
             i, b = end, b + 1
     return largest

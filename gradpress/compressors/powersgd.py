@@ -50,8 +50,8 @@ import torch
 
 from gradpress.kernels import simd as V
 from gradpress.kernels.jit import jit, use_numba
-from gradpress.core.compressor import (Compressor, NonFiniteError, Preliminary, check_finite, divide,
-                                  float32_output, register, saturate)
+from gradpress.core.compressor import (Compressor, Preliminary, check_finite, divide, float32_output,
+                                  register, saturate)
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context
@@ -159,8 +159,9 @@ class PowerSGD(Compressor):
         NaN or with both infinities is NaN), so the r × m values of ΣP are finite only if every worker's
         M is (or the sum overflowed: then P̂ would be NaN anyway). Every worker holds the same ΣP, so all
         of them raise together, before the second all-reduce: :class:`NonFiniteError` if its own M holds
-        NaN/Inf, ``OverflowError`` if its own M is finite but its P or ΣP overflowed float32 (values near
-        float32's largest, |M_ij|·√n beyond it), else (another worker's M) :class:`NonFiniteError`.
+        NaN/Inf, else ``OverflowError``: its own P, another worker's or their sum overflowed float32
+        (values near float32's largest, |M_ij|·√n beyond it; the runtime flags a NaN/Inf gradient in the
+        preliminary exchange, before ΣP is formed, so finite gradients never raise a NonFiniteError here).
         A Q = Mᵀ P̂ beyond float32 (|M_ij|·√m beyond its range) raises ``OverflowError`` as well.
         """
         if prepared is None:
@@ -190,8 +191,8 @@ class PowerSGD(Compressor):
         if not bool(torch.isfinite(own).all()):
             raise OverflowError(f"{self.spec}: {where}: this worker's M Q overflowed float32 (its gradient "
                                 f"is finite, with values up to {float(flat.abs().max()):.3g})")
-        raise NonFiniteError(f"{self.spec}: {where}: another worker's gradient holds NaN/Inf value(s), or "
-                             f"the sum of the workers' finite P overflowed float32")
+        raise OverflowError(f"{self.spec}: {where}: another worker's M Q, or the sum of the workers' P, "
+                            "overflowed float32 (a gradient's values too close to float32's largest)")
 
     def _decompress(self, packet: Packet) -> torch.Tensor:
         """Algorithm 1, DECOMPRESS: M̂ = P̂ Qᵀ."""

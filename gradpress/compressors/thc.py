@@ -901,6 +901,10 @@ class THC(_Homomorphic):
         if ell * math.sqrt(_power_of_two(min(flat.numel(), self.partition))) >= FLOAT32_MAX:
             raise OverflowError(f"{self.spec}: an L2 norm of {ell:.3g} overflows the float32 Hadamard "
                                 "transform")
+        if self.t_p * ell >= FLOAT32_MAX:  # a decoded value reaches √d·M = t_p·ℓ (d = 1: M itself)
+            raise OverflowError(f"{self.spec}: the truncation range ±M = ±t_p·ℓ/√d (t_p = {self.t_p:.4g}, "
+                                f"the largest L2 norm ℓ = {ell:.3g}) holds decoded values beyond float32's "
+                                "range")
         signs = ctx.shared_generator(flat.device, "thc/rht")
         layout = rht_layout(flat.numel(), signs, self.partition, flat.device)
         bound = float(np.float32(self.t_p * ell / math.sqrt(layout.padded_numel)))  # line 11: M; m = −M

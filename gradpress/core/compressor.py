@@ -388,21 +388,21 @@ class Compressor:
         contiguous float32 ``out`` instead (:func:`float32_output`), so that it need not be copied
         there (a packet of another dtype is then cast from it). Default: decompress the summed packet
         and divide by ``count`` in float32 (GRACE Algorithm 1 line 9: g = Q⁻¹(Allreduce(g̃)) / n), in
-        place where the dtype allows.
+        place where the dtype allows, in the pass that checks the mean: the workers' values are finite,
+        so an Inf/NaN there means that their sum overflowed the wire's dtype (two fp16 values of 40000,
+        two float32 ones of 3e38, whose mean is in range): an ``OverflowError`` on every rank, which
+        all hold the same sums.
         """
         if packet.numel == 0:
             return self.decompress(packet)
         if "divided" in packet.meta:  # the mean already: each worker sent x / count
             return self._divided_mean(packet, summed, count)
         flat = self._decompress(packet.with_wire(summed)).float()
-        if self.propagates_nonfinite:
-            bad = divide_counting_nonfinite(flat, count)
-            if bad:
-                raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed: the aggregate "
-                                    f"holds {bad} Inf/NaN value(s) out of {flat.numel()} (a worker's NaN/Inf "
-                                    "gradient is flagged before it is sent)")
-        else:
-            divide(flat, count, out=flat)
+        bad = divide_counting_nonfinite(flat, count)  # (one pass for both on the CPU)
+        if bad:  # every worker's values were finite (a NaN/Inf gradient is flagged before it is sent)
+            wire = summed[0].dtype if summed else "its dtype"
+            raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed {wire}: the "
+                                f"aggregate holds {bad} Inf/NaN value(s) out of {flat.numel()}")
         if self.saturates and packet.dtype != torch.float32:
             saturate(flat, packet.dtype)
         return flat.to(packet.dtype).view(packet.shape)

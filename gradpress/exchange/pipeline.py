@@ -30,7 +30,7 @@ import torch
 
 from gradpress.exchange.agreement import agree
 from gradpress.core.compressor import (Compressor, NonFiniteError, any_nonfinite, divide_counting_nonfinite, make,
-                                  scaled_sum)
+                                  saturate, scaled_sum)
 from gradpress.core.feedback import SumParts, make_feedback
 from gradpress.core.packet import Packet, adjacent
 from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
@@ -392,7 +392,8 @@ class Pipeline:
 
     def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None,
                writable: bool = False) -> list[Group]:
-        """The protocols exchanging ``items`` (key, gradient): the compressed ones, then the plain ones.
+        """The protocols exchanging ``items`` (key, gradient): the compressed ones, then the plain ones,
+        then the empty ones, which no compressor, memory or collective sees (their average is empty).
 
         Starts the items' steps. ``bucket``: a flat tensor the gradients are views of, which the
         exchange may overwrite (a DDP bucket's buffer): collectives then work in it where they can.
@@ -417,8 +418,9 @@ class Pipeline:
             self.steps[key] = step + 1
         writable = writable or bucket is not None
         groups = []
+        empty = [i for i, (_, tensor) in enumerate(items) if tensor.numel() == 0]
         for compressed in (True, False):
-            members = [i for i, flag in enumerate(flags) if flag == compressed]
+            members = [i for i, flag in enumerate(flags) if flag == compressed and items[i][1].numel()]
             if members:
                 chosen = [items[i] for i in members]
                 chosen_steps = [steps[i] for i in members]
@@ -430,6 +432,9 @@ class Pipeline:
                     protocol = self._protocol([(chosen[0][0], flat)], [step], compressed, writable,
                                               members=[key for key, _ in chosen])
                 groups.append(Group(members, protocol, step, flat))
+        if empty:  # nothing to send: the same on every rank, whose shapes agree
+            tensors = [items[i][1] for i in empty]
+            groups.append(Group(empty, _unexchanged(tensors), max(steps[i] for i in empty)))
         return groups
 
     def scatter_groups(self, rows: Sequence[Sequence[tuple[str, torch.Tensor]]],
@@ -538,9 +543,14 @@ class Pipeline:
                 prelims = []
                 for i, (x, ctx, grad, parts) in enumerate(zip(inputs, ctxs, grads, sums)):
                     pre = _prepare(compressor, x, ctx, self.world_size, grad, parts)
-                    if pre is _FAULTY:
-                        faulty, inputs[i] = True, torch.zeros_like(x)
-                        pre = _prepare(compressor, inputs[i], ctx, self.world_size)
+                    if pre is _FAULTY:  # the gradient's NaN/Inf, or φ's own overflow (then saturated)
+                        saturated = _saturated(xs[i], grad)
+                        pre = _FAULTY if saturated is None else _prepare(compressor, saturated, ctx,
+                                                                         self.world_size)
+                        if pre is _FAULTY:
+                            faulty, saturated = True, torch.zeros_like(x)
+                            pre = _prepare(compressor, saturated, ctx, self.world_size)
+                        inputs[i] = saturated
                     prelims.append(pre)
                 sums = [None] * len(items)  # φ is formed
                 stats.add(step, compress_s=time.perf_counter() - start)
@@ -565,8 +575,16 @@ class Pipeline:
                 except NonFiniteError:
                     if carried:  # not seen before the preliminary exchange: no flag can travel now
                         raise
-                    faulty = True
-                    packet = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
+                    packet = None
+                    saturated = _saturated(x, grad)  # φ (out holds it after an error) overflowed?
+                    if saturated is not None:
+                        try:
+                            packet = _compress(compressor, saturated, ctx, ready, divided, writable)
+                        except NonFiniteError:  # (a flag then travels: no rank waits for this one)
+                            packet = None
+                    if packet is None:
+                        faulty = True
+                        packet = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
                 packets.append(packet)
             if feedback.updates and not faulty:
                 for (key, _), grad, x, packet, done in zip(items, grads, xs, packets, formed):
@@ -717,6 +735,30 @@ class FlatAllReduce:
         return driver.start_round(Round([AllReduce(flat)], final=True), step, finish)
 
 
+def _saturated(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    """What to compress in place of φ = β·m + γ·g (``x``, formed by the feedback memory) when φ, or its
+    cast to the gradient's dtype, holds NaN/Inf: None when the finite gradient is not the cause (``x``
+    is the gradient itself, or the gradient holds NaN/Inf: a fault the exchange reports), else φ
+    saturated. A finite memory and gradient overflow only to ±Inf, with the sign of the exact sum: ``x``
+    is clamped in place to its dtype's largest finite value (what lies beyond float32's range is lost:
+    the memory cannot hold it), and the input is ``x`` cast to the gradient's dtype saturating at that
+    dtype's largest value; the memory's update keeps what this leaves unsent (an fp16/bf16 φ beyond the
+    gradient's range stays in the float32 memory for later steps: error feedback, GRACE Eq. 5)."""
+    if x is grad or any_nonfinite(grad.reshape(-1).contiguous()):
+        return None
+    largest = torch.finfo(x.dtype).max
+    x.clamp_(-largest, largest)
+    if x.dtype == grad.dtype:
+        return x
+    return saturate(x.reshape(-1), grad.dtype, inplace=False).to(grad.dtype).view(grad.shape)
+
+
+def _unexchanged(tensors: list[torch.Tensor]) -> Protocol:
+    """The protocol of empty tensors: no round, their averages empty tensors like them."""
+    return [torch.empty_like(t) for t in tensors]
+    yield  # (a generator: a protocol that issues no round)
+
+
 _FAULTY = object()
 
 
@@ -727,7 +769,7 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
     or, for a method that finds them in its own passes, in its preliminary values (a max norm, P = MQ).
     Preliminary values that are not finite although ``x`` is (PowerSGD's P of values near float32's
     largest) travel as they are: every rank then holds the combined values and the method raises its
-    ``OverflowError`` (or names another worker) on every rank at the same point. ``parts``: x is
+    ``OverflowError`` (naming this worker or another) on every rank at the same point. ``parts``: x is
     ``parts.out``, where φ = β·m + γ·``grad`` is formed first — by the method's own preliminary pass
     (:meth:`~gradpress.core.compressor.Compressor.prepare_sum`) where it finds NaN/Inf itself."""
     if parts is not None and not compressor.checks_finite:
