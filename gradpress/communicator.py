@@ -21,6 +21,7 @@ from gradpress.exchange.driver import Driver
 from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 from gradpress.exchange.state import gathered as _gathered
 from gradpress.exchange.distributed import ProcessGroupExecutor, gather_objects, process_group as resolve_group
+from gradpress import warmup
 
 
 class Communicator:
@@ -61,6 +62,7 @@ class Communicator:
         auto = AutoOptions.pop_from(options) if is_auto(spec) else None
         self.options = Options.of(**options)
         compressor = build(spec) if auto is None else None  # a bad spec raises before any collective
+        warmup.for_training(compressor, self.options, auto, group=process_group)  # before any collective
         executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout), process_group)
         self.rank, self.world_size = executor.rank, executor.world_size
         self._pipeline: Pipeline | AutoPipeline

@@ -52,6 +52,7 @@ BENCHES = [
     "gradpress.bench.faults",
     "gradpress.bench.step",
     "gradpress.bench.grace",
+    "gradpress.bench.importtime",
 ]
 
 
