@@ -25,7 +25,7 @@ from gradpress.exchange.pipeline import flat_stats
 from gradpress.simulation import Simulator, simulate
 from gradpress.warmup import warm_up
 
-compile = warm_up  # noqa: A001 - gradpress.compile(spec, ...): the name of the command that calls it
+compile = warm_up  # noqa: A001 - gradpress.compile(spec, ...), as the command (not in __all__: a builtin's name)
 
 __all__ = [
     "Compose", "Compressor", "Context", "Feedback", "NonFiniteError", "Packet",
@@ -33,7 +33,7 @@ __all__ = [
     "thc_table",
     "Communicator", "Preliminary", "Simulator", "ddp_comm_hook", "register_compressor", "simulate",
     "ExchangeFailed", "GradpressState", "flat_stats", "fsdp",
-    "warm_up", "compile",
+    "warm_up",
 ]
 from gradpress._version import __version__  # noqa: E402
 

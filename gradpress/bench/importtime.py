@@ -5,7 +5,8 @@
 Runs ``python -X importtime -c "import torch"`` and ``python -X importtime -c "import gradpress"`` in
 ``--runs`` fresh processes each, alternated, and reports the median of each: the import's own time (the
 cumulative microseconds of the top-level imports that ``-X importtime`` writes, interpreter start-up
-excluded) and the process's wall time. Also the modules that take the longest in the median gradpress
+excluded), the process's wall time and its CPU time (user + system: less sensitive to other processes
+sharing the cores). Also the modules besides torch's that take the longest in the median gradpress
 run, and which of numba, scipy, matplotlib, tqdm, rich and the lab gradpress loads beyond torch's own.
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ def _one(statement: str) -> dict[str, Any]:
     """One fresh interpreter running ``statement`` under ``-X importtime``."""
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    check = f"{statement}; import json, sys; print(json.dumps([m for m in {WATCHED!r} if m in sys.modules]))"
+    check = (f"{statement}; import json, resource, sys; usage = resource.getrusage(resource.RUSAGE_SELF); "
+             f"print(json.dumps([[m for m in {WATCHED!r} if m in sys.modules], usage.ru_utime + usage.ru_stime]))")
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", check], env=env, capture_output=True,
                           text=True, check=True)
@@ -50,9 +52,11 @@ def _one(statement: str) -> dict[str, Any]:
     rows = [(int(own), int(total), len(indent), name)
             for own, total, indent, name in (m.groups() for m in matches if m)]
     top = min(indent for _, _, indent, _ in rows)
+    loaded, cpu = json.loads(done.stdout.strip().splitlines()[-1])
     return {"import_s": sum(total for _, total, indent, _ in rows if indent == top) / 1e6, "wall_s": wall,
-            "loaded": json.loads(done.stdout.strip().splitlines()[-1]),
-            "slowest": sorted(((own / 1e6, name) for own, _, _, name in rows), reverse=True)[:8]}
+            "cpu_s": cpu, "loaded": loaded,
+            "slowest": sorted(((own / 1e6, name) for own, _, _, name in rows
+                               if name.partition(".")[0] not in ("torch", "torchgen")), reverse=True)[:8]}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -64,22 +68,24 @@ def main(args: argparse.Namespace) -> int:
                               "load_average": os.getloadavg()}
     for name, measured in runs.items():
         result[name] = {key: statistics.median(run[key] for run in measured)
-                        for key in ("import_s", "wall_s")}
+                        for key in ("import_s", "wall_s", "cpu_s")}
     median_run = sorted(runs["gradpress"], key=lambda run: run["import_s"])[len(runs["gradpress"]) // 2]
     by_torch = set(runs["torch"][0]["loaded"])
     result["gradpress"]["loaded"] = [name for name in median_run["loaded"] if name not in by_torch]
     result["torch"]["loaded"] = sorted(by_torch)
     result["gradpress"]["slowest"] = median_run["slowest"]
     result["added_s"] = result["gradpress"]["import_s"] - result["torch"]["import_s"]
+    result["added_cpu_s"] = result["gradpress"]["cpu_s"] - result["torch"]["cpu_s"]
     print(f"median of {args.runs} fresh processes each (nproc {result['nproc']}, load average "
           f"{result['load_average'][0]:.2f}):")
     for name in runs:
-        print(f"  import {name:9s} {result[name]['import_s']:.3f} s "
-              f"(process wall time {result[name]['wall_s']:.3f} s)")
-    print(f"  gradpress adds {result['added_s']:.3f} s to torch's import and loads "
+        print(f"  import {name:9s} {result[name]['import_s']:.3f} s (process: wall {result[name]['wall_s']:.3f} s, "
+              f"CPU {result[name]['cpu_s']:.3f} s)")
+    print(f"  gradpress adds {result['added_s']:.3f} s ({result['added_cpu_s']:.3f} s of CPU) to torch's import "
+          "and loads "
           f"{', '.join(result['gradpress']['loaded']) or 'none'} of {', '.join(WATCHED)} "
           f"(torch itself loads {', '.join(result['torch']['loaded']) or 'none'})")
-    print("  slowest modules (own time): "
+    print("  slowest modules besides torch's (own time): "
           + ", ".join(f"{name} {s * 1e3:.0f} ms" for s, name in median_run["slowest"]))
     if args.out:
         write_json(args.out, result)

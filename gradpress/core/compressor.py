@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gradpress.kernels.dispatch import as_numpy, use_numba
+from gradpress.kernels.warm import large_only
 from gradpress.core.packet import Packet
 from gradpress.core.registry import Registry, check_params_of, format_spec
 from gradpress.core.rng import Context
@@ -597,6 +598,13 @@ def add_into(memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> tor
         _kernels().add_streamed(as_numpy(memory.view(-1)), as_numpy(grad.view(-1)), as_numpy(out.view(-1)))
         return out
     return torch.add(memory, grad, out=out)
+
+
+@large_only
+def _compile_streamed_sum() -> None:
+    """:func:`add_into`'s kernel, compiled on a few values (it runs on 2^21 and more)."""
+    values = np.zeros(16, np.float32)
+    _kernels().add_streamed(values, values, np.empty_like(values))
 
 
 def scaled_sum(memory: torch.Tensor, grad: torch.Tensor, beta: float, gamma: float,

@@ -63,6 +63,8 @@ def _imported(path: Path, package: Path) -> tuple[Path, ...]:
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level:  # relative: from the module's own package
+                if not path.is_relative_to(package.parent):
+                    continue  # (a module outside gradpress: not one of gradpress's)
                 anchor = path.parent.relative_to(package.parent).parts
                 anchor = anchor[:len(anchor) - (node.level - 1)]
                 module = ".".join([*anchor, module] if module else anchor)
@@ -106,7 +108,8 @@ def sources_digest(path: Path, package: Path = PACKAGE) -> str:
     elsewhere (the testbed, the command line, a front end) does not."""
     digest = hashlib.sha256()
     for file in dependencies(path, package):
-        digest.update(str(file.relative_to(package)).encode() + b"\0" + file.read_bytes() + b"\0")
+        name = file.relative_to(package) if file.is_relative_to(package) else file  # (a module of the user's)
+        digest.update(str(name).encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
@@ -168,8 +171,9 @@ def describe_cache() -> str:
 class _Locator(_CacheLocator):
     """One of a kernel's cache folders (see :func:`cache_folders`), stamped with the sources it depends on."""
 
-    def __init__(self, py_file: str, folder: str) -> None:
+    def __init__(self, py_func: Callable[..., Any], py_file: str, folder: str) -> None:
         self._py_file, self._folder = py_file, folder
+        self._lineno = py_func.__code__.co_firstlineno
 
     def get_cache_path(self) -> str:
         return self._folder
@@ -182,7 +186,7 @@ class _Locator(_CacheLocator):
         return sources_digest(Path(self._py_file))
 
     def get_disambiguator(self) -> str:
-        raise NotImplementedError  # (the file name is made by _KernelCacheImpl)
+        return str(self._lineno)  # (numba's: functions of one name told apart by their line)
 
 
 class _KernelCacheImpl(CompileResultCacheImpl):
@@ -194,15 +198,12 @@ class _KernelCacheImpl(CompileResultCacheImpl):
         folders = cache_folders(os.path.abspath(py_file))
         chosen = next((folder for folder in folders if _writable(folder)), None)  # (made only if need be)
         self.writable = chosen is not None
-        self.readable = [_Locator(py_file, folder) for folder in folders]
-        self._locator = _Locator(py_file, folders[0] if chosen is None else chosen)
+        self.readable = [_Locator(py_func, py_file, folder) for folder in folders]
+        self._locator = _Locator(py_func, py_file, folders[0] if chosen is None else chosen)
         self._lineno = py_func.__code__.co_firstlineno
         qualname = getattr(py_func, "__qualname__", py_func.__name__)
         module = os.path.splitext(os.path.basename(py_file))[0]
-        # numba's file names: module.qualname-line.pyXY
-        fixed = f"{module}.{qualname}".replace("<", "").replace(">", "")
-        self._filename_base = (f"{fixed}-{self._lineno}.py{sys.version_info[0]}{sys.version_info[1]}"
-                               f"{getattr(sys, 'abiflags', '')}")
+        self._filename_base = self.get_filename_base(f"{module}.{qualname}", getattr(sys, "abiflags", ""))
 
 
 class KernelCache(FunctionCache):
@@ -220,17 +221,17 @@ class KernelCache(FunctionCache):
                         for locator in impl.readable if locator.get_cache_path() != self._cache_path]
 
     def _load_overload(self, sig: Any, target_context: Any) -> Any:
-        data = super()._load_overload(sig, target_context)
-        if data is None and self._enabled:
-            key = self._index_key(sig, target_context.codegen())
-            for other in self._others:
-                try:
-                    found = other.load(key)
-                except OSError:  # (e.g. a file where the folder would be)
-                    continue
-                if found is not None:
-                    return self._impl.rebuild(target_context, found)
-        return data
+        if not self._enabled:
+            return None
+        key = self._index_key(sig, target_context.codegen())
+        for place in (self._cache_file, *self._others):
+            try:
+                found = place.load(key)
+            except OSError:  # (e.g. a file where the folder would be)
+                continue
+            if found is not None:
+                return self._impl.rebuild(target_context, found)
+        return None
 
     def _save_overload(self, sig: Any, data: Any) -> None:
         if self._impl.writable:

@@ -18,6 +18,15 @@ from gradpress.log import logger
 
 _done: set[Hashable] = set()
 _lock = threading.Lock()
+_large_only: list[Callable[[], object]] = []
+
+
+def large_only(run: Callable[[], object]) -> Callable[[], object]:
+    """Register ``run`` (a decorator): it calls, on small inputs, a kernel that the code calls only for
+    large tensors (the warm-up's small tensors would not reach it). :func:`warm` calls every registered
+    one before its first run."""
+    _large_only.append(run)
+    return run
 
 
 def warm(runs: Sequence[tuple[Hashable, str, str, Callable[[], object]]], setting: str) -> bool:
@@ -38,6 +47,8 @@ def warm(runs: Sequence[tuple[Hashable, str, str, Callable[[], object]]], settin
 
         compiled, loaded = compile_counts()
         start = time.perf_counter()
+        while _large_only:
+            _large_only.pop()()
         ran: list[tuple[str, str]] = []
         for key, method, dtype, run in todo:
             try:
