@@ -25,7 +25,8 @@ from gradpress.exchange.pipeline import flat_stats
 from gradpress.simulation import Simulator, simulate
 from gradpress.warmup import warm_up
 
-compile = warm_up  # noqa: A001 - gradpress.compile(spec, ...), as the command (not in __all__: a builtin's name)
+#: gradpress.compile(spec, ...), as the command (not in __all__: a builtin's name)
+compile = warm_up  # noqa: A001
 
 __all__ = [
     "Compose", "Compressor", "Context", "Feedback", "NonFiniteError", "Packet",

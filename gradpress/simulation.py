@@ -162,7 +162,8 @@ def warm_kernels(compressors: Sequence[Compressor], workers: int, options: Optio
     decompresses one tensor alone."""
     exercised = replace(options, min_numel=0, warmup_steps=0, exclude=("plain",), timeout=None, seed=0)
     runs = [((c.spec, exercised, workers, dtype), c.spec, str(dtype).removeprefix("torch."),
-             functools.partial(_exercise, c, workers, exercised, dtype)) for c in compressors for dtype in dtypes]
+             functools.partial(_exercise, c, workers, exercised, dtype))
+            for c in compressors for dtype in dtypes]
     mode = "" if options.mode == "collective" else f", {options.mode} mode"
     warm(runs, f"{workers} worker{'s' if workers > 1 else ''}{mode}")
 

@@ -47,7 +47,8 @@ def _copy(tmp_path: Path) -> Path:
 def _decode_in_a_process(root: Path, **env: str) -> dict:
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("NUMBA_CACHE_DIR", "GRADPRESS_CACHE", "XDG_CACHE_HOME")}
-    environment.update(PYTHONPATH=str(root), GRADPRESS_NUMBA="1", XDG_CACHE_HOME=str(root / "xdg"), **env)
+    environment.update({"PYTHONPATH": str(root), "GRADPRESS_NUMBA": "1", "XDG_CACHE_HOME": str(root / "xdg"),
+                        **env})
     done = subprocess.run([sys.executable, "-c", _CHILD], cwd=root, env=environment, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -128,6 +129,21 @@ def test_where_kernels_are_kept(tmp_path):
     assert _decode_in_a_process(tmp_path) == MISS
     assert list((xdg / "gradpress" / "numba").glob("compressors_*/sign._decode_signs-*.nbc"))
     assert _decode_in_a_process(tmp_path) == HIT
+
+
+def test_kernels_run_where_no_cache_folder_can_be_written(tmp_path):
+    """A checkout (or an installed package) where no folder can hold a kernel — beside the module, the
+    user's cache (``XDG_CACHE_HOME``), ``GRADPRESS_CACHE`` —: the kernel is compiled in each process, gives
+    the right result, and nothing fails nor is written. A file stands where each folder would be (what
+    a read-only folder is for a user other than root, whose writes no permission stops)."""
+    copy = _copy(tmp_path)
+    (copy / "compressors" / "__pycache__").write_bytes(b"")
+    blocked = tmp_path / "blocked"
+    blocked.write_bytes(b"")
+    for env in ({"XDG_CACHE_HOME": str(blocked / "xdg")},
+                {"XDG_CACHE_HOME": str(blocked / "xdg"), "GRADPRESS_CACHE": str(blocked / "chosen")}):
+        assert _decode_in_a_process(tmp_path, **env) == MISS
+    assert not list(tmp_path.rglob("*.nbc")) and not list(tmp_path.rglob("*.nbi"))  # (the next one compiles)
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3, 16])

@@ -86,8 +86,8 @@ def test_gradpress_compile(tmp_path):
                            "--option", "candidates=[]"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.startswith("gradpress: error: ")  # not a runtime option
     done = subprocess.run([sys.executable, "-m", "gradpress", "compile", "none", "topk:ratio=0.5", "--dtypes",
-                           "bfloat16", "--workers", "3"], env=env, capture_output=True, text=True, timeout=900,
-                          check=True)
+                           "bfloat16", "--workers", "3"], env=env, capture_output=True, text=True,
+                          timeout=900, check=True)
     first, kept = done.stdout.strip().splitlines()
     assert first.startswith("gradpress: kernels for none, topk:ratio=0.5 (bfloat16; 3 workers) ready in ")
     assert kept.startswith("kernels kept in ")

@@ -65,6 +65,7 @@ def warm(runs: Sequence[tuple[Hashable, str, str, Callable[[], object]]], settin
         now_compiled, now_loaded = compile_counts()
         methods = ", ".join(dict.fromkeys(method for method, _ in ran))
         dtypes = ", ".join(dict.fromkeys(dtype for _, dtype in ran))
-        logger.info("gradpress: kernels for %s (%s; %s) ready in %.1f s (%d compiled, %d loaded from the disk "
-                    "cache)", methods, dtypes, setting, seconds, now_compiled - compiled, now_loaded - loaded)
+        logger.info("gradpress: kernels for %s (%s; %s) ready in %.1f s (%d compiled, %d loaded from the "
+                    "disk cache)", methods, dtypes, setting, seconds, now_compiled - compiled,
+                    now_loaded - loaded)
         return True
