@@ -78,3 +78,17 @@ def test_the_declared_names_are_what_the_modules_register():
         registered = {name: cls.__module__ for name, cls in reg._types.items()
                       if cls.__module__.startswith(package.__name__ + ".")}
         assert registered == table
+
+
+def test_the_import_benchmark_reports_what_gradpress_loads(tmp_path):
+    """``gradpress bench import`` (the timings of docs/performance.md) runs, and the modules it reports
+    gradpress loading beyond torch's own are none of the heavy ones."""
+    from gradpress import cli
+
+    out = tmp_path / "import.json"
+    assert cli.main(["bench", "import", "--runs", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["runs"] == 1 and result["gradpress"]["loaded"] == []
+    assert {"import_s", "wall_s", "cpu_s", "beyond_torch_s"} <= result["gradpress"].keys()
+    assert result["gradpress"]["beyond_torch_s"] > 0 and any(
+        name.startswith("gradpress.") for _, name in result["gradpress"]["slowest"])

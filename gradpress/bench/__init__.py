@@ -53,6 +53,7 @@ BENCHES = [
     "gradpress.bench.step",
     "gradpress.bench.grace",
     "gradpress.bench.importtime",
+    "gradpress.bench.firstuse",
 ]
 
 

@@ -6,8 +6,11 @@ Runs ``python -X importtime -c "import torch"`` and ``python -X importtime -c "i
 ``--runs`` fresh processes each, alternated, and reports the median of each: the import's own time (the
 cumulative microseconds of the top-level imports that ``-X importtime`` writes, interpreter start-up
 excluded), the process's wall time and its CPU time (user + system: less sensitive to other processes
-sharing the cores). Also the modules besides torch's that take the longest in the median gradpress
-run, and which of numba, scipy, matplotlib, tqdm, rich and the lab gradpress loads beyond torch's own.
+sharing the cores). Also the time of the modules that importing torch alone does not import (the sum of
+their own times: what gradpress adds, less sensitive to the variation of torch's own import than the
+difference of the two medians), the modules besides torch's that take the longest in the median
+gradpress run, and which of numba, scipy, matplotlib, tqdm, rich and the lab gradpress loads beyond
+torch's own.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ def _one(statement: str) -> dict[str, Any]:
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     check = (f"{statement}; import json, resource, sys; usage = resource.getrusage(resource.RUSAGE_SELF); "
-             f"print(json.dumps([[m for m in {WATCHED!r} if m in sys.modules], usage.ru_utime + usage.ru_stime]))")
+             f"print(json.dumps([[m for m in {WATCHED!r} if m in sys.modules], "
+             "usage.ru_utime + usage.ru_stime]))")
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", check], env=env, capture_output=True,
                           text=True, check=True)
@@ -54,7 +58,7 @@ def _one(statement: str) -> dict[str, Any]:
     top = min(indent for _, _, indent, _ in rows)
     loaded, cpu = json.loads(done.stdout.strip().splitlines()[-1])
     return {"import_s": sum(total for _, total, indent, _ in rows if indent == top) / 1e6, "wall_s": wall,
-            "cpu_s": cpu, "loaded": loaded,
+            "cpu_s": cpu, "loaded": loaded, "own": {name: own / 1e6 for own, _, _, name in rows},
             "slowest": sorted(((own / 1e6, name) for own, _, _, name in rows
                                if name.partition(".")[0] not in ("torch", "torchgen")), reverse=True)[:8]}
 
@@ -74,17 +78,23 @@ def main(args: argparse.Namespace) -> int:
     result["gradpress"]["loaded"] = [name for name in median_run["loaded"] if name not in by_torch]
     result["torch"]["loaded"] = sorted(by_torch)
     result["gradpress"]["slowest"] = median_run["slowest"]
+    by_torch_alone = {name for run in runs["torch"] for name in run["own"]}
+    result["gradpress"]["beyond_torch_s"] = statistics.median(
+        sum(own for name, own in run["own"].items() if name not in by_torch_alone)
+        for run in runs["gradpress"])
     result["added_s"] = result["gradpress"]["import_s"] - result["torch"]["import_s"]
     result["added_cpu_s"] = result["gradpress"]["cpu_s"] - result["torch"]["cpu_s"]
     print(f"median of {args.runs} fresh processes each (nproc {result['nproc']}, load average "
           f"{result['load_average'][0]:.2f}):")
     for name in runs:
-        print(f"  import {name:9s} {result[name]['import_s']:.3f} s (process: wall {result[name]['wall_s']:.3f} s, "
-              f"CPU {result[name]['cpu_s']:.3f} s)")
-    print(f"  gradpress adds {result['added_s']:.3f} s ({result['added_cpu_s']:.3f} s of CPU) to torch's import "
-          "and loads "
+        print(f"  import {name:9s} {result[name]['import_s']:.3f} s (process: wall "
+              f"{result[name]['wall_s']:.3f} s, CPU {result[name]['cpu_s']:.3f} s)")
+    print(f"  gradpress adds {result['added_s']:.3f} s ({result['added_cpu_s']:.3f} s of CPU) to torch's "
+          "import and loads "
           f"{', '.join(result['gradpress']['loaded']) or 'none'} of {', '.join(WATCHED)} "
           f"(torch itself loads {', '.join(result['torch']['loaded']) or 'none'})")
+    print("  the modules that import torch alone does not import: "
+          f"{result['gradpress']['beyond_torch_s']:.3f} s (sum of their own times, median)")
     print("  slowest modules besides torch's (own time): "
           + ", ".join(f"{name} {s * 1e3:.0f} ms" for s, name in median_run["slowest"]))
     if args.out:
