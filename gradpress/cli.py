@@ -37,6 +37,7 @@ SUBCOMMANDS = [
     "gradpress.testbed.compare",
     "gradpress.testbed.sim",
     "gradpress.testbed.advise",
+    "gradpress.testbed.compile",
 ]
 
 PREFIX = "gradpress: error: "

@@ -23,6 +23,7 @@ from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat
 from gradpress.exchange.state import gathered as _gathered
 from gradpress.exchange.distributed import (NodeExecutor, ProcessGroupExecutor, gather_objects,
                                             process_group as resolve_group, spans_world)
+from gradpress import warmup
 
 
 class Communicator:
@@ -69,6 +70,7 @@ class Communicator:
         self.options = Options.of(**options)
         check_options(self.options, auto is not None)
         compressor = build(spec) if auto is None else None  # a bad spec raises before any collective
+        warmup.for_training(compressor, self.options, auto, group=process_group)  # before any collective
         executor = ProcessGroupExecutor(resolve_group(process_group, self.options.timeout), process_group)
         self.rank, self.world_size = executor.rank, executor.world_size
         self._pipeline: Pipeline | AutoPipeline | HierarchicalPipeline

@@ -47,6 +47,7 @@ from gradpress.exchange.state import check_world_size_change, gathered, own_stat
 from gradpress.exchange.distributed import ProcessGroupExecutor, chain, gather_objects, rank_and_size
 from gradpress.exchange.distributed import NodeExecutor
 from gradpress.exchange.distributed import process_group as resolve_group, spans_world
+from gradpress import warmup
 
 
 _PLAIN_KEY = re.compile(r"param\d+")  # the keys of a hook that does not know the module's names
@@ -96,6 +97,7 @@ class GradpressState:
         self._watch_handle: Any = None
         if model is not None:
             self._watch(model)
+        warmup.for_training(self.compressor, self.options, self.auto, model=module, group=process_group)
 
     def __repr__(self) -> str:
         """``GradpressState('topk:ratio=0.01', seed=3, …)``: the spec and the options not at their default."""

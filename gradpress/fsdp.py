@@ -47,6 +47,7 @@ from gradpress.exchange.driver import Driver
 from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 from gradpress.exchange.distributed import ProcessGroupExecutor
 from gradpress.exchange.distributed import process_group as resolve_group
+from gradpress import warmup
 
 
 def scatter_methods() -> list[str]:
@@ -85,6 +86,7 @@ class FSDPState:
                                  f"{self.options.mode!r} (the ps and switch modes run on an HSDP mesh)")
         group = info.replicate_process_group if self.hsdp else info.shard_process_group
         self._group = group
+        warmup.for_training(self.compressor, self.options, model=model, group=group)  # before any collective
         executor = ProcessGroupExecutor(resolve_group(group, self.options.timeout), group)
         master = build(self.options.master) if self.options.master is not None else None
         self.pipeline = Pipeline(self.compressor, self.options, executor.rank, executor.world_size, master)

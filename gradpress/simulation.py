@@ -21,7 +21,8 @@ out when all its workers have reached it, and every worker decodes its own shard
 from __future__ import annotations
 
 import copy
-
+import functools
+from dataclasses import fields, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -31,6 +32,7 @@ from gradpress.core.compressor import make
 from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, build
 from gradpress.exchange.state import gathered
+from gradpress.kernels.warm import warm
 from gradpress.exchange.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
                                 fold_sum, traffic)
 
@@ -43,7 +45,9 @@ class Simulator:
     ``hierarchy="node", local_size=k``: nodes of k workers, the two-level exchange
     (:mod:`gradpress.exchange.hierarchy`)."""
 
-    def __init__(self, spec: str | Compressor, workers: int, **options: Any) -> None:
+    def __init__(self, spec: str | Compressor, workers: int, *, warm_up: bool = True, **options: Any) -> None:
+        """``warm_up``: compile the method's kernels now, for float32 CPU tensors (:func:`warm_kernels`),
+        rather than in the first steps."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
         self.options = Options.of(**options)
@@ -57,11 +61,15 @@ class Simulator:
         first = self.pipelines[0]
         self.hierarchical = isinstance(first, HierarchicalPipeline)
         self.layout = first.layout if isinstance(first, HierarchicalPipeline) else None
+        if warm_up:
+            warm_kernels([self.pipelines[0].compressor], workers, self.options, (torch.float32,))
 
-    def step(self, worker_grads: Sequence[WorkerGrads]) -> WorkerGrads:
+    def step(self, worker_grads: Sequence[WorkerGrads], *, writable: bool = False) -> WorkerGrads:
         """Exchange one step: ``worker_grads[r]`` is rank r's gradients (a tensor, a list of tensors or a
         dict name -> tensor; keys ``"0"``, ``"1"``, … for a list, ``""`` for a tensor). Returns what every
-        rank receives (the same on all), in the same structure, shapes and dtypes."""
+        rank receives (the same on all), in the same structure, shapes and dtypes. ``writable``: the
+        gradients may be overwritten, as a DDP bucket's are (methods that can then work in place do; the
+        result is the same)."""
         if len(worker_grads) != self.world_size:
             raise ValueError(f"expected the gradients of {self.world_size} workers, got {len(worker_grads)}")
         items = [_items(grads) for grads in worker_grads]
@@ -71,7 +79,7 @@ class Simulator:
         agreements = [p.agreement(mine) for p, mine in zip(self.pipelines, items)]
         if agreements[0] is not None:
             self._lockstep(agreements, control=True)
-        groups = [p.groups(mine) for p, mine in zip(self.pipelines, items)]
+        groups = [p.groups(mine, writable=writable) for p, mine in zip(self.pipelines, items)]
         out: list[torch.Tensor] = [None] * len(items[0])  # type: ignore[list-item]
         for g, first in enumerate(groups[0]):
             if self.hierarchical:
@@ -205,6 +213,46 @@ def simulate(spec: str | Compressor, worker_grads: Sequence[WorkerGrads], **opti
     worker receives. The same pipeline as the DDP hook and the Communicator, in one process (n up to
     1024 and more); for several steps with feedback carried over, use :class:`Simulator`."""
     return Simulator(spec, len(worker_grads), **options).step(worker_grads)
+
+
+# -- compiling the kernels before the first step -----------------------------------------------------------
+#: the tensors each simulated worker of :func:`warm_kernels` exchanges: a matrix (PowerSGD's products on the
+#: CPU take one from 2^15 values), a vector, and a vector that the options leave uncompressed
+_WARM_SHAPES = {"matrix": (64, 520), "vector": (37,), "plain": (37,)}
+
+
+def warm_kernels(compressors: Sequence[Compressor], workers: int, options: Options,
+                 dtypes: Sequence[torch.dtype]) -> None:
+    """Compile the numba kernels that each of ``compressors`` needs with ``options`` on ``workers`` ranks
+    for gradients of ``dtypes`` — or load them from the disk cache —, once per process, logging one line
+    (:func:`gradpress.kernels.warm.warm`): each runs for four steps in a :class:`Simulator` on small CPU
+    tensors of each dtype, through what an exchange does (compression, feedback memory, aggregation,
+    decoding, an uncompressed tensor; gradients that may and may not be overwritten), and compresses and
+    decompresses one tensor alone."""
+    exercised = replace(options, min_numel=0, warmup_steps=0, exclude=("plain",), timeout=None, seed=0)
+    runs = [((c.spec, exercised, workers, dtype), c.spec, str(dtype).removeprefix("torch."),
+             functools.partial(_exercise, c, workers, exercised, dtype))
+            for c in compressors for dtype in dtypes]
+    mode = "" if options.mode == "collective" else f", {options.mode} mode"
+    warm(runs, f"{workers} worker{'s' if workers > 1 else ''}{mode}")
+
+
+def _exercise(compressor: Compressor, workers: int, options: Options, dtype: torch.dtype) -> bool:
+    settings = {f.name: getattr(options, f.name) for f in fields(options)}
+    try:
+        sim = Simulator(compressor, workers, warm_up=False, **settings)
+    except ValueError:
+        return False  # a setting the method refuses (a switch adds integers only): its front end says so
+    generator = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        for writable in (False, True, False, True):
+            grads = [{key: torch.randn(shape, generator=generator).to(dtype)
+                      for key, shape in _WARM_SHAPES.items()} for _ in range(workers)]
+            sim.step(grads, writable=writable)
+        alone = copy.deepcopy(compressor)  # the compressor's own API: compress, decompress (one worker)
+        x = torch.randn(_WARM_SHAPES["matrix"], generator=generator).to(dtype)
+        alone.decompress(alone.compress(x))
+    return True
 
 
 # -- helpers ------------------------------------------------------------------------------------------

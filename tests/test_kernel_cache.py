@@ -1,7 +1,9 @@
-"""The on-disk cache of gradpress's numba kernels (``gradpress.kernels.jit.kernel``): kept between processes while
-the package's sources stay the same, compiled again when any of them changes — also a module other than
-the kernel's own, whose intrinsics or helpers the cached machine code contains. Real processes, a real
-copy of the package, real cache files."""
+"""The on-disk cache of gradpress's numba kernels (``gradpress.kernels.jit.kernel``): kept between processes
+while the sources a kernel depends on stay the same — its module and every module of gradpress it
+imports, directly or not, whose intrinsics or helpers the cached machine code contains —, compiled again
+when one of them changes and not when another module does; written beside the modules, else where
+``GRADPRESS_CACHE`` or the user's cache folder says. Real processes, a real copy of the package, real
+cache files."""
 from __future__ import annotations
 
 import json
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 import gradpress
-from gradpress.kernels.jit import sources_digest
+from gradpress.kernels.jit import dependencies, sources_digest
 from gradpress.compressors.sign import _decode_signs
 
 #: run in a child process against the copy of the package: decode 4096 packed signs with the sign
@@ -36,46 +38,112 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _decode_in_a_process(root: Path) -> dict:
-    environment = {key: value for key, value in os.environ.items() if key != "NUMBA_CACHE_DIR"}
-    environment.update(PYTHONPATH=str(root), GRADPRESS_NUMBA="1")
+def _copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "gradpress"
+    shutil.copytree(Path(gradpress.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def _decode_in_a_process(root: Path, **env: str) -> dict:
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("NUMBA_CACHE_DIR", "GRADPRESS_CACHE", "XDG_CACHE_HOME")}
+    environment.update({"PYTHONPATH": str(root), "GRADPRESS_NUMBA": "1", "XDG_CACHE_HOME": str(root / "xdg"),
+                        **env})
     done = subprocess.run([sys.executable, "-c", _CHILD], cwd=root, env=environment, capture_output=True,
-                          text=True, timeout=600, check=True)
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_change_to_any_module_compiles_the_kernels_again(tmp_path):
-    package = Path(gradpress.__file__).parent
-    copy = tmp_path / "gradpress"
-    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    first = _decode_in_a_process(tmp_path)
-    assert first == {"hits": 0, "misses": 1, "right": True}
+def _touch(path: Path) -> None:
+    path.write_text(path.read_text() + "\n# changed\n")
+
+
+MISS, HIT = {"hits": 0, "misses": 1, "right": True}, {"hits": 1, "misses": 0, "right": True}
+
+
+def test_a_change_to_a_module_the_kernel_depends_on_compiles_it_again(tmp_path):
+    copy = _copy(tmp_path)
+    assert _decode_in_a_process(tmp_path) == MISS
     assert list((copy / "compressors" / "__pycache__").glob("sign._decode_signs-*.nbc")), "nothing cached"
-    assert _decode_in_a_process(tmp_path) == {"hits": 1, "misses": 0, "right": True}
+    assert _decode_in_a_process(tmp_path) == HIT
+    # modules the kernel's module does not import: no effect
+    for other in ("cli.py", "testbed/report.py", "ddp.py", "exchange/pipeline.py"):
+        _touch(copy / other)
+    assert _decode_in_a_process(tmp_path) == HIT
     # a module the kernel does not live in, whose intrinsics it inlines: numba's own key misses this
-    simd = copy / "_simd.py"
-    simd.write_text(simd.read_text() + "\n# changed\n")
-    assert _decode_in_a_process(tmp_path) == {"hits": 0, "misses": 1, "right": True}
-    assert _decode_in_a_process(tmp_path) == {"hits": 1, "misses": 0, "right": True}
+    _touch(copy / "kernels" / "simd.py")
+    assert _decode_in_a_process(tmp_path) == MISS
+    assert _decode_in_a_process(tmp_path) == HIT
 
 
-def test_the_digest_follows_every_source_file_and_nothing_else(tmp_path):
-    """A change to any module, nested ones included, changes the digest; the caches and bytecode written
-    beside the sources (numba's own index and data files) do not, or every compilation would invalidate
+def test_the_digest_follows_the_kernels_dependencies_and_nothing_else(tmp_path):
+    """A kernel's digest changes with its own module and every module it imports (nested packages, and
+    modules imported through another, included), not with the others; nor with the caches and bytecode
+    written beside the sources (numba's own index and data files), or every compilation would invalidate
     the others."""
-    copy = tmp_path / "gradpress"
-    shutil.copytree(Path(gradpress.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    before = sources_digest(copy)
-    assert before == sources_digest(copy) and len(before) == 64
+    copy = _copy(tmp_path)
+    sign = copy / "compressors" / "sign.py"
+    names = {str(path.relative_to(copy)) for path in dependencies(sign, copy)}
+    assert {"compressors/sign.py", "kernels/jit.py", "kernels/simd.py", "core/compressor.py",
+            "compressors/onebit.py"} <= names
+    assert not names & {"cli.py", "ddp.py", "__init__.py", "simulation.py"}
+    assert not any(name.startswith(("testbed/", "bench/", "exchange/")) for name in names)
+
+    def digest() -> str:
+        sources_digest.cache_clear()
+        return sources_digest(sign, copy)
+
+    before = digest()
+    assert before == digest() and len(before) == 64
     (copy / "compressors" / "__pycache__").mkdir()
     (copy / "compressors" / "__pycache__" / "sign._decode_signs-1.py311.nbi").write_bytes(b"index")
     (copy / "compressors" / "__pycache__" / "sign.cpython-311.pyc").write_bytes(b"bytecode")
-    sources_digest.cache_clear()
-    assert sources_digest(copy) == before
-    sign = copy / "compressors" / "sign.py"
-    sign.write_text(sign.read_text() + "\n")
-    sources_digest.cache_clear()
-    assert sources_digest(copy) != before
+    assert digest() == before
+    for unrelated in ("cli.py", "testbed/report.py", "compressors/thc.py", "ddp.py"):
+        _touch(copy / unrelated)
+    assert digest() == before
+    for dependency in ("compressors/sign.py", "core/packet.py", "kernels/simd.py"):
+        _touch(copy / dependency)
+        assert digest() != before
+        before = digest()
+
+
+def test_where_kernels_are_kept(tmp_path):
+    """Beside the module when that is writable; in ``$GRADPRESS_CACHE/numba`` when set (a kernel
+    compiled beside the module before is still read from there); in ``$XDG_CACHE_HOME/gradpress/numba``
+    when the module's folder cannot hold a ``__pycache__``."""
+    copy = _copy(tmp_path)
+    beside = copy / "compressors" / "__pycache__"
+    chosen, xdg = tmp_path / "chosen", tmp_path / "xdg"
+    assert _decode_in_a_process(tmp_path) == MISS
+    assert list(beside.glob("sign._decode_signs-*.nbc"))
+    assert _decode_in_a_process(tmp_path, GRADPRESS_CACHE=str(chosen)) == HIT  # read from beside the module
+    assert not list(chosen.rglob("*.nbc")) and not list(xdg.rglob("*.nbc"))
+    shutil.rmtree(beside)
+    assert _decode_in_a_process(tmp_path, GRADPRESS_CACHE=str(chosen)) == MISS
+    assert list((chosen / "numba").glob("compressors_*/sign._decode_signs-*.nbc"))
+    assert not list(beside.glob("*.nbc"))
+    assert _decode_in_a_process(tmp_path, GRADPRESS_CACHE=str(chosen)) == HIT
+    beside.write_bytes(b"")  # a file where the folder would be: nothing can be written beside the module
+    assert _decode_in_a_process(tmp_path) == MISS
+    assert list((xdg / "gradpress" / "numba").glob("compressors_*/sign._decode_signs-*.nbc"))
+    assert _decode_in_a_process(tmp_path) == HIT
+
+
+def test_kernels_run_where_no_cache_folder_can_be_written(tmp_path):
+    """A checkout (or an installed package) where no folder can hold a kernel — beside the module, the
+    user's cache (``XDG_CACHE_HOME``), ``GRADPRESS_CACHE`` —: the kernel is compiled in each process, gives
+    the right result, and nothing fails nor is written. A file stands where each folder would be (what
+    a read-only folder is for a user other than root, whose writes no permission stops)."""
+    copy = _copy(tmp_path)
+    (copy / "compressors" / "__pycache__").write_bytes(b"")
+    blocked = tmp_path / "blocked"
+    blocked.write_bytes(b"")
+    for env in ({"XDG_CACHE_HOME": str(blocked / "xdg")},
+                {"XDG_CACHE_HOME": str(blocked / "xdg"), "GRADPRESS_CACHE": str(blocked / "chosen")}):
+        assert _decode_in_a_process(tmp_path, **env) == MISS
+    assert not list(tmp_path.rglob("*.nbc")) and not list(tmp_path.rglob("*.nbi"))  # (the next one compiles)
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3, 16])

@@ -14,7 +14,8 @@ from scipy.stats import norm
 import gradpress
 from gradpress.compressors.thc_table import gap_costs, table_error, thc_table
 
-solver = importlib.import_module("gradpress.compressors.thc_table")  # the module (gradpress.compressors.thc_table is the function)
+#: the module (gradpress.thc_table is the function)
+solver = importlib.import_module("gradpress.compressors.thc_table")
 
 PUBLISHED = {  # the authors' tables (shared/seeds/README.md)
     (4, 30, 1 / 32): (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30),
@@ -33,7 +34,7 @@ def _private_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("args", "table"), PUBLISHED.items(), ids=str)
 def test_published_tables(args, table):
     assert thc_table(*args) == table
-    assert gradpress.compressors.thc_table(*args) == table
+    assert gradpress.thc_table(*args) == table
 
 
 def _quad_costs(g: int, p: float) -> np.ndarray:

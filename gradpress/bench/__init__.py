@@ -52,6 +52,8 @@ BENCHES = [
     "gradpress.bench.faults",
     "gradpress.bench.step",
     "gradpress.bench.grace",
+    "gradpress.bench.importtime",
+    "gradpress.bench.firstuse",
 ]
 
 

@@ -24,7 +24,8 @@ import torch
 from gradpress.kernels.jit import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
                               jit, kernel, select_bits64, use_numba, wide_vectors)
 from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.core.compressor import Compressor, check_finite, finish_fold, register, scaled_into_bits, sum_addends
+from gradpress.core.compressor import Compressor, check_finite, finish_fold, register, sum_addends
+from gradpress.kernels.passes import scaled_into_bits
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context
@@ -109,7 +110,7 @@ def mean_of(total: int, count: int, scale: float) -> float:
 def _max_magnitude_bits(bits, addends=None):  # pragma: no cover - compiled
     """Largest float32 magnitude's bit pattern (uint32; NaN/Inf patterns are above every finite one).
     ``addends`` (m, g, β, γ) or None: bits are not read but written, x = fl32(fl32(m·β) + fl32(g·γ))
-    (fused error feedback: :func:`~gradpress.core.compressor.scaled_into_bits`)."""
+    (fused error feedback: :func:`~gradpress.kernels.passes.scaled_into_bits`)."""
     if addends is not None:
         return scaled_into_bits(addends, bits, 0, bits.size)
     top = np.uint32(0)

@@ -72,7 +72,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from scipy.stats import norm
+from scipy.special import ndtri
 
 from gradpress.kernels import simd as V
 from gradpress.kernels.jit import GOLDEN, as_numpy, bits_of_f32, jit, kernel, mix32, squares, use_numba
@@ -856,7 +856,7 @@ class THC(_Homomorphic):
         # checks g >= 2^b − 1 (and the symmetric solver's size)
         self.table = thc_table(self.bits, self.granularity, self.p, symmetric=self.symmetric)
         self.grid = Grid.of(self.table)
-        self.t_p = float(norm.isf(self.p / 2))
+        self.t_p = float(-ndtri(self.p / 2))  # Φ⁻¹(1 − p/2): the bits of scipy.stats.norm.isf(p / 2)
 
     def coded(self, numel: int) -> int:
         """Transformed coordinates: every partition zero-padded to a power of two (Section 5.1)."""

@@ -49,7 +49,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import norm
 
 MAX_CANDIDATES = 20_000_000
 """Largest number of symmetric candidates the enumeration takes on (b = 4, g = 51: 480 700)."""
@@ -84,6 +83,8 @@ def gap_costs(granularity: int, p: float) -> np.ndarray:
     is −F2 + (x_u + x_v)·F1 − x_u·x_v·F0. The truncated normal's normalization 1/(1 − p) is left out:
     it scales every table's error alike.
     """
+    from scipy.stats import norm  # (on first use: a table read from the cache file needs no scipy)
+
     t = norm.isf(p / 2)
     x = -t + 2.0 * t * np.arange(granularity + 1) / granularity
     lo, hi = x[:, None], x[None, :]

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from gradpress.kernels.jit import abs_above64, as_numpy, compress_above16, jit, mix32, use_numba, wide_vectors
-from gradpress.core.compressor import Compressor, check_finite, register, scaled_into_bits, scaled_sum, sum_addends
+from gradpress.core.compressor import Compressor, check_finite, register, scaled_sum, sum_addends
+from gradpress.kernels.passes import scaled_into_bits
 from gradpress.compressors.onebit import as_float32
 from gradpress.compressors.sparsify import Sparse, named
 from gradpress.core.packet import Packet

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
-from gradpress.kernels.jit import add_into
+from gradpress.core.compressor import add_into
 from gradpress.core.registry import Registry, check_params_of, format_spec, param
 
 if TYPE_CHECKING:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib
 import math
 import numbers
 import re
@@ -43,11 +44,14 @@ RANGE = "gradpress.range"  # the dataclass field metadata key of a parameter's d
 
 
 class Registry(Generic[T]):
-    """Name -> dataclass type, with spec parsing."""
+    """Name -> dataclass type, with spec parsing. A name may be declared with the module that registers
+    it (:meth:`declare`): it is listed at once, and its module imported when the name is first looked up
+    (so that importing gradpress imports no method's module, nor numba or scipy through them)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._types: dict[str, type[T]] = {}
+        self._modules: dict[str, str] = {}  # declared names not registered yet -> their module
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:
         def decorate(cls: type[T]) -> type[T]:
@@ -61,15 +65,27 @@ class Registry(Generic[T]):
 
         return decorate
 
+    def declare(self, modules: dict[str, str]) -> None:
+        """Names (-> the module whose import registers each) listed by :meth:`names` and imported by
+        :meth:`get` on first use."""
+        self._modules.update(modules)
+
     def names(self) -> list[str]:
-        return sorted(self._types)
+        return sorted({*self._types, *self._modules})
 
     def get(self, name: str) -> type[T]:
-        try:
-            return self._types[name]
-        except KeyError:
+        cls = self._types.get(name)
+        if cls is None and name in self._modules:
+            module = self._modules[name]
+            importlib.import_module(module)
+            cls = self._types.get(name)
+            if cls is None:
+                raise RuntimeError(f"{self.kind} {name!r} is declared in {module}, "
+                                   "which does not register it")
+        if cls is None:
             raise ValueError(f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; "
-                             f"known: {', '.join(self.names())}") from None
+                             f"known: {', '.join(self.names())}")
+        return cls
 
     def make(self, spec: str, **overrides: Any) -> T:
         """The object ``spec`` names; ``overrides`` (Python values) replace the spec's keys of the same

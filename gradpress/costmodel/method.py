@@ -225,7 +225,7 @@ def measure_method(spec: str, profile: ComputeProfile, grads: Sequence[Mapping[s
     workers (package doc): medians over ``repeats`` steps after one warm-up step."""
     workers = len(grads)
     compressor = make(spec)
-    simulator = Simulator(spec, workers, seed=seed)
+    simulator = Simulator(spec, workers, seed=seed, warm_up=False)  # (its own warm-up step compiles)
     samples: list[list[tuple[float, float, float]]] = [[] for _ in profile.buckets]
     sent = 0.0
     present = [[key for key in bucket.keys if key in grads[0]] for bucket in profile.buckets]

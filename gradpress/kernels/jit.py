@@ -1,75 +1,256 @@
-"""Numba CPU kernels' shared pieces: the JIT decorator, the ``mix32`` hash, bit casts, LLVM intrinsics
-(wide vectors, a 16-lane gather, the fp16 cast, 64-bit comparison masks, selects and compressed stores,
-unaligned 64-bit loads and stores), a fast finiteness check and the on/off switch.
+"""Numba CPU kernels' shared pieces: the JIT decorator and its disk cache, the ``mix32`` hash, bit casts,
+LLVM intrinsics (wide vectors, a 16-lane gather, the fp16 cast, 64-bit comparison masks, selects and
+compressed stores, unaligned 64-bit loads and stores) and a fast finiteness check.
 
 Element-wise compressors run a numba kernel on CPU tensors (one pass, fused randomness and bit
 packing) and a torch implementation elsewhere; tests check that both give the same bits. Set
-``GRADPRESS_NUMBA=0`` (or use :func:`numba_disabled`) to force the torch path on the CPU.
+``GRADPRESS_NUMBA=0`` (or use :func:`numba_disabled`) to force the torch path on the CPU
+(:mod:`gradpress.kernels.dispatch`, which decides without loading numba).
+
+Compiled kernels are kept on disk (:class:`KernelCache`): under ``$GRADPRESS_CACHE/numba`` when that
+variable is set (else under numba's ``NUMBA_CACHE_DIR`` when that one is), else beside the package's
+modules (``__pycache__``) where that is writable, else in the user's cache
+(``$XDG_CACHE_HOME/gradpress/numba``, by default ``~/.cache/gradpress/numba``). A kernel compiled beside
+the modules before (by ``gradpress compile`` when an image was built, say) is read from there in any case.
 """
 from __future__ import annotations
 
-import contextlib
+import ast
 import functools
 import hashlib
+import inspect
 import os
+import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
-from numba.core.caching import CompileResultCacheImpl, FunctionCache
+from numba.core import cgutils, config
+from numba.core.caching import CompileResultCacheImpl, FunctionCache, IndexDataCacheFile, _CacheLocator
 from numba.extending import intrinsic
 
 from gradpress.kernels import simd as V
+from gradpress.kernels.dispatch import as_numpy, numba_disabled, use_numba  # noqa: F401 (re-export)
 
-_enabled = os.environ.get("GRADPRESS_NUMBA", "1") != "0"
+PACKAGE = Path(__file__).resolve().parents[1]  # the gradpress folder
+
+
+# -- what a kernel's cached machine code depends on -----------------------------------------------------
+@functools.cache
+def _imported(path: Path, package: Path) -> tuple[Path, ...]:
+    """The source files of ``package`` (the gradpress folder) that the module at ``path`` imports, by any
+    import statement (also in a function: kept on the safe side), with ``gradpress.`` names resolved as
+    the import system resolves them (``from gradpress.a import b``: the module ``a.b`` if there is one,
+    else ``a``)."""
+    def source(name: str) -> Path | None:
+        parts = name.split(".")
+        if parts[0] != package.name:
+            return None
+        base = package.joinpath(*parts[1:])
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+        return None
+
+    found: set[Path] = set()
+    for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: from the module's own package
+                if not path.is_relative_to(package.parent):
+                    continue  # (a module outside gradpress: not one of gradpress's)
+                anchor = path.parent.relative_to(package.parent).parts
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                module = ".".join([*anchor, module] if module else anchor)
+            names = [f"{module}.{alias.name}" if source(f"{module}.{alias.name}") else module
+                     for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and source(name) is None:  # gradpress.a.b.c of a module gradpress.a.b: its file
+                name = name.rpartition(".")[0]
+            if name and (file := source(name)) is not None:
+                found.add(file)
+    found.discard(path)
+    return tuple(sorted(found))
+
+
+def dependencies(path: Path, package: Path = PACKAGE) -> tuple[Path, ...]:
+    """The module at ``path`` and every module of ``package`` it imports, directly or not: all a kernel
+    defined there can inline or read (helpers, intrinsics, module constants frozen at compile time)."""
+    seen, stack = {path.resolve()}, [path.resolve()]
+    while stack:
+        for file in _imported(stack.pop(), package):
+            if file not in seen:
+                seen.add(file)
+                stack.append(file)
+    return tuple(sorted(seen))
 
 
 @functools.cache
-def sources_digest(package: Path = Path(__file__).resolve().parents[1]) -> str:
-    """SHA-256 of every Python source file of the gradpress package (their paths and contents; the
-    ``package`` folder, gradpress by default).
+def sources_digest(path: Path, package: Path = PACKAGE) -> str:
+    """SHA-256 of the sources a kernel defined in the module at ``path`` depends on
+    (:func:`dependencies`: their paths within ``package`` and their contents).
 
     A numba kernel's on-disk cache is keyed on the file that defines it, but the machine code it holds
-    also contains what the kernel inlined from other modules: the intrinsics here and in ``_simd``,
+    also contains what the kernel inlined from other modules: the intrinsics here and in ``simd``,
     helpers of ``compressor`` or ``bits``, module constants frozen at compile time. With numba's key
     alone, a change to one of those left the kernels of every other module running their old code
     (found when a kernel cached with non-temporal stores, which need 64-byte alignment, outlived their
-    removal from an intrinsic and crashed on an unaligned output). :func:`kernel` adds this digest to the
-    key, so that any change to the package compiles its kernels again."""
+    removal from an intrinsic and crashed on an unaligned output). :class:`KernelCache` adds this digest
+    to the key, so that a change to any module a kernel can reach compiles it again, and a change
+    elsewhere (the testbed, the command line, a front end) does not."""
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for file in dependencies(path, package):
+        name = file.relative_to(package) if file.is_relative_to(package) else file  # (a module of the user's)
+        digest.update(str(name).encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
-class _KernelCacheImpl(CompileResultCacheImpl):
-    """numba's cache of compiled kernels, with the source stamp of the defining file paired with
-    :func:`sources_digest`."""
+# -- where compiled kernels are kept -----------------------------------------------------------------------
+def chosen_cache() -> Path | None:
+    """The folder set for the kernels, if one is: ``$GRADPRESS_CACHE/numba`` (gradpress's cache folder,
+    that of THC's tables too), else numba's ``NUMBA_CACHE_DIR``; None if neither is set (or empty)."""
+    root = os.environ.get("GRADPRESS_CACHE")
+    if root:
+        return Path(root).expanduser() / "numba"
+    return Path(config.CACHE_DIR).expanduser() if config.CACHE_DIR else None
 
-    def __init__(self, py_func: Callable[..., Any]) -> None:
-        super().__init__(py_func)
-        file_stamp = self._locator.get_source_stamp()
-        self._locator.get_source_stamp = lambda: (file_stamp, sources_digest())
+
+def user_cache() -> Path:
+    """The user's folder for kernels that cannot go beside their module: ``$XDG_CACHE_HOME/gradpress/numba``
+    (by default ``~/.cache/gradpress/numba``)."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "gradpress" / "numba"
+
+
+@functools.cache
+def _writable(folder: str) -> bool:
+    """Whether kernels can be written to ``folder`` (made if need be; numba's test: a temporary file)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        return False
+    return True
+
+
+def cache_folders(py_file: str) -> list[str]:
+    """The folders a kernel of module ``py_file`` is looked up in, in order: the one set
+    (:func:`chosen_cache`) and then beside the module (``__pycache__``: a kernel compiled there before);
+    with none set, beside the module and then the user's folder (:func:`user_cache`). A new kernel is
+    written to the first of them that is writable; every folder holds one subfolder per source folder
+    (numba's names)."""
+    subpath = _CacheLocator.get_suitable_cache_subpath(py_file)  # the folder's name and a hash of its path
+    beside = os.path.join(os.path.dirname(py_file), "__pycache__")
+    chosen = chosen_cache()
+    if chosen is not None:
+        return [str(chosen / subpath), beside]
+    return [beside, str(user_cache() / subpath)]
+
+
+def describe_cache() -> str:
+    """Where new kernels are written (:func:`cache_folders`), in words."""
+    chosen = chosen_cache()
+    for folder in cache_folders(str(PACKAGE / "kernels" / "jit.py")):
+        if _writable(folder):
+            if chosen is not None and folder.startswith(str(chosen)):
+                return str(chosen)
+            if folder.endswith("__pycache__"):
+                return f"{PACKAGE}/**/__pycache__ (beside the modules)"
+            return str(user_cache())
+    return "nowhere: no cache folder is writable (kernels are compiled in every process)"
+
+
+class _Locator(_CacheLocator):
+    """One of a kernel's cache folders (see :func:`cache_folders`), stamped with the sources it depends on."""
+
+    def __init__(self, py_func: Callable[..., Any], py_file: str, folder: str) -> None:
+        self._py_file, self._folder = py_file, folder
+        self._lineno = py_func.__code__.co_firstlineno
+
+    def get_cache_path(self) -> str:
+        return self._folder
+
+    def ensure_cache_path(self) -> None:
+        if not _writable(self._folder):
+            raise OSError(f"{self._folder} is not writable")
+
+    def get_source_stamp(self) -> str:
+        return sources_digest(Path(self._py_file))
+
+    def get_disambiguator(self) -> str:
+        return str(self._lineno)  # (numba's: functions of one name told apart by their line)
+
+
+class _KernelCacheImpl(CompileResultCacheImpl):
+    """numba's cache of compiled results (what its ``CacheImpl`` sets up), at the first writable place of
+    :func:`cache_folders`, or at the first place if none is writable (then only read)."""
+
+    def __init__(self, py_func: Callable[..., Any]) -> None:  # (not numba's: it would pick its own locators)
+        py_file = inspect.getfile(py_func)
+        folders = cache_folders(os.path.abspath(py_file))
+        chosen = next((folder for folder in folders if _writable(folder)), None)  # (made only if need be)
+        self.writable = chosen is not None
+        self.readable = [_Locator(py_func, py_file, folder) for folder in folders]
+        self._locator = _Locator(py_func, py_file, folders[0] if chosen is None else chosen)
+        self._lineno = py_func.__code__.co_firstlineno
+        qualname = getattr(py_func, "__qualname__", py_func.__name__)
+        module = os.path.splitext(os.path.basename(py_file))[0]
+        self._filename_base = self.get_filename_base(f"{module}.{qualname}", getattr(sys, "abiflags", ""))
 
 
 class KernelCache(FunctionCache):
-    """A kernel's on-disk cache, valid only for the package sources it was compiled from."""
+    """A kernel's on-disk cache, valid only for the sources it was compiled from
+    (:func:`sources_digest`), read from every place of :func:`cache_folders` and written to the first
+    writable one (nowhere if none is: the kernel is then compiled in every process)."""
 
     _impl_class = _KernelCacheImpl
+
+    def __init__(self, py_func: Callable[..., Any]) -> None:
+        super().__init__(py_func)
+        impl = self._impl
+        self._others = [IndexDataCacheFile(locator.get_cache_path(), impl.filename_base,
+                                           locator.get_source_stamp())
+                        for locator in impl.readable if locator.get_cache_path() != self._cache_path]
+
+    def _load_overload(self, sig: Any, target_context: Any) -> Any:
+        if not self._enabled:
+            return None
+        key = self._index_key(sig, target_context.codegen())
+        for place in (self._cache_file, *self._others):
+            try:
+                found = place.load(key)
+            except OSError:  # (e.g. a file where the folder would be)
+                continue
+            if found is not None:
+                return self._impl.rebuild(target_context, found)
+        return None
+
+    def _save_overload(self, sig: Any, data: Any) -> None:
+        if self._impl.writable:
+            super()._save_overload(sig, data)
+
+
+#: every dispatcher :func:`kernel` made, for :func:`compile_counts`
+KERNELS: list[Any] = []
 
 
 def kernel(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """``numba.njit(nogil=True, **options)`` with the on-disk cache of :class:`KernelCache` (what
-    ``cache=True`` gives, kept only while no source file of gradpress changed): every numba function of
-    gradpress is compiled through this."""
+    ``cache=True`` gives, kept only while no source the kernel depends on changed): every numba function
+    of gradpress is compiled through this."""
 
     def decorate(function: Callable[..., Any]) -> Any:
         dispatcher = njit(**{"nogil": True, **options})(function)
         dispatcher._cache = KernelCache(dispatcher.py_func)  # what Dispatcher.enable_caching sets
+        KERNELS.append(dispatcher)
         return dispatcher
 
     return decorate
@@ -78,27 +259,15 @@ def kernel(**options: Any) -> Callable[[Callable[..., Any]], Any]:
 jit = kernel()
 
 
-def use_numba(t: torch.Tensor) -> bool:
-    """Whether the numba kernel should handle tensor ``t``."""
-    return _enabled and t.is_cpu
-
-
-@contextlib.contextmanager
-def numba_disabled() -> Iterator[None]:
-    """Run the torch implementations on the CPU too (for tests comparing both)."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = before
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy numpy view of a contiguous CPU tensor (bf16 has no numpy dtype: viewed as int16)."""
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.detach().numpy()
+def compile_counts() -> tuple[int, int]:
+    """(specializations compiled, specializations loaded from the disk cache) by the kernels of
+    :data:`KERNELS` in this process so far."""
+    compiled = loaded = 0
+    for dispatcher in KERNELS:
+        stats = dispatcher.stats
+        compiled += sum(stats.cache_misses.values())
+        loaded += sum(stats.cache_hits.values())
+    return compiled, loaded
 
 
 @intrinsic
@@ -474,34 +643,6 @@ def store64(typingctx, array, offset, value):  # pragma: no cover - compiled
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-_STREAMED = 1 << 21  # values (8 MiB): sums at least this large are written past the caches
-
-
-def add_into(memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``torch.add(memory, grad, out=out)``, the same bits (error feedback's φ = m + g); float32 CPU
-    tensors larger than the caches in one numba pass whose stores bypass them (measured on the 13 MB
-    gradient of ``mlp-wide``: 1.4 ms against torch's 1.7, the norm that reads the sum next included)."""
-    if (out.numel() >= _STREAMED and memory.dtype == grad.dtype == out.dtype == torch.float32
-            and memory.shape == grad.shape == out.shape and use_numba(memory) and use_numba(grad)
-            and memory.is_contiguous() and grad.is_contiguous() and out.is_contiguous()):
-        _add_streamed(as_numpy(memory.view(-1)), as_numpy(grad.view(-1)), as_numpy(out.view(-1)))
-        return out
-    return torch.add(memory, grad, out=out)
-
-
-@jit
-def _add_streamed(a, b, out):  # pragma: no cover - compiled
-    """out = a + b (float32), whole vectors stored past the caches (V.store_stream)."""
-    u = np.uint64
-    n = u(out.size)
-    whole = n - n % u(16)
-    ap, bp, op = V.pointer(a), V.pointer(b), V.pointer(out)
-    for k in range(u(0), whole, u(16)):
-        V.store_stream(op, k, V.add(V.load(ap, k), V.load(bp, k)))
-    for k in range(whole, n):
-        out[k] = a[k] + b[k]
 
 
 @jit
