@@ -54,7 +54,7 @@ from gradpress.core.rng import derive_seed
 from gradpress.exchange.agreement import agree
 from gradpress.exchange.pipeline import Group, Options, Pipeline
 from gradpress.exchange.protocol import AllGather, Protocol, ReduceScatter, Round, parallel, raise_flagged
-from gradpress.exchange.state import own_state, resized, warn_resized
+from gradpress.exchange.state import own_part
 
 
 # -- which ranks share a node ------------------------------------------------------------------------
@@ -467,13 +467,8 @@ class HierarchicalPipeline:
         return self.inner.shared_sections()
 
     def own_part(self, state: Any, on_world_size_change: str = "raise") -> dict[str, Any]:
-        """This rank's part of ``state`` (see :meth:`Pipeline.own_part`)."""
-        part = own_state(state, self.rank, self.world_size, on_world_size_change)
-        if on_world_size_change == "raise" or part["world_size"] == self.world_size:
-            return part
-        out, dropped, kept = resized(part, self.rank, self.world_size, self.shared_sections())
-        warn_resized(part["world_size"], self.world_size, dropped, kept)
-        return out
+        """This rank's part of ``state`` (:func:`gradpress.exchange.state.own_part`)."""
+        return own_part(state, self.rank, self.world_size, self.shared_sections(), on_world_size_change)
 
     def load_state_dict(self, state: Any, on_world_size_change: str = "raise") -> None:
         """Restore :meth:`state_dict` (checked as :meth:`Pipeline.load_state_dict` checks it); a state

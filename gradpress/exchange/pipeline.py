@@ -35,7 +35,7 @@ from gradpress.core.feedback import SumParts, make_feedback
 from gradpress.core.packet import Packet, adjacent
 from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
 from gradpress.core.rng import Context
-from gradpress.exchange.state import FORMAT, check, own_state, resized, shapes_of, warn_resized
+from gradpress.exchange.state import FORMAT, check, own_part, shapes_of
 from gradpress.exchange.strategy import MODES, OVERFLOW, Strategy, check_partial
 
 
@@ -634,17 +634,8 @@ class Pipeline:
                 "master": self.master is not None and self.master.stateful_decode}
 
     def own_part(self, state: Any, on_world_size_change: str = "raise") -> dict[str, Any]:
-        """This rank's part of ``state`` (its own state, or its part of a gathered one). With
-        ``on_world_size_change="reset"``, a state saved at another world size becomes one of this world
-        (:func:`gradpress.exchange.state.resized`: the step counters, shapes, shared compressor state and this
-        rank's statistics kept, the error-feedback memory dropped), with a ``UserWarning`` saying what
-        was dropped; with ``"raise"`` (the default) it is refused when loaded."""
-        part = own_state(state, self.rank, self.world_size, on_world_size_change)
-        if on_world_size_change == "raise" or part["world_size"] == self.world_size:
-            return part
-        out, dropped, kept = resized(part, self.rank, self.world_size, self.shared_sections())
-        warn_resized(part["world_size"], self.world_size, dropped, kept)
-        return out
+        """This rank's part of ``state`` (:func:`gradpress.exchange.state.own_part`)."""
+        return own_part(state, self.rank, self.world_size, self.shared_sections(), on_world_size_change)
 
     def load_state_dict(self, state: Any, on_world_size_change: str = "raise") -> None:
         """Restore :meth:`state_dict`, or this rank's part of a gathered one (:func:`gradpress.exchange.state.gathered`).

@@ -145,6 +145,21 @@ def warn_resized(saved: int, world_size: int, dropped: Sequence[str], kept: Sequ
                   f"{'; '.join(kept)}", UserWarning, stacklevel=4)
 
 
+def own_part(state: Any, rank: int, world_size: int, shared: dict[str, bool],
+             on_world_size_change: str = "raise") -> dict[str, Any]:
+    """Rank ``rank``'s part of ``state`` (its own state, or its part of a gathered one). With
+    ``on_world_size_change="reset"``, a state saved at another world size becomes one of this world
+    (:func:`resized`: the step counters, shapes, shared compressor state — ``shared``, the sections
+    the ranks hold alike — and this rank's statistics kept, the error-feedback memory dropped), with a
+    ``UserWarning`` saying what was dropped; with ``"raise"`` (the default) it is refused when loaded."""
+    part = own_state(state, rank, world_size, on_world_size_change)
+    if on_world_size_change == "raise" or part["world_size"] == world_size:
+        return part
+    out, dropped, kept = resized(part, rank, world_size, shared)
+    warn_resized(part["world_size"], world_size, dropped, kept)
+    return out
+
+
 def _shapes(recorded: Any) -> dict[str, tuple[int, ...]]:
     if not isinstance(recorded, dict):
         raise ValueError("gradpress state: shapes must map each key to its shape")

@@ -40,13 +40,7 @@ def exchange(s: Strategy, packets, outputs, writable, timer, faulty) -> Protocol
     elif faulty:  # a NaN at position r marks rank r
         flats[carrier][s.rank] = math.nan
     sums = yield from parallel([reduce_tensor(f, "sum", n, s.deterministic, final=True) for f in flats])
-    if faulty is None:
-        pass
-    elif carrier is None:
-        raise_flagged(flagged_ranks(sums[0][-n:]))
-        sums[0] = sums[0][:-n]
-    else:
-        raise_flagged(flagged_ranks(sums[carrier][:n], "nan"))
+    _raise_flagged(sums, faulty, carrier, n)
     per_item = unflatten(sums, members, summands)
     if (outputs is None or not takes_out(s.compressor)
             or any(t.untyped_storage().data_ptr() in writable for t in sums)):
@@ -55,6 +49,18 @@ def exchange(s: Strategy, packets, outputs, writable, timer, faulty) -> Protocol
         return [s.compressor.decode_sum(p, summed, s.world_size, out) if out is not None
                 else s.compressor.decode_sum(p, summed, s.world_size)
                 for p, summed, out in zip(packets, per_item, outputs)]
+
+
+def _raise_flagged(sums: list[torch.Tensor], faulty: bool | None, carrier: int | None, n: int) -> None:
+    """Read the fault flags that rode in ``sums`` (a NaN at position r of buffer ``carrier``, or n flag
+    slots after the first buffer's values, which are cut off here) and raise for the flagged ranks."""
+    if faulty is None:
+        return
+    if carrier is None:
+        raise_flagged(flagged_ranks(sums[0][-n:]))
+        sums[0] = sums[0][:-n]
+    else:
+        raise_flagged(flagged_ranks(sums[carrier][:n], "nan"))
 
 
 def reduce_scatter(s: Strategy, packets, timer, faulty) -> Protocol:
@@ -82,13 +88,7 @@ def reduce_scatter(s: Strategy, packets, timer, faulty) -> Protocol:
     elif faulty:
         stacks[carrier][:, rank] = math.nan
     sums = yield from parallel([single(ReduceScatter(t), final=True) for t in stacks])
-    if faulty is None:
-        pass
-    elif carrier is None:
-        raise_flagged(flagged_ranks(sums[0][-n:]))
-        sums[0] = sums[0][:-n]
-    else:
-        raise_flagged(flagged_ranks(sums[carrier][:n], "nan"))
+    _raise_flagged(sums, faulty, carrier, n)
     per_item = unflatten(sums, members, own)
     with timer():
         return [s.compressor.decode_sum(p, summed, n) for p, summed in zip(mine, per_item)]
