@@ -110,6 +110,10 @@ def near_limit(kind: str, dtype: torch.dtype, rank: int) -> torch.Tensor:
 
 
 LIMIT_KINDS = ["±max", "max/4", "one max", "one -max/4", "3 values"]
+# in fp16/bf16: what carries φ = m + g past the gradient's range, and an all-reduced sum past the wire's;
+# the single elements find float32's edges (THC's truncation range, dithering's top level), which the
+# tests below take to the other dtypes where a method has them
+NARROW_KINDS = ["±max", "max/4", "3 values"]
 
 
 def steps_finite_or_clear_error(spec: str, dtype: torch.dtype, kind: str, steps: int = 3, **options) -> None:
@@ -137,7 +141,7 @@ def steps_finite_or_clear_error(spec: str, dtype: torch.dtype, kind: str, steps:
 def test_error_feedback_and_aggregation_near_the_limits(spec, dtype):
     """Every method with its own error feedback, over three steps, so that the memory carries what
     compression left near the dtype's largest value into φ = m + g."""
-    for kind in LIMIT_KINDS:
+    for kind in LIMIT_KINDS if dtype == torch.float32 else NARROW_KINDS:
         steps_finite_or_clear_error(spec, dtype, kind)
 
 

@@ -3,6 +3,8 @@
 the Communicator and DDP hook on a one-process Gloo group."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from gradpress.core.packet import adjacent, concat, pack, unpack
 from gradpress.exchange.protocol import AllReduce, Round, fold_sum, parallel
 from gradpress.exchange.strategy import sum_dtype
 from gradpress.exchange.strategy.allreduce import takes_out
+from gradpress.kernels.jit import numba_disabled
 from test_runtime_compressors import LeaderTopK, PowerIteration, UniformInt, WideInt
 
 
@@ -63,12 +66,19 @@ def test_allgather_decodes_every_packet_in_rank_order():
         assert torch.equal(out[key], c.aggregate(packets))
 
 
+@pytest.mark.parametrize("numba", [True, False], ids=["numba", "torch"])
 @pytest.mark.parametrize("spec", ["thc", "thc_uniform", "sketch", "powersgd:rank=2,min_compression_rate=0",
                                   "randomk:ratio=0.3,scale=true"])
-def test_decode_sum_writes_the_mean_into_out(spec):
+def test_decode_sum_writes_the_mean_into_out(spec, numba):
     """Compressor.decode_sum's ``out`` (a DDP bucket, which then needs no copy): a method that decodes
-    into a new float32 tensor writes the same bits into a contiguous float32 ``out`` and returns it; an
-    ``out`` it cannot take (another dtype or size) is left alone."""
+    into a new float32 tensor writes the same bits into a contiguous float32 ``out`` and returns it, on
+    the numba path and the torch one (what CUDA tensors take); an ``out`` it cannot take (another dtype
+    or size) is left alone."""
+    with contextlib.nullcontext() if numba else numba_disabled():
+        _decode_sum_writes_the_mean_into_out(spec)
+
+
+def _decode_sum_writes_the_mean_into_out(spec: str) -> None:
     c = gradpress.make(spec)
     x = torch.randn(96, 80, generator=torch.Generator().manual_seed(3))
     packet = c.compress(x, Context(0, 0, "w", 0))

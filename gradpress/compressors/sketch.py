@@ -401,7 +401,7 @@ class Sketch(_Blocks):
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """The S2 estimate of the mean over ``count`` workers from their summed tables and OR-ed bitmaps:
         the median over rows, divided by ``count``, saturated at the input dtype's range, rescaled by
-        2^s; on the CPU into ``out`` where it can take it (see :meth:`Compressor.decode_sum`). Raises
+        2^s; into ``out`` where it can take it (see :meth:`Compressor.decode_sum`). Raises
         ``OverflowError`` if the summed table overflowed float32, which takes more than
         :data:`SUM_WORKERS` workers with values near their dtype's largest (every worker's input is
         checked finite before it is sketched, so a NaN/Inf in the sum can only be an overflow)."""
@@ -679,7 +679,8 @@ def query(
     """Algorithm 1 lines 9-15: for every value of a marked block, the median over rows of
     s_j(i)·S[j, h_j(i)], divided by ``count``, clamped to ±``largest`` and multiplied by ``scale``
     (float32 operations in that order); zero elsewhere. ``marked``: one bool per block. ``out``: a flat
-    float32 CPU tensor of ``numel`` values the numba kernel writes the result into (else a new one)."""
+    float32 tensor of ``numel`` values on the table's device that the result is written into (else a new
+    one), by the numba kernel and the torch path alike."""
     if use_numba(table) and table.shape[1] <= _MAX_WIDTH:
         out = torch.empty(numel, dtype=torch.float32) if out is None else out
         table_np, seeds_np = as_numpy(table.contiguous()), np.array(seeds, dtype=np.uint32)
@@ -688,7 +689,7 @@ def query(
         finish = (np.float32(count), np.float32(inverse), np.float32(largest), np.float32(scale))
         _sketch_query(flags, size, table_np, seeds_np, finish, as_numpy(out))
         return out
-    out = torch.zeros(numel, dtype=torch.float32, device=table.device)
+    out = torch.zeros(numel, dtype=torch.float32, device=table.device) if out is None else out.zero_()
     indices = element_indices(marked.nonzero().squeeze(1), size, numel)
     estimates = torch.stack([
         _signs(indices, seed) * table[j, _buckets(indices, seed, table.shape[1])]

@@ -711,8 +711,8 @@ class _Homomorphic(Compressor):
 
     def decode_sum(self, packet: Packet, summed: list[torch.Tensor], count: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """The mean over ``count`` workers from the sum of their table values (any integer dtype), on the
-        CPU into ``out`` where it can take it (see :meth:`Compressor.decode_sum`).
+        """The mean over ``count`` workers from the sum of their table values (any integer dtype),
+        into ``out`` where it can take it (see :meth:`Compressor.decode_sum`).
 
         ``count`` may be smaller than the world size (partial aggregation, Section 6): the sum of the
         values that arrived, divided by how many arrived, is the mean of those workers' decodes."""
@@ -731,8 +731,8 @@ class _Homomorphic(Compressor):
 
     def _decode(self, packet: Packet, total: torch.Tensor, count: int,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 mean from the integer sums ``total``; the numba kernels write it into ``out`` (flat,
-        float32) when one is given."""
+        """The float32 mean from the integer sums ``total``, written into ``out`` (flat, float32, on the
+        sums' device) when one is given, by the numba kernels and the torch path alike."""
         raise NotImplementedError
 
     def _decode_codes(self, packet: Packet, packed: torch.Tensor) -> torch.Tensor:
@@ -812,7 +812,8 @@ class UniformTHC(_Homomorphic):
             out = torch.empty(packet.numel, dtype=torch.float32) if out is None else out
             _uniform_decode_sums(as_numpy(total.contiguous()), step, float(lo), as_numpy(out))
             return out
-        return total.double().mul_(step).add_(lo).float()
+        mean = total.double().mul_(step).add_(lo)
+        return mean.float() if out is None else out.copy_(mean)  # (the same rounding to float32)
 
     def _decode_codes(self, packet: Packet, packed: torch.Tensor) -> torch.Tensor:
         lo, hi = packet.meta["lo"], packet.meta["hi"]
@@ -957,7 +958,8 @@ class THC(_Homomorphic):
             return self._kernel_decode(_thc_decode_sums, total.contiguous(), layout, count, scale, out=out)
         centered = torch.sub(total, self.granularity * count / 2,
                              out=torch.empty(total.shape, dtype=torch.float32, device=total.device))
-        return inverse_rht(centered, layout).mul_(scale)
+        transformed = inverse_rht(centered, layout)
+        return transformed.mul_(scale) if out is None else torch.mul(transformed, scale, out=out)
 
     def _decode_codes(self, packet: Packet, packed: torch.Tensor) -> torch.Tensor:
         layout = packet.meta["rht"]
