@@ -24,7 +24,7 @@ def test_make_reads_typed_parameters():
 
 
 def test_unknown_name_lists_what_exists():
-    with pytest.raises(ValueError, match=r"unknown compressor 'nope'; known: .*topk"):
+    with pytest.raises(ValueError, match=r"unknown compressor 'nope' \(did you mean 'none'\?\); known: .*topk"):
         gradpress.make("nope")
 
 
