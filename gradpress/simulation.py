@@ -229,7 +229,9 @@ def warm_kernels(compressors: Sequence[Compressor], workers: int, options: Optio
     tensors of each dtype, through what an exchange does (compression, feedback memory, aggregation,
     decoding, an uncompressed tensor; gradients that may and may not be overwritten), and compresses and
     decompresses one tensor alone."""
-    exercised = replace(options, min_numel=0, warmup_steps=0, exclude=("plain",), timeout=None, seed=0)
+    # (one level: a node's shard runs the same kernels as the whole tensor)
+    exercised = replace(options, min_numel=0, warmup_steps=0, exclude=("plain",), timeout=None, seed=0,
+                        hierarchy=None, local_size=None)
     runs = [((c.spec, exercised, workers, dtype), c.spec, str(dtype).removeprefix("torch."),
              functools.partial(_exercise, c, workers, exercised, dtype))
             for c in compressors for dtype in dtypes]
