@@ -120,9 +120,7 @@ def measure(spec: str) -> dict[str, dict[str, Any]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gradpress.core.registry import split_specs
-
-    specs = split_specs(args.compressors)
+    specs = list(args.compressors)  # (cli.Specs)
     runs: dict[str, list[dict[str, dict[str, Any]]]] = {spec: [] for spec in specs}
     loads = []
     for _ in range(args.runs):
