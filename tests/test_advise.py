@@ -1,4 +1,4 @@
-"""``gradpress advise`` (issue 14): the bucketed cost model, the ranking as a pure function of measured
+"""``gradpress advise``: the bucketed cost model, the ranking as a pure function of measured
 costs, the priced bytes against the runtime's own traffic, DDP's bucket layout, and the command end to
 end on tiny models (a testbed model on synthetic data, and a ``package.module:factory`` model)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``auto`` (issue 14, point 4; :mod:`gradpress.auto`): the decision as a pure function, its options and
+"""``auto`` (:mod:`gradpress.auto`): the decision as a pure function, its options and
 state checks in one process, and two 2-process Gloo runs: a Communicator whose rank 0 forces a plan of
 switches (residual memory carried between methods that keep one and flushed into the next exchange of
 one that does not: the sum of what was averaged plus the memory left equals the sum of the gradients,

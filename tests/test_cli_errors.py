@@ -1,4 +1,4 @@
-"""The command line answers bad arguments in one line, before any worker starts (issue 11, point 7).
+"""The command line answers bad arguments in one line, before any worker starts.
 
 Every bad invocation ends with exit status 2 and exactly one line on stderr, ``gradpress: error: …``
 (argparse's status for usage errors, without its usage text), no traceback, nothing on stdout, no file

@@ -1,4 +1,4 @@
-"""The CPU kernels of issue 12 (random-k's hashed subset, the fused casts, top-k's sampled threshold, CLT-k's
+"""The CPU kernels (random-k's hashed subset, the fused casts, top-k's sampled threshold, CLT-k's
 chunk maxima, the sign packers, threshold/DGC gathering, TernGrad's σ) against their torch twins, bit for
 bit, at sizes that cross their blocks; and the properties the faster algorithms keep (uniform subsets,
 ranks agreeing, NaN/Inf raising, indices out of range refused). Timings live in ``gradpress bench``."""

@@ -1,4 +1,4 @@
-"""Method-specific behaviour of GRACE's Table 1 compressors (issue 4); the shared properties are in
+"""Method-specific behaviour of GRACE's Table 1 compressors; the shared properties are in
 test_properties.py."""
 from __future__ import annotations
 

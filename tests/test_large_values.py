@@ -1,4 +1,4 @@
-"""Every finite input gives a finite output or a clear error (issue 11, point 4), for every registered
+"""Every finite input gives a finite output or a clear error, for every registered
 compressor (the property suite's specs) and every gradient dtype.
 
 Inputs near the dtype's largest value, where sums of squares, norms, scales, sketch buckets and

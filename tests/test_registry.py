@@ -1,4 +1,4 @@
-"""Specs are strict (issue 11, point 5): malformed specs and out-of-range parameters are errors that
+"""Specs are strict: malformed specs and out-of-range parameters are errors that
 name the key and what it allows, checked by one mechanism (``gradpress.core.registry.param`` ranges)."""
 from __future__ import annotations
 

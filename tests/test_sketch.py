@@ -275,7 +275,7 @@ def test_embedding_benchmark_runs_and_counts_bytes():
     assert "all-gather" in format_result(result)
 
 
-# -- finite in, finite out (issue 11, point 4) --------------------------------------------------------
+# -- finite in, finite out --------------------------------------------------------
 def test_sketch_of_values_near_the_float32_limit_stays_finite():
     """Measured before the scale: 2141 of 4096 decoded values Inf (3336 through simulate)."""
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).sign() * 3e38
@@ -343,7 +343,7 @@ def test_blocktopk_ranks_blocks_whose_squared_norms_overflow():
     assert sketched.compress(x)["bitmap"].nonzero().squeeze(1).tolist() == [5, 40]
 
 
-# -- the numba kernels (issue 12): the torch path's bits, on every layout they take apart ----------------
+# -- the numba kernels: the torch path's bits, on every layout they take apart ----------------
 def _mixed(shape, dtype=torch.float32, seed=0, zero_rows=0.5, zero_values=0.1):
     """Blocks that are all zero, partly zero and full, -0.0 among the zeros: runs of every kind."""
     g = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""THC's fused CPU kernels (issue 12): the numba path gives the torch path's bits, for every step of
+"""THC's fused CPU kernels: the numba path gives the torch path's bits, for every step of
 both methods, on every shape of input and table the kernels treat apart."""
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def test_permute32_without_avx512_gathers_the_same_lanes(monkeypatch):
 
 
 
-# -- the residual memory's update (issue 12: THC's error feedback without a decompressed temporary) ---------
+# -- the residual memory's update (THC's error feedback without a decompressed temporary) ---------
 THC_SPECS = [spec for spec in SPECS if not spec.startswith("thc_uniform")]
 
 
