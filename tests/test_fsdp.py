@@ -152,6 +152,21 @@ def test_register_refuses_what_is_not_fully_shard():
 
 
 # -- HSDP: 4 processes on a 2×2 mesh ----------------------------------------------------------------------
+def _faulty_backward(model, rank: int, poisoned: int, seed: int) -> tuple[str, float]:
+    """A backward pass with a NaN gradient on rank ``poisoned``: what it raised here, and after how long."""
+    import torch.distributed as dist
+
+    model.poison = rank == poisoned
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        _loss(model, rank, seed).backward()
+        fault = "no error"
+    except Exception as error:  # noqa: BLE001 - reported to the parent
+        fault = f"{type(error).__name__}: {error}"
+    return fault, time.monotonic() - start
+
+
 def _hsdp(rank: int, world_size: int, path: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -228,15 +243,7 @@ def _hsdp(rank: int, world_size: int, path: str) -> dict:
     # a NaN gradient on rank 1 raises on every rank, at once
     model = _sharded(mesh)
     gradpress.fsdp.register(model, "topk:ratio=0.25", timeout=20)
-    model.poison = rank == 1
-    dist.barrier()
-    start = time.monotonic()
-    try:
-        _loss(model, rank, 9).backward()
-        out["fault"] = "no error"
-    except Exception as error:  # noqa: BLE001 - reported to the parent
-        out["fault"] = f"{type(error).__name__}: {error}"
-    out["fault_s"] = time.monotonic() - start
+    out["fault"], out["fault_s"] = _faulty_backward(model, rank, poisoned=1, seed=9)
     return out
 
 
@@ -296,7 +303,6 @@ def test_hsdp_nan_on_one_rank_raises_on_every_rank(hsdp):
 
 # -- 1-D: 2 processes ------------------------------------------------------------------------------------
 def _one_d(rank: int, world_size: int) -> dict:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
@@ -329,15 +335,7 @@ def _one_d(rank: int, world_size: int) -> dict:
         optimizer.step()
         out["thc_losses"].append(loss.item())
     out["thc_stats"] = state.stats()
-    model.poison = rank == 0
-    dist.barrier()
-    start = time.monotonic()
-    try:
-        _loss(model, rank, 1).backward()
-        out["fault"] = "no error"
-    except Exception as error:  # noqa: BLE001 - reported to the parent
-        out["fault"] = f"{type(error).__name__}: {error}"
-    out["fault_s"] = time.monotonic() - start
+    out["fault"], out["fault_s"] = _faulty_backward(model, rank, poisoned=0, seed=1)
     return out
 
 
