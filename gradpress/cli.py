@@ -209,16 +209,24 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
             print(PREFIX + failure, file=sys.stderr)
             return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return INTERRUPTED
+        return interrupted()
+
+
+def interrupted() -> int:
+    """Report Ctrl-C in one line and return :data:`INTERRUPTED`. The interrupt may have landed inside a
+    constructor (numba compiles kernels at set-up, through llvmlite objects): such a half-built object's
+    finalizer fails when the interpreter collects it on the way out, and Python would print that
+    "Exception ignored" traceback after the line; the process is ending, so those reports are dropped."""
+    print("interrupted", file=sys.stderr)
+    sys.unraisablehook = lambda unraisable: None
+    return INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()  # (imports every subcommand: seconds)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return INTERRUPTED
+        return interrupted()
     return run(parser, argv)
 
 

@@ -44,7 +44,7 @@ from gradpress.exchange.driver import Driver, failed_future
 from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, Stats, build, describe, flat_stats
 from gradpress.exchange.state import check_world_size_change, gathered, own_state, shapes_of
-from gradpress.exchange.distributed import ProcessGroupExecutor, chain, gather_objects, rank_and_size
+from gradpress.exchange.distributed import ProcessGroupExecutor, all_settled, chain, gather_objects, rank_and_size
 from gradpress.exchange.distributed import NodeExecutor
 from gradpress.exchange.distributed import process_group as resolve_group, spans_world
 from gradpress import warmup
@@ -192,8 +192,9 @@ class GradpressState:
             future = driver.start(groups[0].protocol, groups[0].step, devices, then=lambda one: assemble([one]))
         else:
             started = [driver.start(g.protocol, g.step, devices) for g in groups]
-            future = chain(torch.futures.collect_all(started),  # (driver.wait: a failure as gradpress raised it)
-                           lambda done: assemble([driver.wait(f) for f in done.value()]))
+            # every group settled, then each waited for in start order: a failure is the first started
+            # group's, as gradpress raised it (driver.wait), on every rank
+            future = chain(all_settled(started, devices), lambda _: assemble([driver.wait(f) for f in started]))
         if bucket.is_last():
             driver.advance()
         return future

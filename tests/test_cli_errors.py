@@ -317,6 +317,34 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     assert out == b""
 
 
+HALF_BUILT = """
+import sys
+from gradpress import cli
+
+class HalfBuilt:  # as llvmlite's objects are when Ctrl-C lands inside their constructor
+    def __del__(self):
+        raise AttributeError("object has no attribute '_as_parameter_'")
+
+def leave_a_cycle():
+    left = HalfBuilt()
+    left.cycle = left
+
+leave_a_cycle()
+kept = HalfBuilt()
+sys.exit(cli.interrupted())
+"""
+
+
+def test_ctrl_c_is_one_line_even_when_it_left_an_object_half_built(tmp_path):
+    """An interrupt that lands inside a constructor (numba compiling at set-up) leaves an object whose
+    finalizer fails at exit; the user still sees the one line ``interrupted``, no "Exception ignored"
+    traceback, and status 130."""
+    done = subprocess.run([sys.executable, "-c", HALF_BUILT], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "interrupted\n" and done.stdout == ""
+
+
 def test_missing_data_says_how_to_get_it(nothing_runs, monkeypatch, capsys):
     def unavailable(**_):
         raise data.DataUnavailable("Fashion-MNIST is missing: run `gradpress data` as root")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import threading
 import time
 import weakref
 from datetime import timedelta
@@ -292,6 +293,31 @@ def chain(future: torch.futures.Future, callback: Callable[[torch.futures.Future
     and tensors), ``future`` and the returned future referenced until then, so that the backend's thread
     never holds their last reference: it would need the GIL to release them."""
     return _EXIT.chain(future, callback, keep)
+
+
+def all_settled(futures: list[torch.futures.Future], devices: list[torch.device] | None = None
+                ) -> torch.futures.Future:
+    """A future completed (with None) once every one of ``futures`` has completed, with a result or an
+    error. ``torch.futures.collect_all`` fails at the first error, while the others may still run: the
+    caller would then meet whichever failed first, which differs between ranks, instead of the failure
+    of the first exchange started (the same on every rank, see :class:`gradpress.exchange.driver.Driver`).
+    ``devices``: those of the futures' tensors (CUDA)."""
+    settled = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_settled(_: torch.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            settled.set_result(None)
+
+    if not futures:
+        settled.set_result(None)
+    for future in futures:
+        chain(future, one_settled)
+    return settled
 
 
 _THEN = torch._C.Future.then
