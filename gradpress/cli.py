@@ -18,17 +18,22 @@ program itself still end in a traceback.
 """
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
 import copy
 import importlib
 import importlib.util
 import math
 import re
+import signal
 import sys
 import tempfile
 import textwrap
+import threading
+import types
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 SUBCOMMANDS = [
     "gradpress.bench",
@@ -223,11 +228,39 @@ def interrupted() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with _ctrl_c_outside_finalizers():
+        try:
+            parser = build_parser()  # (imports every subcommand: seconds)
+        except KeyboardInterrupt:
+            return interrupted()
+        return run(parser, argv)
+
+
+@contextlib.contextmanager
+def _ctrl_c_outside_finalizers() -> Iterator[None]:
+    """Python raises Ctrl-C's KeyboardInterrupt in whatever code the main thread runs when the signal
+    arrives; if that is an object's finalizer (``__del__``, run by the garbage collector at any
+    allocation), the interpreter reports the exception as "ignored" and drops it, and the command goes on
+    as if Ctrl-C had not been pressed. While the command runs, an interrupt that finds a finalizer on the
+    stack is delivered again a moment later, outside it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_ctrl_c(signum: int, frame: types.FrameType | None) -> None:
+        while frame is not None:
+            if frame.f_code.co_name == "__del__":
+                threading.Timer(0.05, _thread.interrupt_main).start()
+                return
+            frame = frame.f_back
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
     try:
-        parser = build_parser()  # (imports every subcommand: seconds)
-    except KeyboardInterrupt:
-        return interrupted()
-    return run(parser, argv)
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # -- memory ---------------------------------------------------------------------------------------------

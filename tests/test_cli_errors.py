@@ -304,8 +304,8 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
             time.sleep(0.05)
         assert b"simulating" in err, bytes(err)
         process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=120)  # (its stdout stays empty: nothing can fill the pipe)
         out = process.stdout.read()
-        code = process.wait(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
@@ -333,6 +333,36 @@ leave_a_cycle()
 kept = HalfBuilt()
 sys.exit(cli.interrupted())
 """
+
+
+CTRL_C_IN_A_FINALIZER = """
+import os, signal, sys, time
+from gradpress import cli
+
+class Finalized:
+    def __del__(self):  # Ctrl-C arrives while the garbage collector runs this
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+
+with cli._ctrl_c_outside_finalizers():
+    try:
+        Finalized()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("not interrupted")
+    except KeyboardInterrupt:
+        print("interrupted")
+"""
+
+
+def test_ctrl_c_during_a_finalizer_still_interrupts(tmp_path):
+    """Python drops a KeyboardInterrupt raised inside ``__del__`` ("Exception ignored"): the command
+    would run on after Ctrl-C. The CLI delivers it again outside the finalizer."""
+    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_A_FINALIZER], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout == "interrupted\n", (done.stdout, done.stderr)
+    assert "Exception ignored" not in done.stderr, done.stderr
 
 
 def test_ctrl_c_is_one_line_even_when_it_left_an_object_half_built(tmp_path):
