@@ -1,7 +1,7 @@
-"""The README's examples marked ``<!-- run -->`` run as written; those marked ``<!-- run: 2 processes -->``
-(DDP, Lightning, Accelerate, custom loops) run as written in 2 Gloo processes (``frameworks_harness.py``):
-each must finish on both ranks, send compressed bytes through gradpress and leave the ranks'
-models bit-identical."""
+"""The README's and the docs pages' examples marked ``<!-- run -->`` run as written; the README's marked
+``<!-- run: 2 processes -->`` (DDP, Lightning, Accelerate, custom loops, FSDP2) run as written in 2 Gloo
+processes (``frameworks_harness.py``): each must finish on both ranks, send compressed bytes through
+gradpress and leave the ranks' models bit-identical."""
 from __future__ import annotations
 
 import re
@@ -13,7 +13,12 @@ import torch
 from frameworks_harness import needs, readme_blocks, result, shared_run
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"<!-- run -->\s*```python\n(.*?)```", README.read_text(), flags=re.S)
+RUN = r"<!-- run -->\s*```python\n(.*?)```"
+BLOCKS = re.findall(RUN, README.read_text(), flags=re.S)
+#: the docs pages' single-process examples, run the same way (docs/integrations.md's are multi-process)
+DOCS = sorted((Path(__file__).resolve().parents[1] / "docs").glob("*.md"))
+DOC_BLOCKS = [(page.name, i, block) for page in DOCS
+              for i, block in enumerate(re.findall(RUN, page.read_text(), flags=re.S))]
 
 
 def test_readme_has_runnable_examples():
@@ -23,6 +28,15 @@ def test_readme_has_runnable_examples():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index):
     exec(compile(BLOCKS[index], f"README block {index}", "exec"), {"__name__": "readme"})
+
+
+def test_docs_have_runnable_examples():
+    assert any(name == "methods.md" for name, _, _ in DOC_BLOCKS)  # error feedback on its own
+
+
+@pytest.mark.parametrize("page,index,block", DOC_BLOCKS, ids=[f"{n}-{i}" for n, i, _ in DOC_BLOCKS])
+def test_docs_example_runs(page, index, block):
+    exec(compile(block, f"docs/{page} block {index}", "exec"), {"__name__": "readme"})
 
 
 MULTI = readme_blocks()
