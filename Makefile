@@ -33,13 +33,14 @@ wheel-check: $(STAMP)
 
 # an emulated 100 Mbit/s star when root (network namespaces need it), loopback otherwise
 NETWORK := $(if $(filter 0,$(shell id -u)),--bandwidth 100mbit,)
-DEMO_STEPS ?= 300
+# every method trains for the same wall-clock (evaluation excluded), so fast and slow ones compare fairly
+DEMO_SECONDS ?= 30
 
 demo: $(STAMP)
 	$(PY) -m gradpress data fashion-mnist
 	$(PY) -m gradpress bench ops --compressors all --json out/bench_ops.json
 	$(PY) -m gradpress compare --model mlp --data fashion-mnist --workers 2 $(NETWORK) \
-		--steps $(DEMO_STEPS) --eval-every 50 --compressors demo --out out/demo
+		--seconds $(DEMO_SECONDS) --eval-every 25 --compressors demo --out out/demo --overwrite
 
 clean:
 	rm -rf $(VENV) out build
