@@ -1,5 +1,5 @@
 """The two-level exchange (``hierarchy="node"``): 4 Gloo processes as 2 nodes × 2 ranks, and two real
-``torchrun`` launches as two nodes.
+``torchrun`` launches as two nodes running the README's DDP and HSDP scripts.
 
 One spawn of 4 processes runs every multi-process scenario (spawning costs seconds on a loaded machine);
 torchrun's variables (``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``LOCAL_RANK``) are set in the processes as
@@ -23,10 +23,9 @@ from __future__ import annotations
 import math
 import os
 import re
-import socket
+import shlex
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -439,63 +438,160 @@ def test_min_numel_counts_the_whole_tensor_and_states_do_not_mix_levels():
         gradpress.Communicator("auto", hierarchy="node", local_size=2)
 
 
-# -- two torchrun launches, one per node ------------------------------------------------------------------
-SCRIPT = """
-import hashlib
-import torch, torch.distributed as dist
-import gradpress
+# -- the README's two-node runs: its two torchrun commands, its DDP and HSDP scripts -----------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
 
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-net = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.004)
-state = gradpress.register(model, "topk:ratio=0.1", hierarchy="node", timeout=60)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-for step in range(4):
-    x = torch.randn(16, 20, generator=torch.Generator().manual_seed(10 * dist.get_rank() + step))
-    optimizer.zero_grad()
-    torch.nn.functional.mse_loss(model(x), x[:, :4]).backward()
-    optimizer.step()
-digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
-stats = state.stats()
-print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {stats['pattern']}; intra "
-      f"{stats['total']['intra_node_sent_bytes'] > 0}; parameters {digest}", flush=True)
-dist.destroy_process_group()
+# appended to a README script: one write per line (the ranks share a pipe), after its destroy_process_group
+# (no collective; the rank from torchrun)
+DDP_EPILOGUE = """
+import hashlib as _hashlib, os as _os, sys as _sys
+_digest = _hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.module.parameters()))
+_stats = state.stats()
+_intra = _stats["total"]["intra_node_sent_bytes"] > 0
+_sys.stdout.write(f"ddp rank {_os.environ['RANK']} of {_os.environ['WORLD_SIZE']}: {_stats['pattern']}; "
+                  f"intra {_intra}; parameters {_digest.hexdigest()}\\n")
+"""
+HSDP_EPILOGUE = """
+import hashlib as _hashlib, os as _os, sys as _sys
+_local = [p.detach().to_local() for p in model.parameters()]  # this rank's shard of each parameter
+_digest = _hashlib.sha256(b"".join(t.numpy().tobytes() for t in _local))
+_sys.stdout.write(f"hsdp rank {_os.environ['RANK']} of {_os.environ['WORLD_SIZE']}: shard "
+                  f"{sum(t.numel() for t in _local)} of {sum(p.numel() for p in model.parameters())}; sent "
+                  f"{state.stats()['total']['sent_bytes']}; parameters {_digest.hexdigest()}\\n")
+"""
+# train.py: the two scripts one after the other in each process (starting 6 interpreters costs seconds
+# each here), each in a folder of its own; the second on a store of its own, as the README harness does
+# (the launcher's store hosts one group)
+TRAIN = """
+import os
+
+def run(name):
+    os.makedirs(name, exist_ok=True)
+    os.chdir(name)
+    with open(f"../{name}.py") as file:
+        exec(compile(file.read(), f"{name}.py", "exec"), {"__name__": "__main__"})
+    os.chdir("..")
+
+run("ddp")
+os.environ["MASTER_PORT"] = os.environ["GRADPRESS_TEST_PORT"]
+os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+run("hsdp")
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _section(title: str) -> str:
+    text = README.read_text()
+    found = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", text, re.DOTALL | re.MULTILINE)
+    if found is None:
+        pytest.fail(f"README.md has no section '## {title}'")
+    return found.group(1)
 
 
-def test_two_torchrun_nodes_train_with_identical_parameters(tmp_path):
-    script = tmp_path / "two_nodes.py"
-    script.write_text(textwrap.dedent(SCRIPT))
+def _readme_script(needle: str) -> str:
+    """The one README example run in 2 processes (found as tests/frameworks_harness.py finds them) that
+    holds ``needle``."""
+    from frameworks_harness import readme_blocks
+
+    found = [block for block in readme_blocks() if needle in block]
+    if len(found) != 1:
+        pytest.fail(f"README.md has {len(found)} examples marked '<!-- run: 2 processes -->' holding "
+                    f"{needle!r}; expected one")
+    return found[0]
+
+
+def _ddp_on_nodes() -> str:
+    """The README's DDP example with its register line replaced by the one of "Several nodes"."""
+    script = _readme_script("DistributedDataParallel")
+    register = re.findall(r"^state = gradpress\.register\(model, .*\)$", script, re.MULTILINE)
+    if len(register) != 1:
+        pytest.fail(f"README.md's DDP example has {len(register)} lines "
+                    "`state = gradpress.register(model, …)`, not one")
+    nodes = [line for block in re.findall(r"```python\n(.*?)```", _section("Several nodes"), re.DOTALL)
+             for line in block.splitlines() if 'hierarchy="node"' in line]
+    if len(nodes) != 1 or not nodes[0].startswith("state = gradpress.register(model, "):
+        pytest.fail(f"README.md's 'Several nodes' shows no one line `state = gradpress.register(model, …, "
+                    f"hierarchy=\"node\", …)`: {nodes}")
+    return script.replace(register[0], nodes[0])
+
+
+def _torchrun_commands(port: int) -> list[list[str]]:
+    """The two ``torchrun`` commands of the README's "Several nodes", as written but for the address and
+    port (this machine's, a free one) and ``python -m torch.distributed.run`` for ``torchrun``."""
+    blocks = re.findall(r"```sh\n(.*?)```", _section("Several nodes"), re.DOTALL)
+    lines = [line for block in blocks for line in block.splitlines() if line.startswith("torchrun ")]
+    if len(lines) != 2:
+        pytest.fail(f"README.md's 'Several nodes' shows {len(lines)} torchrun commands, not one per node: "
+                    f"{lines}")
+    commands = []
+    for line in lines:
+        words = shlex.split(line)
+        for option, value in (("--master-addr", "127.0.0.1"), ("--master-port", str(port))):
+            if option not in words:
+                pytest.fail(f"README.md's torchrun command has no {option}: {line}")
+            words[words.index(option) + 1] = value
+        commands.append([sys.executable, "-m", "torch.distributed.run", *words[1:]])
+    return commands
+
+
+@pytest.fixture(scope="module")
+def readme_nodes(tmp_path_factory) -> dict[str, dict[int, str]]:
+    """The README's DDP script (register line of "Several nodes") and its HSDP script as written, run
+    by the README's two torchrun commands in ``train.py``: ``{"ddp": {rank: its epilogue line}, "hsdp":
+    …}``, after both launches exited 0."""
+    from frameworks_harness import _free_ports
+
+    folder = tmp_path_factory.mktemp("nodes")
+    (folder / "ddp.py").write_text(_ddp_on_nodes() + DDP_EPILOGUE)
+    (folder / "hsdp.py").write_text(_readme_script("gradpress.fsdp.register") + HSDP_EPILOGUE)
+    (folder / "train.py").write_text(TRAIN)
     root = Path(__file__).resolve().parents[1]
     paths = [str(root)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", GRADPRESS_NUMBA="0", PYTHONPATH=os.pathsep.join(paths))
-    for name in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
+    master, second = _free_ports(2)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GRADPRESS_NUMBA="0", PYTHONPATH=os.pathsep.join(paths),
+               GRADPRESS_TEST_PORT=str(second))
+    for name in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
         env.pop(name, None)
-    port = _free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    runs = [subprocess.Popen([*command, "--node-rank", str(node), str(script)], cwd=tmp_path, env=env,
-                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            for node in range(2)]
+    runs = [subprocess.Popen(command, cwd=folder, env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+            for command in _torchrun_commands(master)]
     outputs = []
     try:
         for run in runs:
-            outputs.append(run.communicate(timeout=240)[0])
+            outputs.append(run.communicate(timeout=300)[0])
     finally:
         for run in runs:
             if run.poll() is None:
                 os.killpg(run.pid, 9)  # the session this test started: the launcher and its workers
                 run.communicate()
-    for run, output in zip(runs, outputs):
-        assert run.returncode == 0, output[-3000:]
-    lines = re.findall(r"^rank (\d) of 4: (.*)$", "\n".join(outputs), re.MULTILINE)
-    assert sorted(int(rank) for rank, _ in lines) == [0, 1, 2, 3], outputs
-    assert len({text for _, text in lines}) == 1, lines
-    assert "between nodes; intra True" in lines[0][1], lines
+    for node, (run, output) in enumerate(zip(runs, outputs)):
+        assert run.returncode == 0, f"node {node}'s torchrun exited {run.returncode}:\n{output[-3000:]}"
+    found: dict[str, dict[int, str]] = {"ddp": {}, "hsdp": {}}
+    for script, rank, text in re.findall(r"(ddp|hsdp) rank (\d) of 4: ([^\n]*?parameters [0-9a-f]{64})",
+                                         "\n".join(outputs)):
+        found[script][int(rank)] = text
+    for lines in found.values():
+        assert sorted(lines) == [0, 1, 2, 3], outputs
+    return found
+
+
+def test_readme_ddp_script_on_two_torchrun_nodes_ends_with_identical_parameters(readme_nodes):
+    """The README's DDP example with its register line replaced by the one of "Several nodes", launched
+    by the README's two torchrun commands (2 nodes × 2 ranks): the two-level exchange ran (the
+    hierarchical pattern, bytes inside the node) and every rank ends with the same parameters."""
+    lines = readme_nodes["ddp"]
+    assert len(set(lines.values())) == 1, lines
+    assert "between nodes; intra True" in lines[0], lines
+
+
+def test_readme_hsdp_script_on_two_torchrun_nodes_shards_in_a_node_and_replicas_agree(readme_nodes):
+    """The README's FSDP2/HSDP example as written, on the README's two torchrun commands: its mesh from
+    torchrun's variables is 2 replicas (the nodes) of 2 shards, every rank sends compressed bytes, and the
+    replicas of a shard (ranks j and j + 2) end with the same parameters and bytes."""
+    lines = readme_nodes["hsdp"]
+    for rank, text in lines.items():
+        local, whole = map(int, re.search(r"shard (\d+) of (\d+)", text).groups())
+        assert 2 * local == whole, f"rank {rank} holds {local} of {whole} values, not half: {lines}"
+        assert int(re.search(r"sent (\d+)", text).group(1)) > 0, lines
+    assert lines[0] == lines[2] and lines[1] == lines[3], lines
+    assert lines[0] != lines[1], lines  # the two shards differ
