@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	# the offline datasets (apt-get as root; tests that need one skip with the reason when it is missing)
 	-$(PY) -m gradpress data fashion-mnist fortunes movielens-100k
-	$(PY) -m pytest -q
+	# every method's kernels compiled once for the suite, two processes at a time (numba compiles on one
+	# core); the tests then load them from the disk cache, in two processes (pytest-xdist), a file each
+	$(PY) -m gradpress compile all --jobs 2 --dtypes float32
+	$(PY) -m pytest -q -n 2 --dist loadfile
 	$(MAKE) --no-print-directory wheel-check
 
 # the wheel `python -m build` makes, installed into a fresh virtualenv (torch as above, no extras), runs

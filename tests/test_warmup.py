@@ -93,8 +93,19 @@ def test_gradpress_compile(tmp_path):
     assert kept.startswith("kernels kept in ")
 
 
+def test_gradpress_compile_shares_the_specs_among_processes(tmp_path):
+    """``--jobs 2``: two processes, each compiling (or loading) its share and saying so."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(gradpress.__file__))}
+    done = subprocess.run([sys.executable, "-m", "gradpress", "compile", "none", "fp16", "--jobs", "2",
+                           "--dtypes", "float32"], env=env, capture_output=True, text=True, timeout=900,
+                          check=True)
+    ready = sorted(line for line in done.stdout.splitlines() if line.startswith("gradpress: kernels for "))
+    assert [line.split(" (")[0] for line in ready] == ["gradpress: kernels for fp16",
+                                                       "gradpress: kernels for none"], done.stdout
+
+
 @pytest.mark.parametrize("argv", [["compile"], ["compile", "nosuch"], ["compile", "none", "--dtypes", "int8"],
-                                  ["compile", "none", "--workers", "0"]])
+                                  ["compile", "none", "--workers", "0"], ["compile", "all", "--jobs", "0"]])
 def test_gradpress_compile_refuses_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main(argv)

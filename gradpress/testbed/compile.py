@@ -2,15 +2,18 @@
 (:func:`gradpress.warm_up`), e.g. when a container image is built, so that training starts without compiling.
 
     gradpress compile thc topk:ratio=0.01 --dtypes float32,bfloat16
+    gradpress compile all --jobs 4
 
 Each spec runs a few steps in a :class:`gradpress.Simulator` of ``--workers`` ranks on small tensors of
 each dtype (``auto``: every candidate of its default set). Prints what was compiled, how long it took and
-where the kernels are kept (the README's "Compiled kernels").
+where the kernels are kept (the README's "Compiled kernels"). numba compiles on one core: ``--jobs N``
+shares the specs out among N processes (every method: ``all``), which write the same disk cache.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
 import sys
 
 from gradpress import cli
@@ -27,15 +30,22 @@ def _dtypes(text: str) -> list[str]:
     return names
 
 
+def _spec(text: str) -> str:
+    """A compressor spec, or ``all`` (every registered method at its defaults)."""
+    return text if text == "all" else cli.compressor(text)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("compile", description=__doc__.split("\n\n")[0],
                                    help="compile methods' CPU kernels ahead of time (container builds)")
-    parser.add_argument("specs", nargs="+", type=cli.compressor, metavar="SPEC",
-                        help="compressor specs (topk:ratio=0.01, thc, auto, ...)")
+    parser.add_argument("specs", nargs="+", type=_spec, metavar="SPEC",
+                        help="compressor specs (topk:ratio=0.01, thc, auto, ...), or all")
     parser.add_argument("--dtypes", type=_dtypes, default=list(DTYPES),
                         help="gradient dtypes, comma-separated (default: float32,float16,bfloat16)")
     parser.add_argument("--workers", type=cli.integer(1), default=2,
                         help="ranks of the exchange (integer sums are widened by the rank count; default 2)")
+    parser.add_argument("--jobs", type=cli.integer(1), default=1,
+                        help="processes that compile at once, each a share of the specs (default 1)")
     parser.add_argument("--option", type=cli.option, action="append", default=[], metavar="KEY=VALUE",
                         help="a runtime option of the training (mode=ps, master=natural, ...), repeatable")
     parser.set_defaults(func=_main)
@@ -52,13 +62,17 @@ def _main(args: argparse.Namespace) -> int:
 
     if not numba_enabled():
         raise cli.UsageError("GRADPRESS_NUMBA=0: no kernel runs, nothing to compile")
+    specs = list(dict.fromkeys(name for spec in args.specs
+                               for name in (cli.all_methods() if spec == "all" else [spec])))
+    if args.jobs > 1 and len(specs) > 1:
+        return _in_processes(args, specs)
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        gradpress.warm_up(*args.specs, dtypes=[getattr(torch, name) for name in args.dtypes],
+        gradpress.warm_up(*specs, dtypes=[getattr(torch, name) for name in args.dtypes],
                           workers=args.workers, **parse_options(args.option))
     except ValueError as error:
         raise cli.UsageError(cli.one_line(error)) from None
@@ -66,4 +80,27 @@ def _main(args: argparse.Namespace) -> int:
         logger.removeHandler(handler)
         logger.setLevel(level)
     print(f"kernels kept in {describe_cache()}")
+    return 0
+
+
+def _in_processes(args: argparse.Namespace, specs: list[str]) -> int:
+    """Compile ``specs`` in ``args.jobs`` child processes (``gradpress compile`` each, with the same
+    settings), every job-th spec to one; each prints its own lines. Status 1 if any of them failed."""
+    shares = [specs[job::args.jobs] for job in range(min(args.jobs, len(specs)))]
+    settings = ["--dtypes", ",".join(args.dtypes), "--workers", str(args.workers)]
+    for option in args.option:  # (KEY=VALUE as given)
+        settings += ["--option", option]
+    children = [subprocess.Popen([sys.executable, "-m", "gradpress", "compile", *share, *settings])
+                for share in shares]
+    try:
+        codes = [child.wait() for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    failed = [" ".join(share) for share, code in zip(shares, codes) if code != 0]
+    if failed:
+        print(f"gradpress: error: compiling {'; '.join(failed)} failed", file=sys.stderr)
+        return 1
     return 0
