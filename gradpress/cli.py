@@ -142,14 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--markdown", action="store_true",
                          help="the README's compressor table (bits per value measured on 2^20 N(0,1) fp32 values)")
     listing.set_defaults(func=_list)
+    missing = _missing_testbed_library()  # (the testbed's modules import their libraries when they run)
     for module in SUBCOMMANDS:
+        command = module.rsplit(".", 1)[-1]
+        if missing is not None and command not in LIBRARY_COMMANDS:
+            _unavailable(sub, command, missing)
+            continue
         try:
             importlib.import_module(module).add_parser(sub)
         except ModuleNotFoundError as error:
             library = (error.name or "").split(".")[0]
             if library not in TESTBED_LIBRARIES:
                 raise
-            _unavailable(sub, module.rsplit(".", 1)[-1], library)
+            _unavailable(sub, command, library)
     return parser
 
 

@@ -28,7 +28,6 @@ import torch
 import gradpress
 from gradpress import cli
 from gradpress.bench.ops import median_ms
-from gradpress.compressors.sketch import nonzero_blocks
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context
 
@@ -78,6 +77,8 @@ def embedding_gradients(
 def gather_compress(grad: torch.Tensor) -> Packet:
     """The all-gather baseline's packet: the non-zero rows and their int32 indices (found by the same
     row scan as the sketch's bitmap)."""
+    from gradpress.compressors.sketch import nonzero_blocks  # (compiles the sketch's kernels: when run)
+
     rows = nonzero_blocks(grad).nonzero().squeeze(1)
     return Packet({"rows": grad[rows], "indices": rows.to(torch.int32)}, grad.shape, grad.dtype)
 

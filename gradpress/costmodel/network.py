@@ -82,7 +82,6 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import nnls
 
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)$", re.I)
@@ -453,6 +452,8 @@ def fit_alpha_beta(observations: Sequence[Observation]) -> tuple[float, float]:
     time = α·messages + (1/bandwidth)·(8·bytes) is linear in (α, 1/bandwidth); scipy's ``nnls`` keeps
     both ≥ 0. Needs observations that differ in bytes per message, or the two are not identifiable.
     """
+    from scipy.optimize import nnls  # (scipy.optimize: half a second to import)
+
     costs = [communication_cost(o.phases, o.n) for o in observations]
     a = np.array([[c.messages, 8.0 * c.nbytes] for c in costs], dtype=float)
     b = np.array([o.seconds for o in observations], dtype=float)
@@ -473,6 +474,8 @@ def fit_efficiency(observations: Sequence[Observation], bandwidth: float | str,
     bucket as :func:`transfer_seconds` draws on it, phase by phase, from ``Observation.tokens``).
     Strategies whose bytes all fit the bucket carry no information about their rate and are left out,
     as are those the fit cannot bound."""
+    from scipy.optimize import nnls  # (scipy.optimize: half a second to import)
+
     rate, alpha = _bits_per_second(bandwidth), _check_latency(latency)
     strategies: list[str] = []
     rows, times = [], []
@@ -499,6 +502,8 @@ def fit_link(observations: Sequence[Observation], bandwidth: float | str,
     Observations with fewer than ``min_excess`` bytes beyond their tokens inform α only: their few
     bytes beyond are priced at R (their time is mostly what else the exchange waits for, not a rate).
     Raises without an observation with messages."""
+    from scipy.optimize import nnls  # (scipy.optimize: half a second to import)
+
     rate = _bits_per_second(bandwidth)
     strategies: list[str] = []
     rows, times = [], []

@@ -24,9 +24,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Sequence
 
 from gradpress.testbed.results import REFERENCES, WARMUP_FRACTION, Run, save_runs
 
@@ -40,6 +38,9 @@ UPPER_BOUND = "noop"
 DEFAULT_TOLERANCE = {"accuracy": 0.01, "hit_rate@10": 0.01, "perplexity": 5.0}
 PLOTS = {"quality_vs_time.png": "quality vs wall-clock", "quality_vs_bytes.png": "quality vs data volume",
          "throughput.png": "throughput"}
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 _DECIMALS = {"accuracy": 4, "hit_rate@10": 4, "perplexity": 2}
 
 
@@ -342,6 +343,8 @@ def _bytes(n: float) -> str:
 # Plots (matplotlib's object API on the Agg canvas: no pyplot, no global backend change)
 # -------------------------------------------------------------------------------------------------
 def _figure() -> tuple[Figure, object]:
+    from matplotlib.figure import Figure  # (matplotlib: a second to import, for the plots only)
+
     fig = Figure(figsize=(7.5, 4.5), layout="constrained")
     return fig, fig.subplots()
 
