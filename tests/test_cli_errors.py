@@ -127,6 +127,12 @@ BAD = [
     ("compare --compressors noop --out /etc/passwd", "argument --out: /etc/passwd is not a directory"),
     ("compare --compressors noop --out /etc/passwd/x", "cannot create /etc/passwd/x"),
     ("compare --workers 0", "argument --workers"),
+    ("train --nodes 0", "argument --nodes: expected a positive integer, got '0'"),
+    ("compare --nodes -1", "argument --nodes: expected a positive integer, got '-1'"),
+    ("compare --compressors topk@rack", "argument --compressors: topk@rack: expected SPEC@node"),
+    ("compare --compressors torch-allreduce@node", "torch-allreduce is PyTorch's own hook, which has no"),
+    ("compare --compressors demo@node", "argument --compressors: demo@node: @node follows a spec, not a"),
+    ("compare --compressors topk:ratio=2@node", _SPEC_OUT_OF_RANGE),
     ("advise --local-workers 0", "argument --local-workers"),
     # bench
     ("bench ops --compressors bogus", "argument --compressors: bogus: unknown compressor"),
@@ -191,6 +197,10 @@ BAD_WITH_DATA = [
     ("train --model ncf", "--model ncf: model 'ncf' is for recommendation data; 'fashion-mnist' is classification"),
     ("train --batch-size 40000", "--batch-size 40000: a worker's shard of fashion-mnist holds 30000 samples"),
     ("compare --compressors noop,topk --option mode=switch", "--compressors: topk: switch mode adds integers only"),
+    ("train --nodes 2 --option hierarchy=node --option local_size=3",
+     "--compressor none: hierarchy='node': a node of 3 ranks does not divide the world of 4 ranks"),
+    ("compare --nodes 2 --compressors noop,auto@node",
+     "--compressors: auto@node: hierarchy='node' runs one method"),
     ("sim quality --model ncf --data fashion-mnist", "--model ncf: model 'ncf' is for recommendation"),
     ("sim quality --compressor topk --option mode=switch", "--compressors topk with 1 worker: switch mode"),
     ("sim quality --workers 1024", "a shard of fashion-mnist for 1024 workers holds 58 samples"),
@@ -223,6 +233,8 @@ def test_bad_arguments_for_the_data_are_one_line_and_start_nothing(argv, expecte
 @pytest.mark.parametrize("argv", [
     "train --steps 1 --compressor topk:ratio=0.1 --option min_numel=1024 --json out/run.json",
     "compare --compressors noop,topk:ratio=0.1,qsgd:levels=16,bucket=512 --steps 1 --out out/compare",
+    "compare --nodes 2 --compressors topk:ratio=0.1,topk:ratio=0.1@node,qsgd:bucket=512@node --out out/c",
+    "train --option hierarchy=node --compressor topk --steps 1",  # one node: one level
     "bench ops --compressors topk:ratio=0.1 --sizes 2^10,1000 --json out/ops.json",
     "sim nmse --compressors none,qsgd --numel 2^10 --workers 2,4 --json out/nmse.json",
 ])

@@ -77,4 +77,6 @@ def test_help_has_no_markup_and_gives_the_defaults():
                 assert "(default:" in " ".join(cli.HelpFormatter(command)._get_help_string(action).split()) or \
                     "default" in (action.help or ""), (command, action.dest)
     train = " ".join(commands["gradpress train"].format_help().split())
-    assert "--seed SEED (default: 0)" in train and "--workers WORKERS local worker processes (default: 2)" in train
+    assert "--seed SEED (default: 0)" in train and "--nodes NODES emulated nodes" in train
+    assert "--workers WORKERS local worker processes per node: the run has --nodes × --workers ranks (default: 2)" \
+        in train

@@ -93,6 +93,51 @@ def test_tc_sizes_and_the_settings_a_run_records():
     assert netem.size_bytes(1000.0) == 1000.0
     with pytest.raises(ValueError, match="tc size"):
         netem.size_bytes("lots")
-    star = netem.Star("br", ("w0",), ("10.213.0.1",), "100mbit")
+    star = netem.Star("br", ("n0",), ("10.213.0.1",), "100mbit")
     assert star.settings() == {"qdisc": "tbf", "rate": "100mbit", "burst": "256kb", "burst_bytes": 262144,
                                "latency": "50ms"}
+
+
+def test_the_node_form_puts_k_workers_in_each_namespace():
+    """Workers i·k … i·k + k − 1 run in node i's namespace, all with Gloo on its link and the rendezvous
+    at node 0; the per-worker star is the same star with k = 1."""
+    names, addresses = ("gp1-n0", "gp1-n1", "gp1-n2"), ("10.213.0.1", "10.213.0.2", "10.213.0.3")
+    nodes = netem.Star("gp1-br", names, addresses, "100mbit", workers_per_node=2)
+    assert [nodes.command(rank, ["true"])[3] for rank in range(6)] == [name for name in names for _ in "ab"]
+    assert {nodes.environment(rank)["MASTER_ADDR"] for rank in range(6)} == {addresses[0]}
+    assert {nodes.environment(rank)["GLOO_SOCKET_IFNAME"] for rank in range(6)} == {"eth0"}
+    with pytest.raises(ValueError, match="worker 6 is not on this star of 3 nodes of 2 workers"):
+        nodes.command(6, ["true"])
+    workers = netem.Star("gp1-br", names, addresses, "100mbit")
+    assert [workers.command(rank, ["true"])[3] for rank in range(3)] == list(names)
+
+
+@root
+def test_node_namespaces_keep_their_own_traffic_off_the_link_and_are_deleted():
+    """Two workers of one node talk through their namespace (the link's counter does not move with their
+    12 MiB); a worker of the other node reaches them over the link (its counter counts the 12 MiB)."""
+    blocks = 12
+    with netem.emulated_star(2, "1gbit", workers_per_node=2) as star:
+        assert set(netem.namespaces_of(os.getpid())) == {star.bridge, *star.namespaces}
+        assert star.command(0, ["true"]) == star.command(1, ["true"]) != star.command(2, ["true"])
+
+        def link_bytes(rank: int) -> int:  # what netem.link_sent_bytes reads, in the rank's namespace
+            counter = f"/sys/class/net/{netem.INTERFACE}/statistics/tx_bytes"
+            return int(subprocess.run(star.command(rank, ["cat", counter]), capture_output=True, text=True,
+                                      check=True, timeout=60).stdout)
+
+        def send(sender: int, receiver: int) -> None:
+            address = star.addresses[star.node(receiver)]
+            listening = subprocess.Popen(star.command(receiver, [sys.executable, "-c", RECEIVER, address]),
+                                         stdout=subprocess.PIPE, text=True)
+            subprocess.run(star.command(sender, [sys.executable, "-c", SENDER, address, str(blocks)]),
+                           check=True, timeout=60)
+            listening.communicate(timeout=60)
+
+        before = link_bytes(0)
+        send(1, 0)  # inside node 0
+        inside = link_bytes(0) - before
+        send(0, 2)  # from node 0 to node 1
+        across = link_bytes(0) - before - inside
+        assert inside < (1 << 20) and across >= blocks << 20
+    assert netem.namespaces_of(os.getpid()) == []

@@ -93,7 +93,7 @@ def test_json_round_trip(tmp_path, accuracy_runs):
     obj = json.loads(run.to_json())
     assert obj["schema"] == 1 and obj["bandwidth"] == "100mbit" and len(obj["steps"]) == 10
     assert set(obj["steps"][0]) == {"step", "epoch", "wall_s", "compute_s", "compress_s", "comm_s",
-                                    "bytes_sent", "samples"}
+                                    "bytes_sent", "samples", "intra_node_bytes", "link_bytes"}
     assert set(obj["evals"][0]) == {"epoch", "step", "wall_s", "bytes_total", "metric", "value",
                                     "higher_is_better", "loss"}
 
@@ -269,3 +269,35 @@ def test_mixed_metrics_are_refused(accuracy_runs):
         R.summarize(accuracy_runs, tolerance=-0.1)
     with pytest.raises(ValueError, match="at least one run"):
         R.summarize([])
+
+
+def test_runs_of_several_nodes_name_their_hierarchy_and_traffic(tmp_path, accuracy_runs):
+    """A run of 2 nodes × 2 workers records its nodes, and per step the bytes sent inside a node and over
+    node 0's link; the report names the two-level runs ``SPEC@node`` (its flat twin keeps the spec) and
+    shows the traffic columns; a record without these fields (an earlier version's) reads as one node."""
+    def on_nodes(run: Run, hierarchy: str | None, intra: int, link: int) -> Run:
+        steps = tuple(replace(s, intra_node_bytes=intra, link_bytes=link) for s in run.steps)
+        options = {"hierarchy": hierarchy} if hierarchy else {}
+        return replace(run, workers=4, nodes=2, steps=steps, info={**run.info, "options": options})
+
+    ref, topk = accuracy_runs[0], accuracy_runs[1]
+    runs = [on_nodes(ref, None, 0, 30_000), on_nodes(topk, None, 0, 800),
+            on_nodes(replace(topk, compressor="topk:ratio=0.01"), "node", 8000, 400),
+            on_nodes(replace(ref, compressor="torch-allreduce"), "node", 0, 30_000)]  # PyTorch's hook: flat
+    assert [run.label for run in runs] == ["torch-allreduce", "topk:ratio=0.01", "topk:ratio=0.01@node",
+                                           "torch-allreduce"]
+    assert runs[2].workers_per_node == 2 and runs[2].hierarchy == "node" and runs[3].hierarchy is None
+    assert Run.from_json(runs[2].to_json()) == runs[2]
+    old = runs[2].to_dict()
+    del old["nodes"]
+    for step in old["steps"]:
+        del step["intra_node_bytes"], step["link_bytes"]
+    assert Run.from_dict({**old, "workers": 4}).nodes == 1 and Run.from_dict(old).link_bytes_per_step is None
+    with pytest.raises(ValueError, match="multiple of Run.nodes"):
+        replace(runs[2], workers=3)
+    markdown = R.write_report(runs[:3], tmp_path, tolerance=0.04).read_text()
+    assert "2 nodes × 2 workers, link: 100mbit" in markdown
+    assert table_row(markdown, "topk:ratio=0.01@node")[4:7] == ["40 B", "8.00 kB", "400 B"]
+    assert table_row(markdown, "topk:ratio=0.01")[4:7] == ["40 B", "0 B", "800 B"]
+    assert "intra-node bytes/step" in markdown and "link bytes/step" in markdown
+    assert "link bytes/step" not in R.write_report(accuracy_runs, tmp_path, tolerance=0.04).read_text()

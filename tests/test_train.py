@@ -8,7 +8,7 @@ import pytest
 
 from gradpress.testbed import data
 from gradpress.testbed import train as train_module
-from gradpress.testbed.compare import available, compare
+from gradpress.testbed.compare import available, compare, run_config, run_list
 from gradpress.testbed.results import Run
 from gradpress.testbed.train import TrainConfig, TrainFailed, _Clock, parse_options, train
 
@@ -194,3 +194,74 @@ def test_config_and_options_are_checked():
         TrainConfig(compressor="no-such-method")
     with pytest.raises(ValueError, match="100mbit"):
         TrainConfig(bandwidth="fast")
+
+
+# -- several emulated nodes -------------------------------------------------------------------------------
+#: hierarchy="node" with 2 ranks a node, one DDP bucket: every tensor of MLP splits in two equal halves, so
+#: a rank's packets (``none``: 4 bytes a value) are half the gradient, and inside its node it sends the
+#: other half with the k = 2 fault flags (reduce-scatter) and its averaged half with its status (all-gather)
+HALF, INSIDE = PARAMETERS * 4 // 2, PARAMETERS * 4 + 4 * (2 + 1)
+NODES = ["--model", MLP, "--nodes", "2", "--workers", "2", "--option", "hierarchy=node", "--steps", "3",
+         "--batch-size", "32", "--eval-every", "3", "--timeout", "60"]
+
+
+def test_workers_get_torchruns_variables_node_by_node():
+    env = [train_module.torchrun_environment(rank, 2, 3, "10.213.0.1", 29511) for rank in range(6)]
+    assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["RANK"]) for e in env] == [
+        ("0", "0", "0"), ("0", "1", "1"), ("0", "2", "2"), ("1", "0", "3"), ("1", "1", "4"), ("1", "2", "5")]
+    assert {(e["LOCAL_WORLD_SIZE"], e["WORLD_SIZE"], e["GROUP_WORLD_SIZE"], e["MASTER_ADDR"],
+             e["MASTER_PORT"]) for e in env} == {("3", "6", "2", "10.213.0.1", "29511")}
+    with pytest.raises(ValueError, match="nodes must be a positive integer"):
+        TrainConfig(nodes=0)
+
+
+def _check_two_levels(run: Run) -> None:
+    assert (run.workers, run.nodes, run.workers_per_node) == (4, 2, 2)
+    assert run.label == "none@node" and run.hierarchy == "node"
+    assert all(s.samples == 4 * 32 for s in run.steps)  # 4 ranks' batches
+    assert {(s.bytes_sent, s.intra_node_bytes) for s in run.steps} == {(HALF, INSIDE)}
+
+
+@needs_data
+def test_two_nodes_of_two_workers_exchange_in_two_levels_over_loopback(tmp_path, capsys):
+    """``gradpress train --nodes 2 --workers 2 --option hierarchy=node``: 4 ranks, each node's 2 told so
+    by torchrun's variables (LOCAL_WORLD_SIZE; GROUP_RANK and LOCAL_RANK agree with the layout, else the
+    ranks' agreement fails): the record's bytes are the two levels'."""
+    from gradpress.cli import main
+
+    assert main(["train", *NODES, "--json", str(tmp_path / "run.json")]) == 0
+    run = Run.from_json((tmp_path / "run.json").read_text())
+    _check_two_levels(run)
+    assert all(s.link_bytes is None for s in run.steps) and run.link_bytes_per_step is None
+    assert capsys.readouterr().out.startswith("none@node: ")
+
+
+@needs_data
+@pytest.mark.skipif(os.geteuid() != 0, reason="the emulated network needs root")
+def test_two_nodes_over_the_emulated_network_keep_the_node_traffic_off_the_link(tmp_path):
+    """With --bandwidth the 2 workers of a node share its namespace: node 0's link carries its ranks'
+    packets between nodes (at least both halves: an all-reduce of 2 sends all of its input), and not
+    their exchange inside the node (which would add 2 × INSIDE); the namespaces are gone afterwards."""
+    from gradpress.cli import main
+    from gradpress.testbed import netem
+
+    assert main(["train", *NODES, "--bandwidth", "1gbit", "--json", str(tmp_path / "run.json")]) == 0
+    run = Run.from_json((tmp_path / "run.json").read_text())
+    _check_two_levels(run)
+    assert run.bandwidth == "1gbit" and run.info["network"]["rate"] == "1gbit"
+    assert all(2 * HALF <= s.link_bytes < 2 * HALF + INSIDE for s in run.steps), run.steps
+    assert netem.namespaces_of(os.getpid()) == []
+
+
+def test_compare_runs_a_spec_flat_and_in_two_levels():
+    """``--compressors`` items ending in ``@node`` run with ``hierarchy="node"``, each item once (a spec
+    continued by its parameters keeps its suffix); the other runs keep the shared options."""
+    items = run_list("topk:ratio=0.1, topk:ratio=0.1@node, qsgd:levels=16,bucket=512@node,"
+                     "topk:ratio=0.1@node")
+    assert list(items) == ["topk:ratio=0.1", "topk:ratio=0.1@node", "qsgd:levels=16,bucket=512@node"]
+    base = TrainConfig(model=MLP, nodes=2, options={"min_numel": 16})
+    assert run_config(base, items[0]).options == {"min_numel": 16}
+    two_levels = run_config(base, items[2])
+    assert (two_levels.compressor, two_levels.options) == ("qsgd:levels=16,bucket=512",
+                                                           {"min_numel": 16, "hierarchy": "node"})
+    assert "torch-allreduce" in run_list("demo") and run_list("demo").expanded == set(run_list("demo"))

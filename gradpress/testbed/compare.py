@@ -7,6 +7,10 @@ the runs go to ``DIR/results.json`` and :func:`gradpress.testbed.report.write_re
 throughput with the ``noop`` upper bound). ``DIR`` must be new or empty: a second run into it would
 leave a mix of both runs' files that its report does not describe; ``--overwrite`` removes an earlier
 run's files there (:data:`OUTPUTS`) when the new run starts, and leaves any other file alone.
+
+With ``--nodes``, a spec in ``--compressors`` may end in ``@node``: that run exchanges in two levels
+(``hierarchy="node"``, :mod:`gradpress.exchange.hierarchy`), so the flat and the hierarchical exchange
+of one method are two rows of one report (``topk:ratio=0.01,topk:ratio=0.01@node``).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from gradpress import cli
 from gradpress.testbed.report import write_report
@@ -30,6 +35,66 @@ DEMO_SET = ("none", "fp16", "topk:ratio=0.01", "qsgd", "natural", "thc", "powers
 #: what a compare run writes into its directory: the report, its plots, the results and each run's record
 OUTPUTS = ("report.md", "results.json", "quality_vs_time.png", "quality_vs_bytes.png", "throughput.png",
            "run-*.json")
+
+
+#: what ends a ``--compressors`` spec whose run exchanges in two levels
+HIERARCHICAL = "@node"
+
+
+def split_run(item: str) -> tuple[str, dict[str, Any]]:
+    """An item of ``--compressors`` as its spec and the runtime options of its own:
+    ``"topk:ratio=0.01@node"`` -> ``("topk:ratio=0.01", {"hierarchy": "node"})``, ``"topk"`` ->
+    ``("topk", {})``. ValueError for another suffix, or ``@node`` on a reference row (PyTorch's hooks)."""
+    spec, at, where = item.partition("@")
+    if not at:
+        return item, {}
+    spec = spec.strip()
+    if where.strip() != HIERARCHICAL[1:]:
+        raise ValueError(f"{item}: expected SPEC{HIERARCHICAL} (the two-level exchange, hierarchy=node), "
+                         f"got @{where.strip()}")
+    if spec in REFERENCES:
+        raise ValueError(f"{item}: {spec} is PyTorch's own hook, which has no hierarchy; {HIERARCHICAL} "
+                         "is for gradpress methods")
+    return spec, {"hierarchy": "node"}
+
+
+def run_config(base: TrainConfig, item: str) -> TrainConfig:
+    """``base`` for the run of ``--compressors`` item ``item`` (:func:`split_run`)."""
+    spec, options = split_run(item)
+    return replace(base, compressor=spec, options={**base.options, **options})
+
+
+def run_list(text: str) -> cli.Specs:
+    """The ``--compressors`` converter: :func:`gradpress.cli.compressor_list`'s list (references and the
+    ``demo`` keyword included), where a spec may end in ``@node`` (:func:`split_run`)."""
+    from gradpress.core.registry import split_specs
+
+    plain = cli.compressor_list(references=True, keywords={"demo": demo_set})
+    try:
+        pieces = split_specs(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    items: list[str] = []
+    expanded: set[str] = set()
+    for piece in pieces:
+        try:
+            spec, options = split_run(piece)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        members = plain(spec)
+        if options and members.expanded:
+            raise argparse.ArgumentTypeError(f"{piece}: {HIERARCHICAL} follows a spec, not a keyword")
+        suffix = HIERARCHICAL if options else ""
+        for member in members:
+            item = member + suffix
+            if member in members.expanded:
+                if item not in items:
+                    expanded.add(item)
+            else:
+                expanded.discard(item)
+            if item not in items:
+                items.append(item)
+    return cli.Specs(items, expanded)
 
 
 def check_out(out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -82,7 +147,7 @@ def compare(base: TrainConfig, specs: list[str], out_dir: str | Path, progress: 
     for spec in specs:
         say(f"== {spec}")
         try:
-            config = replace(base, compressor=spec)
+            config = run_config(base, spec)
             check_exchange(config)
         except ValueError as error:
             failures[spec] = cli.one_line(error)
@@ -110,9 +175,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("compare", help="train with several compressors and write a report",
                                    description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    parser.add_argument("--compressors", type=cli.compressor_list(references=True, keywords={"demo": demo_set}),
-                        default="demo",
-                        help="comma-separated specs and references; 'demo' stands for: " + ", ".join(DEMO_SET))
+    parser.add_argument("--compressors", type=run_list, default="demo",
+                        help="comma-separated specs and references; 'demo' stands for: " + ", ".join(DEMO_SET)
+                             + f"; a spec ending in {HIERARCHICAL} runs the two-level exchange "
+                             "(--option hierarchy=node for that run alone), e.g. topk:ratio=0.01,"
+                             "topk:ratio=0.01@node with --nodes 2")
     parser.add_argument("--out", type=cli.output_dir, default="out/compare",
                         help="directory for report.md, results.json, the plots and each run's record; it "
                              "must be new or empty, so that it holds one run's files")
@@ -131,7 +198,7 @@ def _main(args: argparse.Namespace) -> int:
     specs, skipped = [], {}
     for spec in args.compressors:
         try:
-            check_exchange(replace(base, compressor=spec))
+            check_exchange(run_config(base, spec))
             specs.append(spec)
         except ValueError as error:
             if spec not in args.compressors.expanded:  # the user's own: every run must be able to start
@@ -147,6 +214,8 @@ def _main(args: argparse.Namespace) -> int:
         print(f"{cli.PREFIX}{error}", file=sys.stderr)
         return 1
     where = f"over an emulated {base.bandwidth} star" if base.bandwidth else "over loopback"
+    if base.nodes > 1:
+        where += f", {base.nodes} nodes of {base.workers} workers"
     print(f"\n{len(runs)} runs {where}; report: {report}")
     for spec, why in failures.items():
         print(f"  {spec} failed: {why}")

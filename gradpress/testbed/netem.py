@@ -1,9 +1,13 @@
 """An emulated network on one machine: a star of Linux network namespaces with rate-limited links.
 
-GRACE (Section 5) measures compressors at several link speeds; this module gives every local worker
-its own network namespace, joined to a bridge (its own namespace too) by one veth pair per worker, with a
+GRACE (Section 5) measures compressors at several link speeds; this module builds a star of nodes:
+each node is a network namespace, joined to a bridge (its own namespace too) by one veth pair, with a
 token-bucket filter (``tc qdisc … tbf rate RATE burst 256kb latency 50ms``) on both ends of every link.
-Workers run inside their namespace with ``GLOO_SOCKET_IFNAME=eth0`` so Gloo uses the limited link.
+A node hosts k workers: with k = 1 every local worker has its own namespace and link; with k > 1 the
+workers of a node share its namespace, and talk to each other through it (traffic between two local
+addresses goes through the namespace's loopback, never through the veth: unshaped, as inside a
+machine), while traffic to other nodes crosses the node's rate-limited link, as between machines.
+Workers run inside their node's namespace with ``GLOO_SOCKET_IFNAME=eth0`` so Gloo uses that link.
 Addresses are private and exist only inside the namespaces created here; everything is deleted on exit,
 also when a worker fails or the user presses Ctrl-C. Needs root and iproute2.
 
@@ -32,6 +36,8 @@ _SIZE_UNITS = {"b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2, "g": 
 #: the token bucket and queue bound of every emulated link (``tbf … burst BURST latency LATENCY``)
 BURST = "256kb"
 QUEUE_LATENCY = "50ms"
+#: the most nodes (namespaces) one star holds: their addresses are SUBNET.1 … SUBNET.250
+MAX_NODES = 250
 
 
 class NetworkUnavailable(RuntimeError):
@@ -55,7 +61,8 @@ def size_bytes(size: str | float) -> float:
 
 @dataclass(frozen=True)
 class Star:
-    """A built star: ``namespaces[i]`` holds worker i at ``addresses[i]`` on its ``eth0``."""
+    """A built star: ``namespaces[i]`` is node i, at ``addresses[i]`` on its ``eth0``; it holds the
+    ``workers_per_node`` workers (ranks) i·k … i·k + k − 1."""
 
     bridge: str
     namespaces: tuple[str, ...]
@@ -63,6 +70,14 @@ class Star:
     rate: str
     burst: str = BURST
     latency: str = QUEUE_LATENCY
+    workers_per_node: int = 1
+
+    def node(self, rank: int) -> int:
+        """The node that holds worker ``rank``."""
+        if not 0 <= rank < len(self.namespaces) * self.workers_per_node:
+            raise ValueError(f"worker {rank} is not on this star of {len(self.namespaces)} nodes of "
+                             f"{self.workers_per_node} workers")
+        return rank // self.workers_per_node
 
     def settings(self) -> dict[str, object]:
         """What a run records of its links (``Run.info["network"]``): the tbf on both ends of each link,
@@ -71,11 +86,12 @@ class Star:
                 "latency": self.latency}
 
     def command(self, rank: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside worker ``rank``'s namespace."""
-        return ["ip", "netns", "exec", self.namespaces[rank], *argv]
+        """``argv`` run inside the namespace of worker ``rank``'s node."""
+        return ["ip", "netns", "exec", self.namespaces[self.node(rank)], *argv]
 
     def environment(self, rank: int) -> dict[str, str]:
-        """Variables a worker needs: Gloo on the limited interface, rendezvous at worker 0."""
+        """Variables a worker needs: Gloo on its node's link, rendezvous at worker 0 (on node 0)."""
+        self.node(rank)
         return {"GLOO_SOCKET_IFNAME": INTERFACE, "MASTER_ADDR": self.addresses[0]}
 
 
@@ -132,16 +148,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def build(workers: int, rate: str, burst: str = BURST, latency: str = QUEUE_LATENCY) -> Star:
-    """Create the star; on any failure, delete what was created and raise :class:`NetworkUnavailable`."""
+def build(nodes: int, rate: str, burst: str = BURST, latency: str = QUEUE_LATENCY,
+          workers_per_node: int = 1) -> Star:
+    """Create the star of ``nodes`` namespaces, each to hold ``workers_per_node`` workers; on any failure,
+    delete what was created and raise :class:`NetworkUnavailable`."""
     check_available()
     rate_bits_per_second(rate)  # validate before touching anything
-    if not 1 <= workers <= 250:
-        raise ValueError(f"workers must be in 1..250 for the emulated network, got {workers}")
+    if not 1 <= nodes <= MAX_NODES:
+        raise ValueError(f"the emulated network holds 1..{MAX_NODES} nodes (namespaces), got {nodes}")
+    if isinstance(workers_per_node, bool) or not isinstance(workers_per_node, int) or workers_per_node < 1:
+        raise ValueError(f"workers_per_node must be a positive integer, got {workers_per_node!r}")
     prefix = _prefix(os.getpid())
     bridge = prefix + "br"
-    names = tuple(f"{prefix}w{i}" for i in range(workers))
-    addresses = tuple(f"{SUBNET}.{i + 1}" for i in range(workers))
+    names = tuple(f"{prefix}n{i}" for i in range(nodes))
+    addresses = tuple(f"{SUBNET}.{i + 1}" for i in range(nodes))
     tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
     created: list[str] = []
     try:
@@ -163,17 +183,18 @@ def build(workers: int, rate: str, burst: str = BURST, latency: str = QUEUE_LATE
     except BaseException:
         delete(created)
         raise
-    return Star(bridge, names, addresses, rate, burst, latency)
+    return Star(bridge, names, addresses, rate, burst, latency, workers_per_node)
 
 
 @contextlib.contextmanager
-def emulated_star(workers: int, rate: str, burst: str = BURST,
-                  latency: str = QUEUE_LATENCY) -> Iterator[Star]:
-    """Build the star for the duration of a ``with`` block and delete it afterwards, whatever happens.
+def emulated_star(nodes: int, rate: str, burst: str = BURST, latency: str = QUEUE_LATENCY,
+                  workers_per_node: int = 1) -> Iterator[Star]:
+    """Build the star (:func:`build`) for the duration of a ``with`` block and delete it afterwards,
+    whatever happens.
 
     SIGTERM is turned into an exception while the block runs, so ``kill`` cleans up like Ctrl-C does.
     """
-    star = build(workers, rate, burst, latency)
+    star = build(nodes, rate, burst, latency, workers_per_node)
     previous = signal.getsignal(signal.SIGTERM)
     in_main_thread = _is_main_thread()
     if in_main_thread:
@@ -184,6 +205,14 @@ def emulated_star(workers: int, rate: str, burst: str = BURST,
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
         delete((star.bridge, *star.namespaces))
+
+
+def link_sent_bytes(interface: str = INTERFACE) -> int:
+    """Bytes sent so far over ``interface`` of the calling process's network namespace (the kernel's
+    counter, ``/sys/class/net/IF/statistics/tx_bytes``): inside a node's namespace, what all its workers
+    sent to other nodes over its link, frames' headers included."""
+    with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as counter:
+        return int(counter.read())
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -136,14 +137,15 @@ def summarize(runs: Sequence[Run], tolerance: float | None = None,
 
 
 def labels(runs: Sequence[Run]) -> list[str]:
-    """Row labels: the compressor, plus the settings that tell apart runs of the same compressor."""
+    """Row labels: the compressor (:attr:`Run.label`: ``@node`` for the two-level exchange), plus the
+    settings that tell apart runs of the same compressor."""
     out = []
     for run in runs:
-        twins = [other for other in runs if other.compressor == run.compressor]
-        differing = [key for key in ("model", "data", "workers", "bandwidth", "seed")
+        twins = [other for other in runs if other.label == run.label]
+        differing = [key for key in ("model", "data", "workers", "nodes", "bandwidth", "seed")
                      if len({getattr(other, key) for other in twins}) > 1]
         suffix = ", ".join(f"{key}={getattr(run, key)}" for key in differing)
-        out.append(f"{run.compressor} [{suffix}]" if suffix else run.compressor)
+        out.append(f"{run.label} [{suffix}]" if suffix else run.label)
     counts = {label: out.count(label) for label in out}
     seen: dict[str, int] = {}
     for i, label in enumerate(out):  # identical settings too: number them
@@ -174,22 +176,26 @@ def write_report(runs: Sequence[Run], out_dir: str | Path, tolerance: float | No
 def render_markdown(runs: Sequence[Run], goal: Target | None, rows: Sequence[Row]) -> str:
     metric = goal.metric if goal is not None else (quality_metric(runs) or ("quality", True))[0]
     lines = [f"# gradpress compare: {_setting(runs, 'model')} on {_setting(runs, 'data')}", "",
-             f"{_setting(runs, 'workers')} workers, link: {_setting(runs, 'bandwidth')}, "
+             f"{_workers(runs)} workers, link: {_setting(runs, 'bandwidth')}, "
              f"seed {_setting(runs, 'seed')}.", ""]
     if goal is not None:
         lines += [f"Target quality: {goal.describe()}.", ""]
     else:
         lines += [f"No target quality: neither {' nor '.join(f'`{n}`' for n in UNCOMPRESSED)} was run "
                   "(or it has no finite quality), so times to target read n/a.", ""]
+    traffic = _traffic_columns(rows)
     lines += _table(
-        ["compressor", f"final {metric}", f"best {metric}", "samples/s", "bytes/step", "time to target",
-         "speed-up (samples/s)", "speed-up (time to target)"],
+        ["compressor", f"final {metric}", f"best {metric}", "samples/s", "bytes/step", *traffic,
+         "time to target", "speed-up (samples/s)", "speed-up (time to target)"],
         [[f"`{r.label}`", _quality(r.final_quality, metric), _quality(r.best_quality, metric),
-          f"{r.samples_per_s:.1f}", _bytes(r.bytes_per_step), _time_to_target(r, goal),
-          _ratio(r.speedup_samples_per_s), _ratio(r.speedup_time_to_target)] for r in rows],
-        align="l" + "r" * 7)
-    lines += ["", _NOTES.format(warmup=f"{WARMUP_FRACTION:.0%}", base=BASELINE, noop=UPPER_BOUND),
-              "", "## Plots", ""]
+          f"{r.samples_per_s:.1f}", _bytes(r.bytes_per_step), *(cell(r.run) for cell in traffic.values()),
+          _time_to_target(r, goal), _ratio(r.speedup_samples_per_s), _ratio(r.speedup_time_to_target)]
+         for r in rows],
+        align="l" + "r" * (7 + len(traffic)))
+    lines += ["", _NOTES.format(warmup=f"{WARMUP_FRACTION:.0%}", base=BASELINE, noop=UPPER_BOUND)]
+    if traffic:
+        lines += ["", _TRAFFIC_NOTES]
+    lines += ["", "## Plots", ""]
     lines += [f"![{title}]({name})" for name, title in PLOTS.items()]
     lines += ["", "## Where the time goes", "",
               "Mean per steady-state step, rank 0, milliseconds. compute: forward, backward, optimizer; "
@@ -290,6 +296,38 @@ _NOTES = (
     "(> 1 = faster); n/a without `{base}` or when a run never reaches the target. `{noop}` communicates "
     "nothing: the compute-only upper bound on throughput, not a way to train."
 )
+
+
+_TRAFFIC_NOTES = (
+    "`@node`: the two-level exchange (`hierarchy=node`): a node's ranks sum their gradients inside the "
+    "node, uncompressed, and each exchanges a compressed 1/k of the sum with the other nodes; its "
+    "bytes/step are those of that share. intra-node bytes/step: what one worker sends inside its node "
+    "(0 in one level). link bytes/step: what left node 0 over its emulated link per step, as the kernel "
+    "counted it (all its workers, headers and the collectives' own traffic included): the traffic "
+    "between nodes, for every run alike."
+)
+
+
+def _traffic_columns(rows: Sequence[Row]) -> dict[str, Callable[[Run], str]]:
+    """The table's columns of traffic inside and between nodes, where the runs have any: intra-node
+    bytes per step with several nodes, and the bytes on node 0's link where a run measured them."""
+    columns: dict[str, Callable[[Run], str]] = {}
+    if any(r.run.nodes > 1 or r.run.intra_node_bytes_per_step > 0 for r in rows):
+        columns["intra-node bytes/step"] = lambda run: _bytes(run.intra_node_bytes_per_step)
+    if any(r.run.link_bytes_per_step is not None for r in rows):
+        columns["link bytes/step"] = lambda run: ("n/a" if run.link_bytes_per_step is None
+                                                  else _bytes(run.link_bytes_per_step))
+    return columns
+
+
+def _workers(runs: Sequence[Run]) -> str:
+    """The runs' workers: ``4``, or ``2 nodes × 2`` for several nodes (each different one once)."""
+    values: list[str] = []
+    for run in runs:
+        text = f"{run.nodes} nodes × {run.workers_per_node}" if run.nodes > 1 else str(run.workers)
+        if text not in values:
+            values.append(text)
+    return ", ".join(values)
 
 
 def _table(header: list[str], body: list[list[str]], align: str) -> list[str]:

@@ -9,7 +9,9 @@ Schema (JSON object, ``"schema": 1``; ``results.json`` is a JSON array of such o
 
 ``compressor``  spec (``"topk:ratio=0.01"``) or reference name: ``noop`` (no communication at all, the
                 compute-only upper bound), ``torch-allreduce``, ``torch-fp16``, ``torch-powersgd``
-``model``, ``data``  model spec and dataset name; ``workers`` (n ≥ 1); ``seed``
+``model``, ``data``  model spec and dataset name; ``workers`` (n ≥ 1: the ranks, all nodes together); ``seed``
+``nodes``       the emulated nodes (``gradpress train --nodes``), ``workers / nodes`` ranks each; optional,
+                1 when absent
 ``bandwidth``   tc rate of every emulated link (``"100mbit"``), or ``null`` for loopback
 ``steps``       one :class:`Step` per optimizer step, in order
 ``evals``       one :class:`Eval` per quality measurement, in order (step 0 = before training is allowed)
@@ -20,7 +22,11 @@ evaluation**, so that quality against wall-clock measures training only (GRACE F
 Bytes: ``bytes_sent`` is GRACE's data volume: the sizes of the tensors this rank hands to collectives in
 this step (``Packet.nbytes`` summed; 4 bytes per element for ``torch-allreduce``), not the bytes a
 collective algorithm moves internally (a ring all-reduce moves 2(n−1)/n of its input;
-:mod:`gradpress.costmodel` accounts for that).
+:mod:`gradpress.costmodel` accounts for that). With ``hierarchy="node"`` these are the packets of this
+rank's shard, exchanged between nodes; ``intra_node_bytes`` is what the rank sent inside its node,
+uncompressed (:mod:`gradpress.exchange.hierarchy`). Over the emulated network, ``link_bytes`` is what
+left rank 0's node over its link during the step, as the kernel counted it (all the node's ranks,
+frame headers and the collectives' own traffic included): the bytes that crossed between nodes.
 
 Non-finite quality values (a diverged run: loss NaN, perplexity inf) are valid results and round-trip
 through JSON as Python writes them (``NaN``, ``Infinity``).
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -71,7 +77,9 @@ class Step:
     optimizer on the training thread, outside the hooks and the wait for the exchange; ``compress_s``:
     compress + decompress (and feedback), on whichever thread; ``comm_s``: time in collectives;
     ``bytes_sent``: this rank's data volume this step (module doc); ``samples``: samples of all
-    workers together this step.
+    workers together this step; ``intra_node_bytes``: what this rank sent inside its node (0 in a
+    one-level exchange); ``link_bytes``: what left rank 0's node over its emulated link (None on
+    loopback). The last two are optional in the JSON.
     """
 
     step: int
@@ -82,10 +90,14 @@ class Step:
     comm_s: float
     bytes_sent: int
     samples: int
+    intra_node_bytes: int = 0
+    link_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("step", "epoch", "bytes_sent"):
+        for name in ("step", "epoch", "bytes_sent", "intra_node_bytes"):
             _check_int(self, name, minimum=0)
+        if self.link_bytes is not None:
+            _check_int(self, "link_bytes", minimum=0)
         _check_int(self, "samples", minimum=1)
         for name in ("wall_s", "compute_s", "compress_s", "comm_s"):
             _check_seconds(self, name)
@@ -134,6 +146,7 @@ class Run:
     steps: tuple[Step, ...]
     evals: tuple[Eval, ...] = ()
     info: dict[str, Any] = field(default_factory=dict)
+    nodes: int = 1
 
     def __post_init__(self) -> None:
         for name in ("compressor", "model", "data"):
@@ -141,6 +154,10 @@ class Run:
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"Run.{name} must be a non-empty string, got {value!r}")
         _check_int(self, "workers", minimum=1)
+        _check_int(self, "nodes", minimum=1)
+        if self.workers % self.nodes:
+            raise ValueError(f"Run.workers ({self.workers}) must be a multiple of Run.nodes ({self.nodes}): "
+                             "every node holds the same number of ranks")
         _check_int(self, "seed")
         if self.bandwidth is not None:
             if not isinstance(self.bandwidth, str):
@@ -190,6 +207,24 @@ class Run:
         return self.compressor.partition(":")[0].strip()
 
     @property
+    def workers_per_node(self) -> int:
+        return self.workers // self.nodes
+
+    @property
+    def hierarchy(self) -> str | None:
+        """The run's ``hierarchy`` option (``"node"``: the two-level exchange), None for one level; the
+        reference rows (PyTorch's own hooks) take no gradpress option."""
+        if self.compressor in REFERENCES:
+            return None
+        return (self.info.get("options") or {}).get("hierarchy")
+
+    @property
+    def label(self) -> str:
+        """The run as ``gradpress compare --compressors`` names it: the spec, ``@node`` added for the
+        two-level exchange (``"topk:ratio=0.01@node"``)."""
+        return self.compressor + (f"@{self.hierarchy}" if self.hierarchy is not None else "")
+
+    @property
     def steady_steps(self) -> tuple[Step, ...]:
         """The steps after the warm-up (:func:`warmup_steps`)."""
         return self.steps[warmup_steps(len(self.steps)):]
@@ -228,6 +263,18 @@ class Run:
         """Mean data volume per step over *all* steps (bytes have no warm-up cost, and so
         ``bytes_per_step × len(steps)`` is the run's whole data volume)."""
         return _mean(s.bytes_sent for s in self.steps)
+
+    @property
+    def intra_node_bytes_per_step(self) -> float:
+        """Mean bytes one rank sent inside its node per step, over all steps (0: one level)."""
+        return _mean(s.intra_node_bytes for s in self.steps)
+
+    @property
+    def link_bytes_per_step(self) -> float | None:
+        """Mean bytes that left rank 0's node over its emulated link per step, over all steps; None
+        unless every step measured them (loopback measures none)."""
+        measured = [s.link_bytes for s in self.steps if s.link_bytes is not None]
+        return _mean(measured) if len(measured) == len(self.steps) else None
 
     @property
     def metric(self) -> str | None:
@@ -285,7 +332,7 @@ class Run:
         schema = obj.pop("schema", None)
         if schema != SCHEMA:
             raise ValueError(f"run schema {schema!r} is not the supported schema {SCHEMA}")
-        _check_keys(cls, obj, optional={"evals", "info"})
+        _check_keys(cls, obj)
         steps = [_build(Step, s, f"steps[{i}]") for i, s in enumerate(obj.pop("steps"))]
         evals = [_build(Eval, e, f"evals[{i}]") for i, e in enumerate(obj.pop("evals", []))]
         return cls(steps=tuple(steps), evals=tuple(evals), **obj)
@@ -357,10 +404,12 @@ def _check_seconds(obj: object, name: str) -> None:
         raise ValueError(f"{type(obj).__name__}.{name} must be a finite number of seconds ≥ 0, got {value}")
 
 
-def _check_keys(cls: type, obj: dict[str, Any], optional: set[str] = frozenset()) -> None:
+def _check_keys(cls: type, obj: dict[str, Any]) -> None:
+    """Raise unless ``obj``'s keys are ``cls``'s fields: each, or those with a default left out."""
     names = {f.name for f in fields(cls)}
+    optional = {f.name for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING}
     unknown = sorted(set(obj) - names)
-    missing = sorted(names - set(obj) - set(optional))
+    missing = sorted(names - set(obj) - optional)
     if unknown or missing:
         parts = [f"{what} keys {keys}" for what, keys in (("unknown", unknown), ("missing", missing)) if keys]
         raise ValueError(f"{cls.__name__}: {'; '.join(parts)}")

@@ -3,7 +3,10 @@
 The launcher fetches the data once, optionally builds the emulated network (:mod:`.netem`), starts one
 process per worker (``python -m gradpress.testbed.train --worker``), and returns rank 0's
 :class:`~gradpress.testbed.results.Run`. If any worker fails the others are stopped and the error
-says which rank failed and why; the network is deleted in every case.
+says which rank failed and why; the network is deleted in every case. ``--nodes M`` emulates M nodes
+of ``--workers`` k processes each (world size M·k): every worker gets the variables torchrun would set
+on its node (:func:`torchrun_environment`), so ``hierarchy="node"`` finds k ranks a node; with
+``--bandwidth``, the workers of a node share a namespace and only the links between nodes are limited.
 
 The worker is a plain DDP training loop. The hook is the gradpress compressor named by the spec, or one
 of the reference rows (GRACE Section 5's baselines): ``noop`` (no communication: the compute-only upper
@@ -53,7 +56,7 @@ class TrainConfig:
 
     model: str = "mlp"
     data: str = "fashion-mnist"
-    workers: int = 2
+    workers: int = 2  # per node
     compressor: str = "none"
     bandwidth: str | None = None
     epochs: int | None = None
@@ -66,10 +69,13 @@ class TrainConfig:
     options: dict[str, Any] = field(default_factory=dict)
     timeout: float = 300.0
     threads: int = 1
+    nodes: int = 1
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        for name in ("workers", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.epochs is not None and self.steps is not None:
             raise ValueError("give --epochs or --steps, not both")
         if self.seconds is not None and not (math.isfinite(self.seconds) and self.seconds > 0):
@@ -94,6 +100,11 @@ class TrainConfig:
 
             gradpress.make(self.compressor)  # unknown specs fail here, in the launcher
 
+    @property
+    def world_size(self) -> int:
+        """The ranks of the run: ``nodes`` × ``workers`` (a node's)."""
+        return self.nodes * self.workers
+
 
 # -- the launcher --------------------------------------------------------------------------------------
 def train(config: TrainConfig, json_path: str | Path | None = None, progress: bool = True) -> Run:
@@ -107,7 +118,9 @@ def train(config: TrainConfig, json_path: str | Path | None = None, progress: bo
         if config.bandwidth is None:
             _launch(config, result, progress, address="127.0.0.1", port=_free_port(), star=None)
         else:
-            with netem.emulated_star(config.workers, config.bandwidth) as star:
+            # one node: every worker on a link of its own; several: the workers of a node share its link
+            shape = (config.nodes, config.workers) if config.nodes > 1 else (config.workers, 1)
+            with netem.emulated_star(shape[0], config.bandwidth, workers_per_node=shape[1]) as star:
                 _launch(config, result, progress, address=star.addresses[0], port=PORT, star=star)
             network = star.settings()
         run = Run.from_json(result.read_text())
@@ -124,14 +137,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_environment(rank: int, nodes: int, workers_per_node: int, address: str,
+                         port: int) -> dict[str, str]:
+    """The variables torchrun sets for worker ``rank`` of ``nodes`` nodes of ``workers_per_node``
+    processes each (``--nnodes``, ``--nproc-per-node``; ranks numbered node by node)."""
+    node, local = divmod(rank, workers_per_node)
+    world = nodes * workers_per_node
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(workers_per_node), "GROUP_RANK": str(node),
+            "GROUP_WORLD_SIZE": str(nodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+            "MASTER_ADDR": address, "MASTER_PORT": str(port)}
+
+
 def _launch(config: TrainConfig, result: Path, progress: bool, address: str, port: int,
             star: netem.Star | None) -> None:
     payload = json.dumps(asdict(config))
     processes = []
-    for rank in range(config.workers):
+    for rank in range(config.world_size):
         argv = [sys.executable, "-m", "gradpress.testbed.train", "--worker", payload, str(rank), address,
                 str(port), str(result)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(config.threads), "GRADPRESS_PROGRESS": str(int(progress))}
+        env = {**os.environ, "OMP_NUM_THREADS": str(config.threads), "GRADPRESS_PROGRESS": str(int(progress)),
+               **torchrun_environment(rank, config.nodes, config.workers, address, port)}
         if star is not None:
             argv = star.command(rank, argv)
             env.update(star.environment(rank))
@@ -208,7 +234,7 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
 
     torch.set_num_threads(config.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
-                            world_size=config.workers, timeout=timedelta(seconds=config.timeout))
+                            world_size=config.world_size, timeout=timedelta(seconds=config.timeout))
     try:
         run = _Training(config, rank, _setup(config, rank)).run()
         if rank == 0:
@@ -246,7 +272,7 @@ def _setup(config: TrainConfig, rank: int) -> _Setup:
     model = settings.build()
     ddp = DistributedDataParallel(model)
     lr = config.lr if config.lr is not None else settings.lr
-    return _Setup(dataset, dataset.shard(rank, config.workers, seed=config.seed), settings, model, ddp,
+    return _Setup(dataset, dataset.shard(rank, config.world_size, seed=config.seed), settings, model, ddp,
                   install_hook(ddp, config), _optimizer(settings.optimizer, model.parameters(), lr),
                   criterion(dataset), lr, config.batch_size or settings.batch_size)
 
@@ -263,10 +289,21 @@ def warm_up(config: TrainConfig) -> None:
     import gradpress
 
     with torch.random.fork_rng():
-        sim = gradpress.Simulator(config.compressor, config.workers, **{"seed": config.seed, **config.options})
+        sim = gradpress.Simulator(config.compressor, config.world_size, **simulated_options(config))
         generator = torch.Generator().manual_seed(config.seed)
         for _ in range(2):
-            sim.step([{"warm-up": torch.randn(70_000, generator=generator)} for _ in range(config.workers)])
+            sim.step([{"warm-up": torch.randn(70_000, generator=generator)}
+                      for _ in range(config.world_size)])
+
+
+def simulated_options(config: TrainConfig) -> dict[str, Any]:
+    """The runtime options of ``config``'s workers for a :class:`gradpress.Simulator` of its world: its
+    seed, and with ``hierarchy``, the node size the workers read from torchrun's ``LOCAL_WORLD_SIZE``
+    (unless the options give ``local_size``)."""
+    options = {"seed": config.seed, **config.options}
+    if options.get("hierarchy") is not None:
+        options.setdefault("local_size", config.workers)
+    return options
 
 
 class _Training:
@@ -282,6 +319,8 @@ class _Training:
         self.evals: list[Eval] = []
         self.clock = _Clock()
         self.bytes_total = 0
+        # over the emulated network, rank 0 reads its node's link counter around each step
+        self.link = rank == 0 and config.bandwidth is not None
 
     def run(self) -> Run:
         config, s = self.config, self.s
@@ -312,8 +351,9 @@ class _Training:
         if bar is not None:
             bar.close()
         copy_s = gradient_copy_s(s.model)
-        return Run(compressor=config.compressor, model=config.model, data=config.data, workers=config.workers,
-                   bandwidth=config.bandwidth, seed=config.seed, steps=tuple(self.steps), evals=tuple(self.evals),
+        return Run(compressor=config.compressor, model=config.model, data=config.data,
+                   workers=config.world_size, nodes=config.nodes, bandwidth=config.bandwidth,
+                   seed=config.seed, steps=tuple(self.steps), evals=tuple(self.evals),
                    info={"batch_size": s.batch_size, "lr": s.lr, "optimizer": s.settings.optimizer,
                          "torch": torch.__version__, "options": config.options, "threads": config.threads,
                          "copy_s": copy_s,
@@ -321,13 +361,18 @@ class _Training:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int, epoch: int) -> torch.Tensor:
         """One training step, recorded: its compute (the training thread's time outside the hooks and the
-        wait for the exchange), compression, communication and bytes, as the meter saw them."""
+        wait for the exchange), compression, communication and bytes, as the meter saw them, and over
+        the emulated network the bytes that left rank 0's node over its link."""
         s = self.s
+        link = netem.link_sent_bytes() if self.link else None
         loss, compute_s, spent = metered_step(s.ddp, s.meter, s.optimizer, s.loss_fn, x, y, s.settings.grad_clip)
+        if link is not None:
+            link = netem.link_sent_bytes() - link
         self.bytes_total += int(spent.bytes)
         self.steps.append(Step(step=step, epoch=epoch, wall_s=self.clock.elapsed(), compute_s=compute_s,
                                compress_s=spent.compress_s, comm_s=spent.comm_s, bytes_sent=int(spent.bytes),
-                               samples=len(y) * self.config.workers))
+                               samples=len(y) * self.config.world_size,
+                               intra_node_bytes=int(spent.intra_node), link_bytes=link))
         return loss
 
     def measure(self, epoch: int, step: int) -> bool:
@@ -475,7 +520,11 @@ def _progress_bar(total: float, rank: int, config: TrainConfig):  # noqa: ANN202
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total if math.isfinite(total) else None, desc=f"{config.compressor} · {config.model} · {config.workers} workers",
+    workers = f"{config.workers} workers"
+    if config.nodes > 1:
+        workers = f"{config.nodes} nodes × {workers}"
+    return tqdm(total=total if math.isfinite(total) else None,
+                desc=f"{config.compressor} · {config.model} · {workers}",
                 unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
@@ -485,9 +534,11 @@ class Spent:
     compress_s: float = 0.0
     comm_s: float = 0.0
     bytes: float = 0.0
+    intra_node: float = 0.0  # bytes sent inside the node (hierarchy="node"'s uncompressed exchange)
 
     def __sub__(self, other: Spent) -> Spent:
-        return Spent(self.compress_s - other.compress_s, self.comm_s - other.comm_s, self.bytes - other.bytes)
+        return Spent(self.compress_s - other.compress_s, self.comm_s - other.comm_s, self.bytes - other.bytes,
+                     self.intra_node - other.intra_node)
 
 
 class _Meter:
@@ -526,7 +577,8 @@ def install_hook(ddp: Any, config: TrainConfig) -> _Meter:
 
         def read() -> Spent:
             total = state.stats()["total"]
-            return Spent(total["compress_s"] + total["decompress_s"], total["comm_s"], total["packet_bytes"])
+            return Spent(total["compress_s"] + total["decompress_s"], total["comm_s"], total["packet_bytes"],
+                         total["intra_node_sent_bytes"])
 
         meter = _Meter(read)
         ddp.register_comm_hook(state, meter.stamped(hook))
@@ -616,9 +668,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=cli.model, default="mlp",
                         help="model spec (gradpress.testbed.models), e.g. mlp-wide:width=8192")
     parser.add_argument("--data", default="fashion-mnist", choices=dataset_names(), help="dataset")
-    parser.add_argument("--workers", type=cli.positive_int, default=2, help="local worker processes")
+    parser.add_argument("--workers", type=cli.positive_int, default=2,
+                        help="local worker processes per node: the run has --nodes × --workers ranks")
+    parser.add_argument("--nodes", type=cli.positive_int, default=1,
+                        help="emulated nodes, each of --workers processes with torchrun's variables "
+                             "(LOCAL_WORLD_SIZE, LOCAL_RANK, GROUP_RANK, ...), so that --option "
+                             "hierarchy=node makes a node of each")
     parser.add_argument("--bandwidth", type=cli.rate,
-                        help="emulate a star network with this rate per link (e.g. 100mbit, 1gbit; root)")
+                        help="emulate a star network with this rate per link (e.g. 100mbit, 1gbit; root): "
+                             "with one node, a link per worker; with --nodes, a link per node, its workers "
+                             "talking to each other inside it, unlimited")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=cli.positive_int)
     length.add_argument("--steps", type=cli.positive_int)
@@ -640,7 +699,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, compressor: str) -> TrainConfig:
-    return TrainConfig(model=args.model, data=args.data, workers=args.workers, compressor=compressor,
+    return TrainConfig(model=args.model, data=args.data, workers=args.workers, nodes=args.nodes,
+                       compressor=compressor,
                        bandwidth=args.bandwidth, epochs=args.epochs, steps=args.steps, seconds=args.seconds,
                        batch_size=args.batch_size,
                        lr=args.lr, seed=args.seed, eval_every=args.eval_every,
@@ -750,17 +810,23 @@ def check_exchange(config: TrainConfig) -> None:
     runtime's own checks, run in this process by :class:`gradpress.Simulator` (no worker starts)."""
     import gradpress
     from gradpress.auto import AutoOptions
+    from gradpress.exchange.hierarchy import Layout
+    from gradpress.exchange.hierarchy import check_options as check_levels
     from gradpress.exchange.pipeline import Options
 
     check_options(config.options)
-    options = {"seed": config.seed, **config.options}
+    options = simulated_options(config)
     if config.compressor in REFERENCES:
         Options.of(**options)
     elif is_auto(config.compressor):  # its pipelines are built, and checked, per chosen method
         AutoOptions.pop_from(options)
-        Options.of(**options)
+        check_levels(Options.of(**options), auto=True)
     else:
-        gradpress.Simulator(config.compressor, config.workers, **options)
+        sim = gradpress.Simulator(config.compressor, config.world_size, **options)
+        if sim.options.hierarchy is not None:  # (the ranks would find a bad layout at their first step)
+            problem = Layout(0, config.world_size, options["local_size"]).problem
+            if problem is not None:
+                raise ValueError(problem)
 
 
 def check_launch(config: TrainConfig) -> Any:
@@ -780,11 +846,17 @@ def check_launch(config: TrainConfig) -> Any:
     except ValueError as error:
         raise cli.UsageError(f"--model {config.model}: {error}") from None
     batch_size = config.batch_size or settings.batch_size
-    shard = len(dataset.train) // config.workers
+    shard = len(dataset.train) // config.world_size
     if shard < batch_size:
         raise cli.UsageError(f"--batch-size {batch_size}: a worker's shard of {config.data} holds {shard} "
-                             f"samples ({len(dataset.train)} over {config.workers} workers), not one batch")
+                             f"samples ({len(dataset.train)} over {config.world_size} workers), "
+                             "not one batch")
     if config.bandwidth is not None:
+        links = config.nodes if config.nodes > 1 else config.workers
+        if links > netem.MAX_NODES:
+            what = "nodes" if config.nodes > 1 else "workers"
+            raise cli.UsageError(f"--bandwidth {config.bandwidth}: the emulated network holds at most "
+                                 f"{netem.MAX_NODES} {what}, got {links}")
         try:
             netem.check_available()
         except netem.NetworkUnavailable as error:
@@ -830,8 +902,10 @@ def _main(args: argparse.Namespace) -> int:
         print(f"{cli.PREFIX}{error}", file=sys.stderr)
         return 1
     final = run.final_quality
-    print(f"{run.compressor}: {run.samples_per_s:.0f} samples/s, {run.bytes_per_step / 1e6:.3f} MB/step, "
-          f"{run.metric} {final:.4f}" + (f"; wrote {args.json}" if args.json else ""))
+    link = run.link_bytes_per_step
+    print(f"{run.label}: {run.samples_per_s:.0f} samples/s, {run.bytes_per_step / 1e6:.3f} MB/step"
+          + (f" ({link / 1e6:.3f} MB/step over node 0's link)" if link is not None else "")
+          + f", {run.metric} {final:.4f}" + (f"; wrote {args.json}" if args.json else ""))
     return 0
 
 
