@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.bench import add_bench, run_as_script, spawn, write_json
 
 
@@ -115,35 +115,36 @@ def run(specs: list[str], workers: int = 2, width: int = 1024, depth: int = 4, b
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--specs", type=cli.compressor_list(), default="none",
+    parser.add_argument("--specs", type=arguments.compressor_list(), default="none",
                         help="comma-separated gradpress specs to time (default: none)")
-    parser.add_argument("--workers", type=cli.positive_int, default=2)
+    parser.add_argument("--workers", type=arguments.positive_int, default=2)
     parser.add_argument("--model", choices=sorted(MODELS), default=None,
                         help="preset MLP: " + ", ".join(f"{name} = {d} × {w}" for name, (w, d) in MODELS.items())
                         + " (default mlp-4m; or give --width/--depth)")
-    parser.add_argument("--width", type=cli.positive_int, default=None,
+    parser.add_argument("--width", type=arguments.positive_int, default=None,
                         help="width of the MLP's square layers (default 1024)")
-    parser.add_argument("--depth", type=cli.positive_int, default=None, help="number of linear layers (default 4)")
-    parser.add_argument("--batch", type=cli.positive_int, default=32)
-    parser.add_argument("--rounds", type=cli.positive_int, default=5)
-    parser.add_argument("--steps", type=cli.positive_int, default=5, help="timed steps per variant per round")
-    parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads per worker")
+    parser.add_argument("--depth", type=arguments.positive_int, default=None, help="number of linear layers (default 4)")
+    parser.add_argument("--batch", type=arguments.positive_int, default=32)
+    parser.add_argument("--rounds", type=arguments.positive_int, default=5)
+    parser.add_argument("--steps", type=arguments.positive_int, default=5,
+                        help="timed steps per variant per round")
+    parser.add_argument("--threads", type=arguments.positive_int, default=1, help="torch threads per worker")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: Gloo workers; cuda: NCCL workers, one per GPU")
-    parser.add_argument("--json", type=cli.output_file, help="write the figures to this file")
+    parser.add_argument("--json", type=arguments.output_file, help="write the figures to this file")
 
 
 def main(args: argparse.Namespace) -> int:
 
     specs = list(args.specs)
     if args.model is not None and (args.width is not None or args.depth is not None):
-        raise cli.UsageError("give either --model or --width/--depth, not both")
+        raise arguments.UsageError("give either --model or --width/--depth, not both")
     width, depth = MODELS[args.model] if args.model is not None else MODELS["mlp-4m"]
     args.width = args.width if args.width is not None else width
     args.depth = args.depth if args.depth is not None else depth
     if args.device == "cuda" and torch.cuda.device_count() < args.workers:
-        raise cli.UsageError(f"--device cuda --workers {args.workers}: this machine has "
-                             f"{torch.cuda.device_count()} CUDA GPU(s), one per worker needed")
+        raise arguments.UsageError(f"--device cuda --workers {args.workers}: this machine has "
+                                   f"{torch.cuda.device_count()} CUDA GPU(s), one per worker needed")
     result = run(specs, args.workers, args.width, args.depth, args.batch, args.rounds, args.steps, args.threads,
                  args.device)
     params = args.depth * (args.width * args.width + args.width)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.bench import add_bench, run_as_script, spawn, write_json
 
 STRATEGIES = {
@@ -93,12 +93,12 @@ def run(specs: list[str], workers: int = 2, timeout: float = 30.0) -> list[dict[
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compressors", type=cli.compressor_list(keywords={"all": cli.all_methods}), default="all",
+    parser.add_argument("--compressors", type=arguments.compressor_list(keywords={"all": arguments.all_methods}), default="all",
                         help="comma-separated specs, or 'all' (default)")
-    parser.add_argument("--workers", type=cli.positive_int, default=2)
-    parser.add_argument("--timeout", type=cli.positive_float, default=30.0,
+    parser.add_argument("--workers", type=arguments.positive_int, default=2)
+    parser.add_argument("--timeout", type=arguments.positive_float, default=30.0,
                         help="the process group's timeout in seconds (what peers would wait without the flag)")
-    parser.add_argument("--json", type=cli.output_file, help="write the figures to this file")
+    parser.add_argument("--json", type=arguments.output_file, help="write the figures to this file")
 
 
 def main(args: argparse.Namespace) -> int:

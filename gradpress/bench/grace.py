@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.bench import add_bench, add_glibc_defaults, keep_freed_memory, run_as_script
 
 #: modules a GRACE compressor module may import at import time without needing them on the CPU
@@ -265,15 +265,15 @@ def render(records: list[GraceRecord], clock: str = "wall") -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-path", help="a checkout of github.com/sands-lab/grace (the folder holding grace_dl)")
-    parser.add_argument("--size", type=cli.size, default=2**20, help="values per tensor (2^20 allowed)")
-    parser.add_argument("--repeats", type=cli.positive_int, default=21, help="timed rounds (medians reported)")
-    parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--size", type=arguments.size, default=2**20, help="values per tensor (2^20 allowed)")
+    parser.add_argument("--repeats", type=arguments.positive_int, default=21, help="timed rounds (medians reported)")
+    parser.add_argument("--threads", type=arguments.positive_int, default=1, help="torch threads (default 1)")
     parser.add_argument("--methods", help="comma-separated methods or specs of the table (default: all)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall clock (default) or this thread's CPU time (steadier on a shared machine)")
     add_glibc_defaults(parser)
-    parser.add_argument("--seed", type=cli.seed, default=0)
-    parser.add_argument("--json", type=cli.output_file, help="write one record per method to this file")
+    parser.add_argument("--seed", type=arguments.seed, default=0)
+    parser.add_argument("--json", type=arguments.output_file, help="write one record per method to this file")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -281,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     unknown = [m for m in methods or [] if not any(m in (p.method, p.spec) for p in PAIRS)]
     if unknown:
-        raise cli.UsageError(f"--methods: {', '.join(unknown)}: not among {', '.join(p.method for p in PAIRS)}")
+        raise arguments.UsageError(f"--methods: {', '.join(unknown)}: not among {', '.join(p.method for p in PAIRS)}")
     if not args.glibc_defaults and not keep_freed_memory():
         print("gradpress bench grace: glibc's mallopt is not available: allocator defaults kept")
     try:
@@ -292,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
     render(records, args.clock)
     if args.json:
         rows = [dict(asdict(r), speedup=r.speedup, grace_copies=r.grace_copies, target=r.target) for r in records]
-        cli.writable_parent(args.json).write_text(json.dumps(rows, indent=1))
+        arguments.writable_parent(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

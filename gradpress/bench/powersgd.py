@@ -43,8 +43,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.bench import add_bench, run_as_script, spawn
+from gradpress.testbed.train import model_spec
 
 VARIANTS = ("torch-allreduce", "torch-powersgd", "gradpress-powersgd")
 
@@ -330,32 +331,34 @@ def parse_matrix(text: str) -> tuple[int, int] | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rank", type=cli.positive_int, default=1,
+    parser.add_argument("--rank", type=arguments.positive_int, default=1,
                         help="PowerSGD rank r for both hooks (default 1)")
-    parser.add_argument("--steps", type=cli.positive_int, default=300, help="training steps")
-    parser.add_argument("--workers", type=cli.positive_int, default=2, help="Gloo processes")
-    parser.add_argument("--start", type=cli.integer(2), default=2,
+    parser.add_argument("--steps", type=arguments.positive_int, default=300, help="training steps")
+    parser.add_argument("--workers", type=arguments.positive_int, default=2, help="Gloo processes")
+    parser.add_argument("--start", type=arguments.integer(2), default=2,
                         help="uncompressed first steps (torch's start_powerSGD_iter, gradpress's warmup_steps); >= 2")
-    parser.add_argument("--batch", type=cli.positive_int, default=64, help="batch size per worker")
-    parser.add_argument("--nmse-steps", type=cli.positive_int, default=5,
+    parser.add_argument("--batch", type=arguments.positive_int, default=64, help="batch size per worker")
+    parser.add_argument("--nmse-steps", type=arguments.positive_int, default=5,
                         help="NMSE at the first and the last N compressed steps")
     parser.add_argument("--dataset", default="fashion-mnist", choices=("fashion-mnist", "synthetic"),
                         help="fashion-mnist or synthetic")
-    parser.add_argument("--model", type=cli.model, default="mlp",
+    parser.add_argument("--model", type=model_spec, default="mlp",
                         help="a testbed classification model spec (default mlp)")
-    parser.add_argument("--lr", type=cli.positive_float, help="SGD learning rate (default: the model's)")
-    parser.add_argument("--momentum", type=cli.non_negative_float, default=0.0,
+    parser.add_argument("--lr", type=arguments.positive_float,
+                        help="SGD learning rate (default: the model's)")
+    parser.add_argument("--momentum", type=arguments.non_negative_float, default=0.0,
                         help="SGD momentum (default 0: GRACE §5 trains PowerSGD with vanilla SGD)")
-    parser.add_argument("--bucket-cap-mb", type=cli.positive_float, default=1000.0,
+    parser.add_argument("--bucket-cap-mb", type=arguments.positive_float, default=1000.0,
                         help="DDP bucket size (default: one bucket; several make torch's hook fail on Gloo)")
-    parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads (per worker)")
-    parser.add_argument("--seed", type=cli.seed, default=0)
+    parser.add_argument("--threads", type=arguments.positive_int, default=1,
+                        help="torch threads (per worker)")
+    parser.add_argument("--seed", type=arguments.seed, default=0)
     parser.add_argument("--matrix", type=parse_matrix, default=(2048, 2048),
                         help="ROWSxCOLS of the single-matrix timing, or 'none' (default 2048x2048)")
-    parser.add_argument("--repeats", type=cli.positive_int, default=21,
+    parser.add_argument("--repeats", type=arguments.positive_int, default=21,
                         help="timed repetitions of the single-matrix timing")
     parser.add_argument("--no-training", action="store_true", help="only the single-matrix timing")
-    parser.add_argument("--json", type=cli.output_file, help="write the records to this file")
+    parser.add_argument("--json", type=arguments.output_file, help="write the records to this file")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -366,22 +369,22 @@ def _check(args: argparse.Namespace) -> None:
 
     if args.matrix is not None and gradpress.make(f"powersgd:rank={args.rank}").factors(args.matrix) is None:
         rows, cols = args.matrix
-        raise cli.UsageError(f"--matrix {rows}x{cols}: not compressed at --rank {args.rank} (too small a saving)")
+        raise arguments.UsageError(f"--matrix {rows}x{cols}: not compressed at --rank {args.rank} (too small a saving)")
     if args.no_training:
         return
     if args.start >= args.steps:
-        raise cli.UsageError(f"--start {args.start}: no compressed step in --steps {args.steps}")
+        raise arguments.UsageError(f"--start {args.start}: no compressed step in --steps {args.steps}")
     try:
         dataset = _dataset(args.dataset, args.seed)
     except DataUnavailable as error:
-        raise cli.UsageError(f"--dataset {args.dataset}: {error}") from None
+        raise arguments.UsageError(f"--dataset {args.dataset}: {error}") from None
     try:
         check_model(args.model, dataset)
     except ValueError as error:
-        raise cli.UsageError(f"--model {args.model}: {error}") from None
+        raise arguments.UsageError(f"--model {args.model}: {error}") from None
     if len(dataset.train) < args.workers:
-        raise cli.UsageError(f"--workers {args.workers}: {args.dataset} has {len(dataset.train)} training samples, "
-                             "fewer than one per worker")
+        raise arguments.UsageError(f"--workers {args.workers}: {args.dataset} has {len(dataset.train)} training samples, "
+                                   "fewer than one per worker")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import gradpress
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.bench.ops import median_ms
 from gradpress.compressors.sketch import nonzero_blocks
 from gradpress.core.packet import Packet
@@ -162,24 +162,24 @@ def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     """Adds ``gradpress bench sketch``."""
     parser = bench_subparsers.add_parser("sketch", help="S2 sketch vs all-gathering an embedding's non-zero rows",
                                          description=__doc__)
-    parser.add_argument("--vocab", type=cli.positive_int, default=50_000)
-    parser.add_argument("--dim", type=cli.positive_int, default=64)
-    parser.add_argument("--rows-touched", type=cli.positive_int, default=500,
+    parser.add_argument("--vocab", type=arguments.positive_int, default=50_000)
+    parser.add_argument("--dim", type=arguments.positive_int, default=64)
+    parser.add_argument("--rows-touched", type=arguments.positive_int, default=500,
                         help="non-zero rows per worker per step")
-    parser.add_argument("--workers", type=cli.int_list(1), default="2,8,32", help="comma-separated worker counts")
-    parser.add_argument("--lam", type=cli.positive_float, default=0.5, help="sketch size / non-zeros (S2's λ)")
-    parser.add_argument("--sketch-rows", type=cli.positive_int, default=1)
-    parser.add_argument("--threads", type=cli.positive_int, default=1)
+    parser.add_argument("--workers", type=arguments.int_list(1), default="2,8,32", help="comma-separated worker counts")
+    parser.add_argument("--lam", type=arguments.positive_float, default=0.5, help="sketch size / non-zeros (S2's λ)")
+    parser.add_argument("--sketch-rows", type=arguments.positive_int, default=1)
+    parser.add_argument("--threads", type=arguments.positive_int, default=1)
     parser.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     if args.rows_touched > args.vocab:
-        raise cli.UsageError(f"--rows-touched {args.rows_touched}: more rows than --vocab {args.vocab}")
+        raise arguments.UsageError(f"--rows-touched {args.rows_touched}: more rows than --vocab {args.vocab}")
     try:  # the sketch run() builds for these arguments
         gradpress.make(f"sketch:rows={args.sketch_rows},lam={args.lam},ratio={args.rows_touched / args.vocab!r}")
     except ValueError as error:
-        raise cli.UsageError(f"--lam {args.lam}, --sketch-rows {args.sketch_rows}: {error}") from None
+        raise arguments.UsageError(f"--lam {args.lam}, --sketch-rows {args.sketch_rows}: {error}") from None
     torch.set_num_threads(args.threads)
     for workers in args.workers:
         print(format_result(run(args.vocab, args.dim, args.rows_touched, workers, args.lam, args.sketch_rows)))

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.bench import add_bench, run_as_script, spawn, write_json
-from gradpress.testbed.train import copy_s
+from gradpress.testbed.train import copy_s, model_spec
 
 
 def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -86,16 +86,16 @@ def run(specs: list[str], model: str = "mlp-wide", workers: int = 2, batch: int 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compressors", type=cli.compressor_list(), default="topk:ratio=0.01,natural,qsgd,thc",
+    parser.add_argument("--compressors", type=arguments.compressor_list(), default="topk:ratio=0.01,natural,qsgd,thc",
                         help="comma-separated gradpress specs")
-    parser.add_argument("--model", type=cli.model, default="mlp-wide", help="a testbed model spec")
-    parser.add_argument("--workers", type=cli.positive_int, default=2)
-    parser.add_argument("--batch", type=cli.positive_int, default=64)
-    parser.add_argument("--steps", type=cli.positive_int, default=20, help="timed steps per variant")
-    parser.add_argument("--warmup", type=cli.positive_int, default=3)
+    parser.add_argument("--model", type=model_spec, default="mlp-wide", help="a testbed model spec")
+    parser.add_argument("--workers", type=arguments.positive_int, default=2)
+    parser.add_argument("--batch", type=arguments.positive_int, default=64)
+    parser.add_argument("--steps", type=arguments.positive_int, default=20, help="timed steps per variant")
+    parser.add_argument("--warmup", type=arguments.positive_int, default=3)
     parser.add_argument("--feedback", choices=("both", "default", "none"), default="both",
                         help="the method's default memory, none, or both (default)")
-    parser.add_argument("--json", type=cli.output_file, help="write the figures to this file")
+    parser.add_argument("--json", type=arguments.output_file, help="write the figures to this file")
 
 
 def main(args: argparse.Namespace) -> int:

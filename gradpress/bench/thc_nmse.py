@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 import gradpress
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.bench import add_bench
 
 DEFAULT_BITS = (2, 3, 4)
@@ -208,7 +208,7 @@ def _check(args: argparse.Namespace) -> None:
                 try:
                     gradpress.make(f"thc:bits={b},granularity={g},p={args.p!r},symmetric={symmetric}")
                 except ValueError as error:
-                    raise cli.UsageError(f"--bits {b}, --granularities {g}, --p {args.p!r}: {error}") from None
+                    raise arguments.UsageError(f"--bits {b}, --granularities {g}, --p {args.p!r}: {error}") from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -234,30 +234,33 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bits", type=cli.int_list(1), default=",".join(map(str, DEFAULT_BITS)),
+    parser.add_argument("--bits", type=arguments.int_list(1), default=",".join(map(str, DEFAULT_BITS)),
                         help="bit budgets b (Figure 15: 2,3,4)")
-    parser.add_argument("--granularities", type=cli.int_list(1),
+    parser.add_argument("--granularities", type=arguments.int_list(1),
                         default=",".join(map(str, DEFAULT_GRANULARITIES)),
                         help="granularities g (those below 2^b − 1 are skipped for that b)")
-    parser.add_argument("--workers", type=cli.positive_int, default=10,
+    parser.add_argument("--workers", type=arguments.positive_int, default=10,
                         help="workers of the granularity sweep (App. D.4: 10)")
-    parser.add_argument("--p", type=cli.positive_float, default="1/1024",
+    parser.add_argument("--p", type=arguments.positive_float, default="1/1024",
                         help="THC's p of the granularity sweep (App. D.4: 1/1024)")
     parser.add_argument("--asymmetric", action="store_true",
                         help="granularity sweep with the unrestricted optimal tables (thc:symmetric=false)")
-    parser.add_argument("--dim", type=cli.size, default=1 << 14, help="values per vector (2^14 allowed)")
-    parser.add_argument("--repeats", type=cli.positive_int, default=10,
+    parser.add_argument("--dim", type=arguments.size, default=1 << 14,
+                        help="values per vector (2^14 allowed)")
+    parser.add_argument("--repeats", type=arguments.positive_int, default=10,
                         help="vectors per granularity point (the paper: 100)")
-    parser.add_argument("--workers-list", type=cli.int_list(1), default=",".join(map(str, DEFAULT_WORKERS)),
+    parser.add_argument("--workers-list", type=arguments.int_list(1),
+                        default=",".join(map(str, DEFAULT_WORKERS)),
                         help="numbers of workers of the scalability sweep")
-    parser.add_argument("--specs", type=cli.compressor_list(), default=",".join(SAME_BITS),
+    parser.add_argument("--specs", type=arguments.compressor_list(), default=",".join(SAME_BITS),
                         help="comma-separated specs of the scalability sweep (default: 4 bits per value each)")
-    parser.add_argument("--worker-repeats", type=cli.positive_int, default=3,
+    parser.add_argument("--worker-repeats", type=arguments.positive_int, default=3,
                         help="draws per (spec, workers) point")
-    parser.add_argument("--threads", type=cli.positive_int, default=1)
-    parser.add_argument("--seed", type=cli.seed, default=0)
-    parser.add_argument("--json", type=cli.output_file, help="write every record to this file")
-    parser.add_argument("--plot", type=cli.output_file, help="write both sweeps as a PNG figure to this file")
+    parser.add_argument("--threads", type=arguments.positive_int, default=1)
+    parser.add_argument("--seed", type=arguments.seed, default=0)
+    parser.add_argument("--json", type=arguments.output_file, help="write every record to this file")
+    parser.add_argument("--plot", type=arguments.output_file,
+                        help="write both sweeps as a PNG figure to this file")
 
 
 def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.testbed.report import write_report
 from gradpress.testbed.results import REFERENCES, Run
 from gradpress.testbed.train import (
@@ -85,7 +85,7 @@ def compare(base: TrainConfig, specs: list[str], out_dir: str | Path, progress: 
             config = replace(base, compressor=spec)
             check_exchange(config)
         except ValueError as error:
-            failures[spec] = cli.one_line(error)
+            failures[spec] = arguments.one_line(error)
             say(f"   failed: {failures[spec]}")
             continue
         try:
@@ -110,10 +110,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("compare", help="train with several compressors and write a report",
                                    description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    parser.add_argument("--compressors", type=cli.compressor_list(references=True, keywords={"demo": demo_set}),
+    parser.add_argument("--compressors", type=arguments.compressor_list(references=REFERENCES, keywords={"demo": demo_set}),
                         default="demo",
                         help="comma-separated specs and references; 'demo' stands for: " + ", ".join(DEMO_SET))
-    parser.add_argument("--out", type=cli.output_dir, default="out/compare",
+    parser.add_argument("--out", type=arguments.output_dir, default="out/compare",
                         help="directory for report.md, results.json, the plots and each run's record; it "
                              "must be new or empty, so that it holds one run's files")
     parser.add_argument("--overwrite", action="store_true",
@@ -126,7 +126,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         check_out(args.out, args.overwrite)
     except ValueError as error:
-        raise cli.UsageError(str(error)) from None
+        raise arguments.UsageError(str(error)) from None
     base = checked_config(args, "none")
     specs, skipped = [], {}
     for spec in args.compressors:
@@ -135,16 +135,16 @@ def _main(args: argparse.Namespace) -> int:
             specs.append(spec)
         except ValueError as error:
             if spec not in args.compressors.expanded:  # the user's own: every run must be able to start
-                raise cli.UsageError(f"--compressors: {spec}: {cli.one_line(error)}") from None
-            skipped[spec] = cli.one_line(error)
+                raise arguments.UsageError(f"--compressors: {spec}: {arguments.one_line(error)}") from None
+            skipped[spec] = arguments.one_line(error)
     for spec, why in skipped.items():
         print(f"skipped {spec}: {why}", file=sys.stderr)
     if not specs:
-        raise cli.UsageError("--compressors: no method of the demo set can run here (see above)")
+        raise arguments.UsageError("--compressors: no method of the demo set can run here (see above)")
     try:
         report, runs, failures = compare(base, specs, args.out, overwrite=args.overwrite)
     except TrainFailed as error:
-        print(f"{cli.PREFIX}{error}", file=sys.stderr)
+        print(f"{arguments.PREFIX}{error}", file=sys.stderr)
         return 1
     where = f"over an emulated {base.bandwidth} star" if base.bandwidth else "over loopback"
     print(f"\n{len(runs)} runs {where}; report: {report}")

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress import costmodel
 from gradpress.costmodel.method import BASELINE, LocalStep, MethodCost, baseline_cost, measure_method
 from gradpress.testbed.advise.profile import ComputeProfile, profile_compute
@@ -124,7 +124,7 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
         try:
             costs.append(measure_method(spec, profile, grads, repeats=max(1, repeats - 2), seed=seed))
         except Exception as error:  # noqa: BLE001 - one method that fails is reported, the others ranked
-            skipped[spec] = f"{type(error).__name__}: {cli.one_line(error)}"[:300]
+            skipped[spec] = f"{type(error).__name__}: {arguments.one_line(error)}"[:300]
     curves, target, to_target, note = [], None, None, None
     if quality_steps:
         if workload.quality_unavailable is not None or workload.evaluate is None:
@@ -162,5 +162,5 @@ def _quality_runs(workload: Workload, measured: Sequence[str], steps: int, worke
         except Exception as error:  # noqa: BLE001 - e.g. NonFiniteError: the run diverged
             if spec == QUALITY_REFERENCE:
                 raise
-            skipped[spec] = f"quality run failed: {type(error).__name__}: {cli.one_line(error)}"[:300]
+            skipped[spec] = f"quality run failed: {type(error).__name__}: {arguments.one_line(error)}"[:300]
     return curves

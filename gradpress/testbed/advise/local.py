@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.costmodel.method import LocalStep
 from gradpress.testbed.advise.workload import workload_of
 
@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> tuple[dict[str, dict
             measured[spec] = _medians(trainer.run(args["steps"]))
             del trainer
         except Exception as error:  # noqa: BLE001 - every rank meets it at the same step; the rest stay unmeasured
-            failed[spec] = f"{type(error).__name__}: {cli.one_line(error)}"[:300]
+            failed[spec] = f"{type(error).__name__}: {arguments.one_line(error)}"[:300]
             for rest in args["specs"][index + 1:]:
                 failed[rest] = f"not measured: {spec}'s local run failed before it"
             break
