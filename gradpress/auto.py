@@ -48,8 +48,16 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import torch
 
 from gradpress.core.compressor import make
-from gradpress.exchange.protocol import AllGather, AllReduce, Broadcast, Gather, Protocol, ReduceScatter, Round
 from gradpress.exchange.pipeline import Group, Options, Pipeline, Stats
+from gradpress.exchange.protocol import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    Gather,
+    Protocol,
+    ReduceScatter,
+    Round,
+)
 from gradpress.exchange.state import FORMAT, own_state, resized, shapes_of, warn_resized
 
 if TYPE_CHECKING:
@@ -501,7 +509,7 @@ class AutoPipeline:
         ready = [statistics.median(row[b] for row in readies) for b in range(len(layout))]
         last = same[-1]
         buckets = tuple(Bucket(b, keys, rec.numel, rec.nbytes, ready[b])
-                        for b, (keys, rec) in enumerate(zip(layout, last.buckets)))
+                        for b, (keys, rec) in enumerate(zip(layout, last.buckets, strict=True)))
         forward = statistics.median(r.gap for r in same)
         return ComputeProfile(forward, ready[-1] if ready else 0.0, 0.0, buckets, "measured", 0,
                               torch.get_num_threads(), sum(b.numel for b in buckets))
@@ -567,7 +575,7 @@ class AutoPipeline:
         if status == NEED_GRADIENTS:  # rank 0 has no costs yet: it keeps this step's gradients, decides next
             self.next_decision = step + 1
             return
-        for keys, spec in zip(layout, specs):
+        for keys, spec in zip(layout, specs, strict=True):
             for key in keys:
                 self._switch(key, self.choice.get(key, UNCOMPRESSED), spec)
         self.decided_at = step
@@ -581,7 +589,7 @@ class AutoPipeline:
             "compute_s": compute,
             "buckets": [{"keys": list(keys), "spec": spec,
                          "predicted_s": {"chosen": predicted, UNCOMPRESSED: a} if decided else {}}
-                        for keys, spec, a in zip(layout, specs, alone)],
+                        for keys, spec, a in zip(layout, specs, alone, strict=True)],
         }
 
     def _switch(self, key: str, old: str, new: str) -> None:

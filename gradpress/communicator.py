@@ -15,15 +15,15 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from gradpress import warmup
 from gradpress.auto import AutoOptions, AutoPipeline, is_auto
 from gradpress.core.compressor import Compressor
+from gradpress.exchange.distributed import NodeExecutor, ProcessGroupExecutor, gather_objects, spans_world
+from gradpress.exchange.distributed import process_group as resolve_group
 from gradpress.exchange.driver import Driver
 from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 from gradpress.exchange.state import gathered as _gathered
-from gradpress.exchange.distributed import (NodeExecutor, ProcessGroupExecutor, gather_objects,
-                                            process_group as resolve_group, spans_world)
-from gradpress import warmup
 
 
 class Communicator:
@@ -118,9 +118,9 @@ class Communicator:
         self._driver.advance()
         out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
         for members, future in started:
-            for i, averaged in zip(members, self._driver.wait(future)):
+            for i, averaged in zip(members, self._driver.wait(future), strict=True):
                 out[i] = averaged
-        return {key: averaged for (key, _), averaged in zip(items, out)}
+        return {key: averaged for (key, _), averaged in zip(items, out, strict=True)}
 
     def reduce_gradients(self, parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         """Replace the gradient of every parameter that requires one by the ranks' average, in one

@@ -42,12 +42,12 @@ from typing import Any, Sequence
 
 import torch
 
+from gradpress import warmup
 from gradpress.core.compressor import Compressor, NonFiniteError, any_nonfinite, compressor_names, make
-from gradpress.exchange.driver import Driver
-from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 from gradpress.exchange.distributed import ProcessGroupExecutor
 from gradpress.exchange.distributed import process_group as resolve_group
-from gradpress import warmup
+from gradpress.exchange.driver import Driver
+from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 
 
 def scatter_methods() -> list[str]:
@@ -121,9 +121,9 @@ class FSDPState:
         groups = pipeline.groups(items, bucket=bucket)
         started = [driver.start(g.protocol, g.step) for g in groups]
         driver.advance()
-        for g, future in zip(groups, started):
+        for g, future in zip(groups, started, strict=True):
             outputs = [g.flat] if g.flat is not None else [items[i][1] for i in g.members]
-            for output, average in zip(outputs, self._wait(future)):
+            for output, average in zip(outputs, self._wait(future), strict=True):
                 if average.data_ptr() != output.data_ptr() or average.dtype != output.dtype:
                     output.copy_(average.view(output.shape))
 
@@ -138,8 +138,8 @@ class FSDPState:
         started = [driver.start(g.protocol, g.step) for g in groups]
         driver.advance()
         out: list[torch.Tensor] = [None] * len(names)  # type: ignore[list-item]
-        for g, future in zip(groups, started):
-            for i, average in zip(g.members, self._wait(future)):
+        for g, future in zip(groups, started, strict=True):
+            for i, average in zip(g.members, self._wait(future), strict=True):
                 out[i] = average
         return out
 
@@ -253,7 +253,7 @@ class _Reducer:
                   for name, offset, numel, shape in layout] for j in range(n)]
         averages = self.state._scatter(items, names)
         out = output.view(-1)
-        for (_, offset, numel, _), average in zip(layout, averages):
+        for (_, offset, numel, _), average in zip(layout, averages, strict=True):
             out[offset:offset + numel].copy_(average.reshape(-1))
         if op == dist.ReduceOp.AVG:
             return

@@ -233,7 +233,7 @@ class GradpressFabricStrategy(FabricDDPStrategy):
         if len(pending) < len(self.gradpress_states):
             raise ValueError(f"gradpress: the checkpoint holds the state of {len(pending)} module(s), "
                              f"{len(self.gradpress_states)} are set up")
-        for state, saved in zip(self.gradpress_states, pending):
+        for state, saved in zip(self.gradpress_states, pending, strict=False):  # (checked: not fewer)
             state.load_state_dict(_own_part(state, saved, self.root_device))
         done = len(self.gradpress_states)
         self._gradpress_pending = pending[done:] if len(pending) > done else None

@@ -21,6 +21,7 @@ many times the host waits for the GPU in it, and how many tensors its operators 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from typing import Any
@@ -28,9 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpress.testbed import arguments
 from gradpress.bench import add_bench, run_as_script, spawn, write_json
-
+from gradpress.testbed import arguments
 
 # preset MLPs of ``--model``: (width, depth)
 MODELS = {"mlp-4m": (1024, 4), "mlp-1m": (512, 4)}
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             sync()
 
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for name, (ddp, optimizer) in variants.items():  # warm-up: DDP's bucket rebuild, numba, allocator
+    for ddp, optimizer in variants.values():  # warm-up: DDP's bucket rebuild, numba, allocator
         for _ in range(2):
             step(ddp, optimizer)
     for _ in range(args["rounds"]):
@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         for name, (ddp, optimizer) in variants.items():
             dist.barrier()
             sync()
-            syncs, host_ops = host_traffic(lambda: step(ddp, optimizer, wait=False))
+            syncs, host_ops = host_traffic(functools.partial(step, ddp, optimizer, wait=False))
             sync()
             audit[name] = {"syncs": syncs, "host_tensors": len(host_ops)}
     return {"times": times, "audit": audit}

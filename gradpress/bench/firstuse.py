@@ -38,8 +38,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from gradpress.testbed import arguments
 from gradpress.bench import add_bench, run_as_script, write_json
+from gradpress.testbed import arguments
 
 DEFAULT_SPECS = "thc,topk:ratio=0.01,qsgd,powersgd"
 

@@ -37,8 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from gradpress.testbed import arguments
 from gradpress.bench import add_bench, add_glibc_defaults, keep_freed_memory, run_as_script
+from gradpress.testbed import arguments
 
 #: modules a GRACE compressor module may import at import time without needing them on the CPU
 STUBBABLE = ("horovod", "cupy", "tensorflow", "cnat_cuda", "qsgd_cuda", "rdxtopk")

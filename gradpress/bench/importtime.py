@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradpress.testbed import arguments
 from gradpress.bench import add_bench, run_as_script, write_json
+from gradpress.testbed import arguments
 
 _LINE = re.compile(r"^import time:\s+(\d+)\s+\|\s+(\d+)\s+\|( *)(\S+)\s*$")
 WATCHED = ("numba", "scipy", "scipy.stats", "matplotlib", "tqdm", "rich", "gradpress.testbed",

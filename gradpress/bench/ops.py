@@ -32,9 +32,9 @@ from typing import Callable
 import torch
 
 import gradpress
-from gradpress.testbed import arguments
 from gradpress.bench import add_glibc_defaults, keep_freed_memory
 from gradpress.core.rng import Context
+from gradpress.testbed import arguments
 
 DEFAULT_SIZES = (2**20, 2**22)
 

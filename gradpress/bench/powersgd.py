@@ -43,8 +43,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gradpress.testbed import arguments
 from gradpress.bench import add_bench, run_as_script, spawn
+from gradpress.testbed import arguments
 from gradpress.testbed.train import model_spec
 
 VARIANTS = ("torch-allreduce", "torch-powersgd", "gradpress-powersgd")
@@ -168,7 +168,7 @@ class _Recorder:
     def wrap(self, inner: Callable) -> Callable:
         def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks hook annotations literally
             if self.active:
-                for p, g in zip(bucket.parameters(), bucket.gradients()):
+                for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
                     self.local[id(p)] = g.detach().clone()
             return inner(state, bucket)
 
@@ -189,8 +189,9 @@ class _Recorder:
 
 
 def _install(variant: str, ddp: nn.Module, recorder: _Recorder, args: dict[str, Any]) -> None:
-    import gradpress
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    import gradpress
 
     if variant == "torch-allreduce":
         ddp.register_comm_hook(None, recorder.wrap(default_hooks.allreduce_hook))

@@ -19,18 +19,17 @@ sketch must hold; real token streams overlap more (Zipf).
 from __future__ import annotations
 
 import argparse
-
 import functools
 from dataclasses import asdict, dataclass
 
 import torch
 
 import gradpress
-from gradpress.testbed import arguments
 from gradpress.bench.ops import median_ms
 from gradpress.compressors.sketch import nonzero_blocks
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context
+from gradpress.testbed import arguments
 
 
 @dataclass
@@ -110,7 +109,7 @@ def run(
     spec = f"sketch:rows={sketch_rows},lam={lam},ratio={rows_touched / vocab!r}"
     sketch = gradpress.make(spec)
     contexts = [Context(seed=seed, step=0, key="embedding", rank=r) for r in range(workers)]
-    packets = [sketch.compress(g, c) for g, c in zip(grads, contexts)]
+    packets = [sketch.compress(g, c) for g, c in zip(grads, contexts, strict=True)]
     per_tensor = zip(*[sketch.summands(p) for p in packets], strict=True)
     summed = [functools.reduce(torch.add, ts) for ts in per_tensor]  # what the all-reduce adds (bool: or)
     estimate = sketch.decode_sum(packets[0], [t.clone() for t in summed], 1)  # the sum, not the mean

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpress.testbed import arguments
 from gradpress.bench import add_bench, run_as_script, spawn, write_json
+from gradpress.testbed import arguments
 from gradpress.testbed.train import copy_s, model_spec
 
 
@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
           f"batch {args.batch}, one thread each; medians of {args.steps} steps, rank 0")
     print(f"  {'spec':28s} {'feedback':9s} {'compress':>14s} {'decompress':>14s} {'step':>9s}   copy")
     for r in runs:
-        copies = lambda ms: f"{ms:6.2f} ms {ms / r['copy_ms']:4.1f}×"  # noqa: E731
+        copies = lambda ms, r=r: f"{ms:6.2f} ms {ms / r['copy_ms']:4.1f}×"  # noqa: E731
         print(f"  {r['spec']:28s} {r['feedback']:9s} {copies(r['compress_ms'])} {copies(r['decompress_ms'])} "
               f"{r['step_ms']:6.1f} ms   {r['copy_ms']:.2f} ms")
     if args.json:

@@ -32,8 +32,8 @@ from typing import Callable, Sequence
 import torch
 
 import gradpress
-from gradpress.testbed import arguments
 from gradpress.bench import add_bench
+from gradpress.testbed import arguments
 
 DEFAULT_BITS = (2, 3, 4)
 DEFAULT_GRANULARITIES = (3, 7, 8, 12, 15, 16, 20, 24, 30, 36, 44, 51)
@@ -181,11 +181,11 @@ def plot(by_granularity: list[GranularityRecord], by_workers: list[WorkersRecord
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for b in sorted({r.bits for r in by_granularity}):
         points = [(r.granularity, r.nmse) for r in by_granularity if r.bits == b]
-        left.plot(*zip(*points), marker="o", label=f"THC b={b}")
+        left.plot(*zip(*points, strict=True), marker="o", label=f"THC b={b}")
     left.set(xlabel="granularity g", ylabel="NMSE", yscale="log", title="THC vs granularity (App. D.4)")
     for spec in dict.fromkeys(r.spec for r in by_workers):
         points = [(r.workers, r.nmse) for r in by_workers if r.spec == spec]
-        right.plot(*zip(*points), marker="o", label=spec)
+        right.plot(*zip(*points, strict=True), marker="o", label=spec)
     right.set(xlabel="workers", ylabel="NMSE of the mean", yscale="log", title="4 bits/value upstream")
     right.set_xscale("log", base=2)
     counts = sorted({r.workers for r in by_workers})

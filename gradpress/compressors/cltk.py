@@ -42,13 +42,13 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import as_numpy, jit, use_numba, wide_vectors
-from gradpress.core.compressor import Compressor, Preliminary, register
 from gradpress.compressors.sparsify import scatter, topk_indices
+from gradpress.core.compressor import Compressor, Preliminary, register
 from gradpress.core.feedback import KeyedMemory, feedback_registry
 from gradpress.core.packet import Packet
 from gradpress.core.registry import check_params_of, param
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import as_numpy, jit, use_numba, wide_vectors
 
 Select = Literal["chunk", "exact"]
 

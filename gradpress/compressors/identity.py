@@ -7,11 +7,25 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import (bits_of_f32, f16_bits_of_f32, f32_from_bits, f32_of_f16_bits, jit, use_numba,
-                              wide_vectors)
-from gradpress.core.compressor import Compressor, check_finite, count_nonfinite, register, scaled_sum, sum_addends
+from gradpress.core.compressor import (
+    Compressor,
+    check_finite,
+    count_nonfinite,
+    register,
+    scaled_sum,
+    sum_addends,
+)
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import (
+    bits_of_f32,
+    f16_bits_of_f32,
+    f32_from_bits,
+    f32_of_f16_bits,
+    jit,
+    use_numba,
+    wide_vectors,
+)
 
 
 @register("none")

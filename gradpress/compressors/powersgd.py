@@ -48,13 +48,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradpress.kernels import simd as V
-from gradpress.kernels.jit import jit, use_numba
-from gradpress.core.compressor import (Compressor, Preliminary, check_finite, divide, float32_output,
-                                  register, saturate)
+from gradpress.core.compressor import (
+    Compressor,
+    Preliminary,
+    check_finite,
+    divide,
+    float32_output,
+    register,
+    saturate,
+)
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context
+from gradpress.kernels import simd as V
+from gradpress.kernels.jit import jit, use_numba
 
 
 @register("powersgd")

@@ -27,15 +27,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import as_numpy, gather16, jit, kernel, use_numba
-from gradpress.kernels.bits import pack_bits, unpack_bits
-from gradpress.core.compressor import Compressor, register
-from gradpress.compressors.eightbit import BLOCK, CROWDED, cell_table, lookup, lookup_add, order_key, rank_in_cell
+from gradpress.compressors.eightbit import (
+    BLOCK,
+    CROWDED,
+    cell_table,
+    lookup,
+    lookup_add,
+    order_key,
+    rank_in_cell,
+)
 from gradpress.compressors.onebit import as_float32, checked_extreme_and_nonzeros, fixed_point_scale, to_fixed
 from gradpress.compressors.threshold import draw_sample, select_above
+from gradpress.core.compressor import Compressor, register
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context
+from gradpress.kernels.bits import pack_bits, unpack_bits
+from gradpress.kernels.jit import as_numpy, gather16, jit, kernel, use_numba
 
 
 @register("sketchml")

@@ -74,19 +74,46 @@ import numpy as np
 import torch
 from scipy.special import ndtri
 
-from gradpress.kernels import simd as V
-from gradpress.kernels.jit import GOLDEN, as_numpy, bits_of_f32, jit, kernel, mix32, squares, use_numba
-from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.core.compressor import (Compressor, Preliminary, check_finite, float32_output, register, saturate,
-                                 sum_addends)
-from gradpress.kernels.hadamard import (_PANEL, _STREAMED, DEFAULT_PARTITION, ONE, _columns_but_last, _geometry, _kernel_args,
-                                _last_group, _load_signed, _load_signed_rows, _negative, _quad, _radix_any,
-                                _inverse_store, _row_rest, _row_small, _stages, apply_rht, inverse_columns, inverse_rht,
-                                rht_layout, work_buffer)
+from gradpress.compressors.thc_table import thc_table
+from gradpress.core.compressor import (
+    Compressor,
+    Preliminary,
+    check_finite,
+    float32_output,
+    register,
+    saturate,
+    sum_addends,
+)
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context, mix32_torch, seed32
-from gradpress.compressors.thc_table import thc_table
+from gradpress.kernels import simd as V
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.kernels.hadamard import (
+    DEFAULT_PARTITION,
+    ONE,
+    _PANEL,
+    _STREAMED,
+    _columns_but_last,
+    _geometry,
+    _inverse_store,
+    _kernel_args,
+    _last_group,
+    _load_signed,
+    _load_signed_rows,
+    _negative,
+    _quad,
+    _radix_any,
+    _row_rest,
+    _row_small,
+    _stages,
+    apply_rht,
+    inverse_columns,
+    inverse_rht,
+    rht_layout,
+    work_buffer,
+)
+from gradpress.kernels.jit import GOLDEN, as_numpy, bits_of_f32, jit, kernel, mix32, squares, use_numba
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 

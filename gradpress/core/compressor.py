@@ -17,11 +17,11 @@ from typing import Any, Callable, ClassVar, Literal
 import numpy as np
 import torch
 
-from gradpress.kernels.dispatch import as_numpy, use_numba
-from gradpress.kernels.warm import large_only
 from gradpress.core.packet import Packet
 from gradpress.core.registry import Registry, check_params_of, format_spec
 from gradpress.core.rng import Context
+from gradpress.kernels.dispatch import as_numpy, use_numba
+from gradpress.kernels.warm import large_only
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -34,8 +34,17 @@ from typing import Any, Callable
 
 import torch
 
-from gradpress.exchange.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
-                                fold_sum, traffic)
+from gradpress.exchange.protocol import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    Collective,
+    Gather,
+    ReduceScatter,
+    Round,
+    fold_sum,
+    traffic,
+)
 
 
 class Handle:

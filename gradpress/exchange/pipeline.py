@@ -28,13 +28,20 @@ from typing import Any, Sequence
 
 import torch
 
-from gradpress.exchange.agreement import agree
-from gradpress.core.compressor import (Compressor, NonFiniteError, any_nonfinite, divide_counting_nonfinite, make,
-                                  saturate, scaled_sum)
+from gradpress.core.compressor import (
+    Compressor,
+    NonFiniteError,
+    any_nonfinite,
+    divide_counting_nonfinite,
+    make,
+    saturate,
+    scaled_sum,
+)
 from gradpress.core.feedback import SumParts, make_feedback
 from gradpress.core.packet import Packet, adjacent
-from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
 from gradpress.core.rng import Context
+from gradpress.exchange.agreement import agree
+from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
 from gradpress.exchange.state import FORMAT, check, own_part, shapes_of
 from gradpress.exchange.strategy import MODES, OVERFLOW, Strategy, check_partial
 
@@ -414,7 +421,7 @@ class Pipeline:
         else:
             flags = [True] * len(items)
         steps = [self.steps.get(key, 0) for key in keys]
-        for key, step in zip(keys, steps):
+        for key, step in zip(keys, steps, strict=True):
             self.steps[key] = step + 1
         writable = writable or bucket is not None
         groups = []
@@ -459,9 +466,10 @@ class Pipeline:
         for key, tensor in items:
             if key not in self.shapes or self._expected_shapes:
                 self._record_shape(key, tuple(tensor.shape))
-        flags = [self.compresses(key, tensor, name) for (key, tensor), name in zip(rows[0], names)]
+        flags = [self.compresses(key, tensor, name)
+                 for (key, tensor), name in zip(rows[0], names, strict=True)]
         steps = [self.steps.get(key, 0) for key in keys]
-        for key, step in zip(keys, steps):
+        for key, step in zip(keys, steps, strict=True):
             self.steps[key] = step + 1
         groups = []
         for compressed in (True, False):
@@ -524,24 +532,25 @@ class Pipeline:
         strategy = self.strategy if compressed else self.plain
         feedback = self.feedback if compressed else self.no_feedback
         compressor, stats, step = strategy.compressor, self.stats, max(steps)
-        ctxs = [Context(self.options.seed, s, key, self.rank) for (key, _), s in zip(items, steps)]
+        ctxs = [Context(self.options.seed, s, key, self.rank)
+                for (key, _), s in zip(items, steps, strict=True)]
         grads = [grad.detach() for _, grad in items]
         keys = [key for key, _ in items]
         before = feedback.snapshot(keys) if feedback.updates else None
         start = time.perf_counter()
         # φ = β·m + γ·g formed by the compressor's first pass (its preliminary one, if it has one) where
         # the memory and the method allow it
-        sums = ([feedback.sum_parts(key, grad) for key, grad in zip(keys, grads)]
+        sums = ([feedback.sum_parts(key, grad) for key, grad in zip(keys, grads, strict=True)]
                 if feedback.updates else [None] * len(items))
         xs = [feedback.compensate(key, grad) if parts is None else parts.out
-              for (key, _), grad, parts in zip(items, grads, sums)]
-        inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads)]
+              for (key, _), grad, parts in zip(items, grads, sums, strict=True)]
+        inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads, strict=True)]
         faulty, carried = False, False
         prepared: list[torch.Tensor | None] = [None] * len(items)
         try:
             if compressor.prepares:
                 prelims = []
-                for i, (x, ctx, grad, parts) in enumerate(zip(inputs, ctxs, grads, sums)):
+                for i, (x, ctx, grad, parts) in enumerate(zip(inputs, ctxs, grads, sums, strict=True)):
                     pre = _prepare(compressor, x, ctx, self.world_size, grad, parts)
                     if pre is _FAULTY:  # the gradient's NaN/Inf, or φ's own overflow (then saturated)
                         saturated = _saturated(xs[i], grad)
@@ -562,7 +571,7 @@ class Pipeline:
             # a method with a preliminary exchange forms the residual in φ's own storage where φ is the
             # memory's (not the gradient) and is what is compressed (no cast): THC
             fuse = feedback.updates and feedback.keeps_residual and compressor.fuses_residual
-            for i, (given, x, ctx, ready, grad, parts) in enumerate(zip(inputs, xs, ctxs, prepared, grads, sums)):
+            for i, (given, x, ctx, ready, grad, parts) in enumerate(zip(inputs, xs, ctxs, prepared, grads, sums, strict=True)):
                 target = x if fuse and given is x and x is not grad and x.dtype == torch.float32 else None
                 try:
                     if parts is not None and feedback.keeps_residual:
@@ -587,7 +596,7 @@ class Pipeline:
                         packet = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
                 packets.append(packet)
             if feedback.updates and not faulty:
-                for (key, _), grad, x, packet, done in zip(items, grads, xs, packets, formed):
+                for (key, _), grad, x, packet, done in zip(items, grads, xs, packets, formed, strict=True):
                     if done:
                         feedback.update_residual(key, x)
                     else:
@@ -667,7 +676,7 @@ def _steps_text(keys: Sequence[str], steps: dict[str, int]) -> str:
     counts = [steps.get(key, 0) for key in keys]
     if len(set(counts)) <= 1:
         return str(counts[0]) if counts else "none"
-    return ", ".join(f"{key!r} {count}" for key, count in zip(keys, counts))
+    return ", ".join(f"{key!r} {count}" for key, count in zip(keys, counts, strict=True))
 
 
 def _names(keys: Sequence[str]) -> str:

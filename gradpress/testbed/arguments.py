@@ -79,13 +79,11 @@ def _bytes(count: float) -> str:
     """``count`` bytes in words: ``512 bytes``, ``3.5 GiB``."""
     if count < 1024:
         return f"{count:.0f} bytes"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+    units = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    for unit in units:
         count /= 1024
-        if count < 1024:
+        if count < 1024 or unit == units[-1]:
             break
-    else:
-        count /= 1024
-        unit = "EiB"
     return f"{count:.1f} {unit}"
 
 

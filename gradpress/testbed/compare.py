@@ -19,7 +19,12 @@ from gradpress.testbed import arguments
 from gradpress.testbed.report import write_report
 from gradpress.testbed.results import REFERENCES, Run
 from gradpress.testbed.train import (
-    TrainConfig, TrainFailed, add_arguments, check_exchange, checked_config, train,
+    TrainConfig,
+    TrainFailed,
+    add_arguments,
+    check_exchange,
+    checked_config,
+    train,
 )
 
 #: the README's demo set; methods not registered in this version are reported, not run

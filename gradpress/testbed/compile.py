@@ -100,7 +100,7 @@ def _in_processes(args: argparse.Namespace, specs: list[str]) -> int:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    failed = [" ".join(share) for share, code in zip(shares, codes) if code != 0]
+    failed = [" ".join(share) for share, code in zip(shares, codes, strict=True) if code != 0]
     if failed:
         print(f"gradpress: error: compiling {'; '.join(failed)} failed", file=sys.stderr)
         return 1

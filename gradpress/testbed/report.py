@@ -123,7 +123,7 @@ def summarize(runs: Sequence[Run], tolerance: float | None = None,
     baseline = find_run(runs, BASELINE)
     base_ttt = baseline.time_to_target(goal.value) if baseline is not None and goal is not None else None
     rows = []
-    for label, run in zip(labels(runs), runs):
+    for label, run in zip(labels(runs), runs, strict=True):
         ttt = run.time_to_target(goal.value) if goal is not None else None
         rows.append(Row(
             label=label, run=run, final_quality=run.final_quality, best_quality=run.best_quality,
@@ -212,7 +212,7 @@ def _time_table(rows: Sequence[Row]) -> list[str]:
     if any(r.run.info.get("copy_s") for r in rows):
         noop = next((r.run for r in rows if r.run.name == UPPER_BOUND), None)
         header += ["copy", "compress (copies)", "step over `noop` (copies)"]
-        for line, r in zip(body, rows):
+        for line, r in zip(body, rows, strict=True):
             copy_s = r.run.info.get("copy_s")
             if not copy_s:
                 line += ["n/a"] * 3
@@ -402,7 +402,7 @@ def plot_quality_vs_bytes(rows: Sequence[Row], goal: Target | None, path: Path) 
     for i, row in enumerate(rows):
         points = [(e.bytes_total, e.value) for e in row.run.evals if e.bytes_total > 0]
         if points:
-            ax.plot(*zip(*points), marker="o", markersize=3, color=_color(i), label=row.label)
+            ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=_color(i), label=row.label)
             ax.set_xscale("log")
     ax.set_xlabel("bytes sent by one worker (log scale)")
     ax.set_title("Quality vs data volume")

@@ -35,9 +35,8 @@ from typing import Any, Callable
 
 import torch
 
-from gradpress.testbed import arguments
 from gradpress.auto import is_auto
-from gradpress.testbed import netem
+from gradpress.testbed import arguments, netem
 from gradpress.testbed.results import REFERENCES, Eval, Run, Step
 
 PORT = 29511

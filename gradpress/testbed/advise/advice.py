@@ -6,12 +6,17 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-from gradpress.testbed import arguments
 from gradpress import costmodel
 from gradpress.costmodel.method import BASELINE, LocalStep, MethodCost, baseline_cost, measure_method
+from gradpress.testbed import arguments
 from gradpress.testbed.advise.profile import ComputeProfile, profile_compute
-from gradpress.testbed.advise.quality import (QUALITY_REFERENCE, QualityCurve, quality_curve, quality_target,
-                                              steps_to_reach)
+from gradpress.testbed.advise.quality import (
+    QUALITY_REFERENCE,
+    QualityCurve,
+    quality_curve,
+    quality_target,
+    steps_to_reach,
+)
 from gradpress.testbed.advise.ranking import Ranked, crossover, rank
 from gradpress.testbed.advise.workload import Workload
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from gradpress import costmodel
-from gradpress.testbed.advise.advice import Advice
 from gradpress.costmodel.method import BASELINE, MethodCost
+from gradpress.testbed.advise.advice import Advice
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.ranking import predict
 

@@ -11,9 +11,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gradpress.testbed import arguments
-from gradpress.testbed import netem
 from gradpress import costmodel
+from gradpress.testbed import arguments, netem
 from gradpress.testbed.advise.advice import DEMO, KEYWORDS, Advice, advise, candidates
 from gradpress.testbed.advise.check import Checked, check_against, render_checks, runs_link
 from gradpress.testbed.advise.local import measure_local_steps
@@ -216,7 +215,8 @@ def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> 
     """:func:`~gradpress.testbed.advise.advise` with ``--threads`` torch threads and a progress bar on
     stderr (one step per profile, measured method and quality run)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
 
     quality = bool(args.quality_steps) and workload.quality_unavailable is None
     total = 1 + len(specs) + (len(specs) + 1 if quality else 0) + (args.local_workers > 1)

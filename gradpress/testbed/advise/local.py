@@ -24,9 +24,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from gradpress.testbed import arguments
 from gradpress.costmodel.method import LocalStep
+from gradpress.testbed import arguments
 from gradpress.testbed.advise.workload import workload_of
+
 
 def measure_local_steps(settings: Mapping[str, Any], specs: Sequence[str], workers: int, *, steps: int = 20,
                         warmup: int = 8, timeout: float = 600.0) -> tuple[dict[str, LocalStep], dict[str, str]]:
@@ -69,7 +70,8 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> tuple[dict[str, dict
     if "noop" not in args["specs"]:
         steps.pop("noop")
     fields = ("step_s", "compute_s", "compression_s", "communication_s")
-    return {spec: {"workers": world, **dict(zip(fields, times))} for spec, times in steps.items()}, failed
+    return {spec: {"workers": world, **dict(zip(fields, times, strict=True))}
+            for spec, times in steps.items()}, failed
 
 
 def at_typical_speed(measured: Mapping[str, Sequence[float]],

@@ -8,8 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
 
-from gradpress.testbed.advise.advice import Advice
 from gradpress.costmodel.method import BASELINE
+from gradpress.testbed.advise.advice import Advice
 from gradpress.testbed.advise.ranking import Ranked, register_line, speedup_at
 
 #: the plot's link speeds, bits/s: 10 Mbit/s to 400 Gbit/s

@@ -5,15 +5,16 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from gradpress.testbed import arguments
 from gradpress.costmodel.profile import FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets
+from gradpress.testbed import arguments
 from gradpress.testbed.advise.workload import Workload, _optimizer
+
 
 class _NoDDP(RuntimeError):
     pass

@@ -7,11 +7,11 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from gradpress import costmodel
+from gradpress.costmodel import Breakdown
 from gradpress.costmodel.method import BASELINE, MethodCost, baseline_cost
-from gradpress.costmodel.predict import calibrated, predict
+from gradpress.costmodel.predict import predict
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.quality import QUALITY_REFERENCE
-from gradpress.costmodel import Breakdown
 
 #: where crossings are searched (bits/s)
 CROSSING_RANGE = (1e6, 1e12)

@@ -11,15 +11,30 @@ from dataclasses import asdict
 from typing import Any
 
 import gradpress
-from gradpress.testbed import arguments
 from gradpress import costmodel
+from gradpress.testbed import arguments
 from gradpress.testbed.data import Dataset
-from gradpress.testbed.sim.aggregate import (DEFAULT_WORKERS, DISTRIBUTIONS, nmse_vs_workers, plot_nmse,
-                                             render_nmse)
+from gradpress.testbed.sim.aggregate import (
+    DEFAULT_WORKERS,
+    DISTRIBUTIONS,
+    nmse_vs_workers,
+    plot_nmse,
+    render_nmse,
+)
 from gradpress.testbed.sim.common import wide_console
-from gradpress.testbed.sim.cost import (Check, Prediction, check_runs, cross_checks, crossovers,
-                                        fit_run_latency, load_results, render_checks, render_crossovers,
-                                        render_what_if, what_if)
+from gradpress.testbed.sim.cost import (
+    Check,
+    Prediction,
+    check_runs,
+    cross_checks,
+    crossovers,
+    fit_run_latency,
+    load_results,
+    render_checks,
+    render_crossovers,
+    render_what_if,
+    what_if,
+)
 from gradpress.testbed.sim.quality import plot_quality, render_quality, train_simulated
 from gradpress.testbed.train import model_spec, runtime_option
 
