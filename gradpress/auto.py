@@ -312,7 +312,7 @@ class AutoPipeline:
         self._pipelines: dict[str, Pipeline] = {}
         self.choice: dict[str, str] = {}  # key -> spec (absent: none)
         self.decided_at: int | None = None
-        self.next_decision = auto.settle_steps + auto.measure_steps
+        self.next_decision: float = auto.settle_steps + auto.measure_steps  # (math.inf: never)
         self.why: dict[str, Any] = {}
         self._flush: dict[str, torch.Tensor] = {}
         self._records: deque[_StepRecord] = deque(maxlen=auto.measure_steps + 1)
@@ -510,7 +510,7 @@ class AutoPipeline:
         last = same[-1]
         buckets = tuple(Bucket(b, keys, rec.numel, rec.nbytes, ready[b])
                         for b, (keys, rec) in enumerate(zip(layout, last.buckets, strict=True)))
-        forward = statistics.median(r.gap for r in same)
+        forward = statistics.median(r.gap for r in same if r.gap is not None)  # (all of them)
         return ComputeProfile(forward, ready[-1] if ready else 0.0, 0.0, buckets, "measured", 0,
                               torch.get_num_threads(), sum(b.numel for b in buckets))
 
@@ -726,8 +726,8 @@ class AutoPipeline:
         flush = section.get("flush", {})
         _check_keyed("auto.flush", {"flush": flush}, shapes)
         decided_at, next_decision = section.get("decided_at"), section.get("next_decision")
-        for name, value in (("decided_at", decided_at), ("next_decision", next_decision)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        for name, given in (("decided_at", decided_at), ("next_decision", next_decision)):
+            if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 0):
                 raise ValueError(f"gradpress state: auto.{name} must be a step (an integer >= 0) or None")
         saved = section.get("pipelines")
         if not isinstance(saved, dict) or not all(isinstance(s, str) for s in saved):

@@ -141,7 +141,7 @@ def _unavailable(subparsers: argparse._SubParsersAction, command: str, library: 
     stand_in.set_defaults(unavailable=_needs_testbed(command, library))
 
 
-def _needs_testbed(command: str, library: str) -> str:
+def _needs_testbed(command: str | None, library: str) -> str:
     return (f"'gradpress {command}' needs the testbed's libraries ({library} is not installed): "
             f"pip install 'gradpress[testbed]'")
 
@@ -175,9 +175,11 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         args, unknown = parser.parse_known_args(argv)
         command = getattr(args, "command", None)  # (None: a parser without subcommands)
         missing = None if command in LIBRARY_COMMANDS else _missing_testbed_library()
-        if getattr(args, "unavailable", None) or missing is not None:
-            print(PREFIX + (getattr(args, "unavailable", None) or _needs_testbed(command, missing)),
-                  file=sys.stderr)
+        unavailable = getattr(args, "unavailable", None)
+        if not unavailable and missing is not None:
+            unavailable = _needs_testbed(command, missing)
+        if unavailable:
+            print(PREFIX + unavailable, file=sys.stderr)
             return 2
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")

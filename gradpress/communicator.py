@@ -76,16 +76,18 @@ class Communicator:
         self._pipeline: Pipeline | AutoPipeline | HierarchicalPipeline
         if auto is not None:  # a pipeline per chosen method (gradpress.auto)
             self._pipeline = AutoPipeline(auto, self.options, self.rank, self.world_size)
+            self._spec = "auto"
         else:
+            assert compressor is not None  # (built above)
             whole = self.options.hierarchy is None or spans_world(process_group)
             self._pipeline = make_pipeline(compressor, self.options, self.rank, self.world_size,
                                            whole_world=whole)
+            self._spec = compressor.spec
         talk: ProcessGroupExecutor | NodeExecutor = executor
         if isinstance(self._pipeline, HierarchicalPipeline):  # rounds inside the node and between nodes
             talk = NodeExecutor(executor, self._pipeline.layout.local_size, self.options.timeout)
         self._driver = Driver(talk, self._pipeline.stats)
         self._auto = auto
-        self._spec = "auto" if auto is not None else compressor.spec
 
     def __repr__(self) -> str:
         """``Communicator('topk:ratio=0.01', seed=3, …)``: the spec and the options not at their default."""

@@ -34,6 +34,7 @@ import re
 import sys
 import warnings
 import weakref
+from types import FrameType
 from typing import Any, Callable
 
 import torch
@@ -269,6 +270,7 @@ class GradpressState:
         if self.auto is not None:
             return AutoPipeline(self.auto, self.options, rank, world_size)
         whole = self.options.hierarchy is None or spans_world(self._group)
+        assert self.compressor is not None  # (a spec's, when not auto)
         return make_pipeline(self.compressor, self.options, rank, world_size, self.master, whole)
 
     @property
@@ -402,11 +404,11 @@ def _not_ddp(model: Any) -> str:
 
 def _calling_ddp(module: torch.nn.Module, depth: int = 12) -> Any:
     """The DistributedDataParallel whose forward is calling ``module`` (a few frames up), or None."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and depth > 0:
         calling = frame.f_code.co_name in ("forward", "_run_ddp_forward")
         owner = frame.f_locals.get("self") if calling else None
-        if _is_ddp(owner) and owner.module is module:
+        if owner is not None and _is_ddp(owner) and owner.module is module:
             return owner
         frame, depth = frame.f_back, depth - 1
     return None

@@ -281,7 +281,9 @@ def _compressed_reduce_scatter(reducer: _Reducer) -> Any:
     """FSDP's ``ReduceScatter`` comm running :meth:`_Reducer.reduce_scatter` (1-D meshes; the class is made
     here, so that importing gradpress does not import FSDP)."""
 
-    class CompressedReduceScatter(_Allocating, _reduce_scatter_base()):
+    base: Any = _reduce_scatter_base()
+
+    class CompressedReduceScatter(_Allocating, base):
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                      async_op: bool = False) -> None:
             reducer.reduce_scatter(output_tensor, input_tensor, op)
@@ -297,7 +299,9 @@ def _checked_reduce_scatter() -> Any:
 
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (FSDP's call)
 
-    class CheckedReduceScatter(_Allocating, _reduce_scatter_base()):
+    base: Any = _reduce_scatter_base()
+
+    class CheckedReduceScatter(_Allocating, base):
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                      async_op: bool = False) -> Any:
             if any_nonfinite(input_tensor.view(-1)):
@@ -314,14 +318,15 @@ def _param_groups(model: Any) -> list[tuple[Any, Any]]:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     except ImportError as error:  # (torch without distributed support)
         raise TypeError("gradpress.fsdp needs torch.distributed's FSDP") from error
+    root: torch.nn.Module = model  # (fully_shard makes it an FSDPModule too)
     if isinstance(model, FullyShardedDataParallel):
         raise TypeError("gradpress.fsdp.register takes a model sharded with fully_shard (FSDP2), not "
                         "FullyShardedDataParallel (FSDP1)")
     if not isinstance(model, FSDPModule):
         raise TypeError(f"gradpress.fsdp.register: expected a model wrapped with "
                         f"torch.distributed.fsdp.fully_shard, got {type(model).__name__}")
-    out = []
-    for module in model.modules():
+    out: list[tuple[Any, Any]] = []
+    for module in root.modules():
         if isinstance(module, FSDPModule):
             groups = module._get_fsdp_state()._fsdp_param_groups
             if len(groups) > 1:

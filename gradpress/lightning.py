@@ -112,7 +112,9 @@ class GradpressStrategy(DDPStrategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._gradpress_log_stats and self.gradpress_state is not None:
             figures = self.gradpress_state.stats(flat=True)
-            self.lightning_module.log_dict(figures, on_step=True, on_epoch=False)
+            module = self.lightning_module
+            assert module is not None  # (set while it trains)
+            module.log_dict(figures, on_step=True, on_epoch=False)
         return result
 
     # -- checkpoints -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import fields, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, overload
 
 import torch
 
@@ -71,6 +71,17 @@ class Simulator:
         self.layout = first.layout if isinstance(first, HierarchicalPipeline) else None
         if warm_up:
             warm_kernels([self.pipelines[0].compressor], workers, self.options, (torch.float32,))
+
+    @overload
+    def step(self, worker_grads: Sequence[torch.Tensor], *, writable: bool = False) -> torch.Tensor: ...
+    @overload
+    def step(self, worker_grads: Sequence[Mapping[str, torch.Tensor]], *,
+             writable: bool = False) -> dict[str, torch.Tensor]: ...
+    @overload
+    def step(self, worker_grads: Sequence[Sequence[torch.Tensor]], *,
+             writable: bool = False) -> list[torch.Tensor]: ...
+    @overload
+    def step(self, worker_grads: Sequence[WorkerGrads], *, writable: bool = False) -> WorkerGrads: ...
 
     def step(self, worker_grads: Sequence[WorkerGrads], *, writable: bool = False) -> WorkerGrads:
         """Exchange one step: ``worker_grads[r]`` is rank r's gradients (a tensor, a list of tensors or a
@@ -216,6 +227,19 @@ class Simulator:
                 pipeline.compressor.load_state_dict(state)
 
 
+@overload
+def simulate(spec: str | Compressor, worker_grads: Sequence[torch.Tensor],
+             **options: Any) -> torch.Tensor: ...
+@overload
+def simulate(spec: str | Compressor, worker_grads: Sequence[Mapping[str, torch.Tensor]],
+             **options: Any) -> dict[str, torch.Tensor]: ...
+@overload
+def simulate(spec: str | Compressor, worker_grads: Sequence[Sequence[torch.Tensor]],
+             **options: Any) -> list[torch.Tensor]: ...
+@overload
+def simulate(spec: str | Compressor, worker_grads: Sequence[WorkerGrads], **options: Any) -> WorkerGrads: ...
+
+
 def simulate(spec: str | Compressor, worker_grads: Sequence[WorkerGrads], **options: Any) -> WorkerGrads:
     """One step of ``len(worker_grads)`` workers exchanging their gradients under ``spec``: what every
     worker receives. The same pipeline as the DDP hook and the Communicator, in one process (n up to
@@ -336,7 +360,7 @@ def _results(requests: list[list[Collective]], n: int, only: int | None) -> list
                 total = tensors[0].clone()
                 for t in tensors[1:]:
                     total = combine(total, t)
-            shared = [total if r == ranks[0] else total.clone() for r in ranks]
+            shared: list[torch.Tensor | None] = [total if r == ranks[0] else total.clone() for r in ranks]
         elif isinstance(first, ReduceScatter):
             total = fold_sum([c.tensor for c in column])  # (n, chunk): row r is rank r's sum
             shared = [total[r] for r in ranks]

@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     base = _model(args["width"], args["depth"])
-    variants: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    variants: dict[str, tuple[nn.parallel.DistributedDataParallel, torch.optim.Optimizer]] = {}
     for name in ["ddp", "torch-hook", *args["specs"]]:
         model = _model(args["width"], args["depth"])
         model.load_state_dict(base.state_dict())

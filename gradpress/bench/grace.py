@@ -127,8 +127,8 @@ def _import(name: str, stubs: list[str]) -> types.ModuleType:
             missing = (error.name or "").split(".")[0]
             if missing not in STUBBABLE or missing in sys.modules:
                 raise
-            stub = types.ModuleType(missing)
-            stub.__getattr__ = lambda attribute, _m=missing: _unavailable(_m, attribute)  # type: ignore[attr-defined]
+            stub: Any = types.ModuleType(missing)  # (with a module __getattr__, PEP 562)
+            stub.__getattr__ = lambda attribute, _m=missing: _unavailable(_m, attribute)
             sys.modules[missing] = stub
             stubs.append(missing)
     return importlib.import_module(name)
@@ -156,7 +156,7 @@ def load_grace(path: str | None, pairs: list[Pair]) -> dict[str, Any]:
         for pair in pairs:
             name = f"grace_dl.dist.compressor.{pair.module}"
             try:
-                module = _import(name, stubs)
+                module: Any = _import(name, stubs)  # (GRACE's own code, as it is)
             except Exception as error:  # noqa: BLE001 - reported, as the benchmark's one message
                 raise GraceUnavailable(f"cannot import {name} from {path}: {type(error).__name__}: {error}") from None
             if pair.module == "powersgd":  # a world of one worker: all_reduce is the identity

@@ -94,7 +94,7 @@ def host_traffic(fn: Callable[[], object]) -> tuple[int, list[str]]:
     host_ops: list[str] = []
 
     class Audit(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_leaves(out)):
                 host_ops.append(str(func.overloadpacket.__name__))

@@ -38,7 +38,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -112,13 +112,14 @@ def bench_matrix(rows: int = 2048, cols: int = 2048, rank: int = 1, repeats: int
                  seed: int = 0) -> MatrixRecord:
     """Time ``powersgd:rank=rank`` on one float32 matrix beside its matrix products (module docstring)."""
     import gradpress
-    from gradpress.compressors.powersgd import _product, orthonormal_rows, p_product, q_product
+    from gradpress.compressors.powersgd import PowerSGD, _product, orthonormal_rows, p_product, q_product
     from gradpress.core.rng import Context
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         compressor = gradpress.make(f"powersgd:rank={rank}")
+        assert isinstance(compressor, PowerSGD)
         generator = torch.Generator().manual_seed(seed)
         matrix = torch.randn(rows, cols, generator=generator)
         dims = compressor.factors(matrix.shape)
@@ -183,12 +184,13 @@ class _Recorder:
         exact = torch.cat([self.local[id(p)].reshape(-1) for p in params]).double()
         dist.all_reduce(exact)
         exact /= dist.get_world_size()
-        got = torch.cat([p.grad.reshape(-1) for p in params]).double()
+        got = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in params]).double()  # (after backward)
         self.local.clear()
         return float((got - exact).square().sum() / exact.square().sum())
 
 
-def _install(variant: str, ddp: nn.Module, recorder: _Recorder, args: dict[str, Any]) -> None:
+def _install(variant: str, ddp: nn.parallel.DistributedDataParallel, recorder: _Recorder,
+             args: dict[str, Any]) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     import gradpress
@@ -201,9 +203,9 @@ def _install(variant: str, ddp: nn.Module, recorder: _Recorder, args: dict[str, 
                                             use_error_feedback=True, warm_start=True, random_seed=args["seed"])
         ddp.register_comm_hook(state, recorder.wrap(powerSGD_hook.powerSGD_hook))
     elif variant == "gradpress-powersgd":
-        state, hook = gradpress.ddp_comm_hook(f"powersgd:rank={args['rank']}", model=ddp.module,
-                                              warmup_steps=args["start"], seed=args["seed"])
-        ddp.register_comm_hook(state, recorder.wrap(hook))
+        ours, hook = gradpress.ddp_comm_hook(f"powersgd:rank={args['rank']}", model=ddp.module,
+                                             warmup_steps=args["start"], seed=args["seed"])
+        ddp.register_comm_hook(ours, recorder.wrap(hook))
     else:
         raise ValueError(f"unknown variant {variant!r}; variants: {', '.join(VARIANTS)}")
 
@@ -219,7 +221,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     lr = args["lr"] if args["lr"] is not None else model_config(args["model"], data).lr
     torch.manual_seed(args["seed"])
     initial = make_model(args["model"], data=data).state_dict()
-    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, _Recorder]] = {}
+    runs: dict[str, tuple[nn.parallel.DistributedDataParallel, torch.optim.Optimizer, _Recorder]] = {}
     for variant in VARIANTS:
         model = make_model(args["model"], data=data)
         model.load_state_dict(initial)
@@ -365,12 +367,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     """What the arguments together must allow, before any process starts (UsageError)."""
     import gradpress
+    from gradpress.compressors.powersgd import PowerSGD
     from gradpress.testbed.data import DataUnavailable
     from gradpress.testbed.train import check_model
 
-    if args.matrix is not None and gradpress.make(f"powersgd:rank={args.rank}").factors(args.matrix) is None:
-        rows, cols = args.matrix
-        raise arguments.UsageError(f"--matrix {rows}x{cols}: not compressed at --rank {args.rank} (too small a saving)")
+    if args.matrix is not None:
+        compressor = gradpress.make(f"powersgd:rank={args.rank}")
+        assert isinstance(compressor, PowerSGD)
+        if compressor.factors(args.matrix) is None:
+            rows, cols = args.matrix
+            raise arguments.UsageError(f"--matrix {rows}x{cols}: not compressed at --rank {args.rank} "
+                                       "(too small a saving)")
     if args.no_training:
         return
     if args.start >= args.steps:

@@ -93,6 +93,8 @@ def nmse_vs_granularity(
     """App. D.4: mean NMSE of THC over ``repeats`` lognormal vectors copied to ``workers`` workers, for
     every b in ``bits`` and every granularity g ≥ 2^b − 1 in ``granularities`` (``symmetric``: the
     published tables, or the unrestricted optimum)."""
+    from gradpress.compressors.thc import THC
+
     records = []
     for b in bits:
         for g in granularities:
@@ -101,6 +103,7 @@ def nmse_vs_granularity(
             spec = f"thc:bits={b},granularity={g},p={p!r},symmetric={str(symmetric).lower()}"
             progress(spec)
             compressor = gradpress.make(spec)
+            assert isinstance(compressor, THC)
             generator = torch.Generator().manual_seed(seed)
             errors = []
             for rep in range(repeats):
@@ -132,7 +135,7 @@ def nmse_vs_workers(
                 shared = lognormal(dim, generator)
                 xs = [shared + torch.randn(dim, generator=generator) for _ in range(n)]
                 simulator = gradpress.Simulator(spec, n, seed=seed + rep)
-                errors.append(nmse(simulator.step(xs), sum(xs) / n))
+                errors.append(nmse(simulator.step(xs), sum(xs[1:], xs[0]) / n))
                 received.append(simulator.stats()[-1]["total"]["received_bytes"] / dim)
             upstream = compressor.compress(xs[0]).nbytes * 8 / dim
             records.append(WorkersRecord(compressor.spec, n, dim, repeats, statistics.fmean(errors), upstream,
@@ -160,9 +163,9 @@ def render(by_granularity: list[GranularityRecord], by_workers: list[WorkersReco
             table.add_row(str(g), *(cells.get(b, "") for b in bits))
         console.print(table)
     if by_workers:
-        first = by_workers[0]
+        head = by_workers[0]
         table = Table(title=f"NMSE of the aggregate vs workers (Section 8.4): x_i = lognormal + N(0,1), "
-                            f"d={first.dim}, mean of {first.repeats}")
+                            f"d={head.dim}, mean of {head.repeats}")
         for column in ("spec", "workers", "upstream bits/value", "received B/value", "NMSE"):
             table.add_column(column, justify="left" if column == "spec" else "right")
         for r in by_workers:

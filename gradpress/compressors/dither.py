@@ -189,6 +189,7 @@ def _values_torch(codes: torch.Tensor, scales: torch.Tensor, levels: int, natura
         level = torch.where(k > 0, torch.ldexp(torch.ones_like(scales), k - levels), 0.0)
         values = scales * level
     else:
+        assert norms is not None  # (the standard partition's decoding passes them)
         values = torch.minimum(scales * k.float(), norms)
     return torch.where(codes & 1 == 1, -values, values)
 

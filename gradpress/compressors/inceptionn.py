@@ -122,7 +122,7 @@ class INCEPTIONN(Compressor):
         self._check_payload(int(size.sum()), payload)
         start = torch.cumsum(size, 0) - size
         padded = torch.cat([payload, payload.new_zeros(4)]).to(torch.int64)
-        word = sum(padded[start + k] << (8 * k) for k in range(4))
+        word = sum((padded[start + k] << (8 * k) for k in range(1, 4)), padded[start])
         small = ((word & 0x7F).float() + 0.5) * self.error_bound
         fine = ((word & 0x7FFF).float() + 0.5) * FINE_STEP
         value = torch.where(tag == 1, _signed(small, word >> 7 & 1), _signed(fine, word >> 15 & 1))

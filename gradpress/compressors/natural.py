@@ -335,7 +335,7 @@ def _encode_torch(x: torch.Tensor, seed: int, bottom: int, deterministic: bool) 
     negative, nonzero, exponent, _ = _split(rounded)
     below = nonzero & (exponent < bottom)
     if bool(below.any()):  # 0 or the window's smallest power P, unbiased (or nearest)
-        if deterministic:
+        if words is None:  # (deterministic)
             keep = _split(x[below])[2] == bottom - 1
         else:
             keep = _keep_power_torch(index[below], seed, words[below], bottom - exponent[below])

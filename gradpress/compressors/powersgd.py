@@ -157,7 +157,7 @@ class PowerSGD(Compressor):
         generator = ctx.shared_generator(device, "powersgd.q")
         return torch.randn(r, n, generator=generator, device=device, dtype=torch.float32)
 
-    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None) -> Packet:
+    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None = None) -> Packet:
         """Algorithm 1, P̂ ← ORTHOGONALIZE(ΣP) and Q ← Mᵀ P̂ (this worker's), from ``prepared`` = ΣPᵀ.
 
         NaN/Inf (``checks_finite``): uncompressed tensors are checked here. A compressed one is not read

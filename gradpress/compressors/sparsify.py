@@ -377,7 +377,8 @@ def _sampled_top(values: torch.Tensor, k: int, where: str | Compressor,
             positions = np.empty(capacity + 16, dtype=np.int32)
             # (with addends: the sum's one pass, written in full even when the room runs out)
             count = _collect_at_least(x, addends, np.float32(threshold), kept, positions, zeroed)
-            if zeroed and (count < k or not _all_finite(kept[:count])):  # (count −1: the room ran out)
+            # (count −1: the room ran out)
+            if zeroed and addends is not None and (count < k or not _all_finite(kept[:count])):
                 _add(*addends, x)  # the sum in full, candidates included, for what follows
                 zeroed = False
             addends = None

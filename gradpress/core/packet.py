@@ -160,7 +160,7 @@ def adjacent(tensors: Sequence[torch.Tensor], writable: set[int]) -> torch.Tenso
             return None
         position += t.numel() * t.element_size()
     total = sum(t.numel() for t in tensors)
-    return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
+    return first.new_empty(0).set_(storage, first.storage_offset(), (total,), (1,))
 
 
 def concat(tensors: Sequence[torch.Tensor], writable: set[int]) -> torch.Tensor:

@@ -522,7 +522,8 @@ def fit_link(observations: Sequence[Observation], bandwidth: float | str,
 def _beyond_tokens(o: Observation, rate: float) -> tuple[float, dict[str, float]]:
     """An observation's messages, and per strategy the seconds at ``rate`` of its bytes beyond the
     tokens it starts with (drawn on phase by phase)."""
-    tokens, messages, row = float(o.tokens), 0.0, {}
+    tokens, messages = float(o.tokens), 0.0
+    row: dict[str, float] = {}
     for phase in _phases(o.phases):
         cost = phase.cost(o.n)
         messages += cost.messages

@@ -242,7 +242,7 @@ class ShardPipeline(Pipeline):
         super().__init__(*args, **kwargs)
         self.whole: dict[str, int] = {}  # key -> the whole tensor's number of elements
 
-    def compresses(self, key: str, tensor: torch.Tensor) -> bool:
+    def compresses(self, key: str, tensor: torch.Tensor, name: str | None = None) -> bool:
         o = self.options
         if self.whole.get(key, tensor.numel()) < o.min_numel or self.steps.get(key, 0) < o.warmup_steps:
             return False
@@ -324,11 +324,11 @@ class HierarchicalPipeline:
         splits = [self._split(key, tuple(t.shape)) for key, t in items]
         offsets, totals = [], []
         for rank in range(k):
-            position, mine = 0, []
+            position, starts = 0, []
             for split in splits:
-                mine.append(position)
+                starts.append(position)
                 position += split.numel(rank)
-            offsets.append(mine)
+            offsets.append(starts)
             totals.append(position)
         chunk = max(totals)
         like = items[0][1]
@@ -365,6 +365,7 @@ class HierarchicalPipeline:
         shard = mine[:sum(part.numel() for _, _, part in parts)]
         torch.div(row[:shard.numel()], k, out=shard)
         # 2. between nodes: this shard, by the method's own strategy
+        failure: Exception | None
         status, failure = _OK, None
         if inner:
             if flagged:  # every rank of this node marks its shard: every shard's exchange flags the node

@@ -19,6 +19,7 @@ state before it loads.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import threading
 import time
@@ -174,7 +175,7 @@ class Stats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._total = dict.fromkeys(COUNTERS, 0)
+        self._total: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._steps: dict[int, dict[str, float]] = {}
 
     def add(self, step: int, **values: float) -> None:
@@ -344,11 +345,12 @@ class Pipeline:
         self.compressor = compressor
         self.feedback = make_feedback(options.feedback or self.compressor.default_feedback)
         self.master = master if master is not None else make(options.master) if options.master else None
-        common = dict(rank=rank, world_size=world_size, root=options.root, overflow=options.overflow,
-                      deterministic=options.deterministic, partial=options.partial)
-        self.strategy = Strategy(self.compressor, mode=options.mode, master=self.master, **common)
+        strategy = functools.partial(Strategy, rank=rank, world_size=world_size, root=options.root,
+                                     overflow=options.overflow, deterministic=options.deterministic,
+                                     partial=options.partial)
+        self.strategy = strategy(self.compressor, mode=options.mode, master=self.master)
         # uncompressed tensors meet like the rest, but a switch cannot add floats: the server does
-        self.plain = Strategy(make("none"), mode="collective" if options.mode == "collective" else "ps", **common)
+        self.plain = strategy(make("none"), mode="collective" if options.mode == "collective" else "ps")
         self.no_feedback = make_feedback("none")
         self.steps: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -556,7 +558,7 @@ class Pipeline:
                         saturated = _saturated(xs[i], grad)
                         pre = _FAULTY if saturated is None else _prepare(compressor, saturated, ctx,
                                                                          self.world_size)
-                        if pre is _FAULTY:
+                        if saturated is None or pre is _FAULTY:
                             faulty, saturated = True, torch.zeros_like(x)
                             pre = _prepare(compressor, saturated, ctx, self.world_size)
                         inputs[i] = saturated
@@ -584,16 +586,17 @@ class Pipeline:
                 except NonFiniteError:
                     if carried:  # not seen before the preliminary exchange: no flag can travel now
                         raise
-                    packet = None
+                    retried: Packet | None = None
                     saturated = _saturated(x, grad)  # φ (out holds it after an error) overflowed?
                     if saturated is not None:
                         try:
-                            packet = _compress(compressor, saturated, ctx, ready, divided, writable)
+                            retried = _compress(compressor, saturated, ctx, ready, divided, writable)
                         except NonFiniteError:  # (a flag then travels: no rank waits for this one)
-                            packet = None
-                    if packet is None:
+                            retried = None
+                    if retried is None:
                         faulty = True
-                        packet = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
+                        retried = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
+                    packet = retried
                 packets.append(packet)
             if feedback.updates and not faulty:
                 for (key, _), grad, x, packet, done in zip(items, grads, xs, packets, formed, strict=True):
@@ -773,6 +776,7 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
     ``parts.out``, where φ = β·m + γ·``grad`` is formed first — by the method's own preliminary pass
     (:meth:`~gradpress.core.compressor.Compressor.prepare_sum`) where it finds NaN/Inf itself."""
     if parts is not None and not compressor.checks_finite:
+        assert grad is not None  # (the parts of φ come with its gradient)
         scaled_sum(parts.memory, grad, parts.beta, parts.gamma, x)
         parts = None
     flat = x.reshape(-1).contiguous()
@@ -783,6 +787,7 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
     if parts is None:
         pre = compressor.prepare(flat.view(x.shape), ctx, world_size)
     else:
+        assert grad is not None  # (the parts of φ come with its gradient)
         pre = compressor.prepare_sum(parts.memory, grad, x, ctx, world_size, parts.beta, parts.gamma)
     if pre is None and compressor.checks_finite and any_nonfinite(flat):
         return _FAULTY  # (a tensor the method sends as it is: PowerSGD's vectors)
@@ -793,7 +798,8 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
 
 
 def _compress(compressor: Compressor, x: torch.Tensor, ctx: Context, prepared: torch.Tensor | None,
-              divided: int | None = None, writable: bool = False, residual: torch.Tensor | None = None) -> Any:
+              divided: int | None = None, writable: bool = False,
+              residual: torch.Tensor | None = None) -> Packet:
     if divided is not None:
         return compressor.compress_divided(x, divided, ctx, inplace=writable)
     if not compressor.prepares:

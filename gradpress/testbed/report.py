@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from gradpress.testbed.results import REFERENCES, WARMUP_FRACTION, Run, save_runs
@@ -86,7 +87,7 @@ def find_run(runs: Sequence[Run], name: str) -> Run | None:
 
 def quality_metric(runs: Sequence[Run]) -> tuple[str, bool] | None:
     """The metric the runs share (and whether higher is better); None when no run was evaluated."""
-    metrics = {(run.metric, run.higher_is_better) for run in runs if run.metric is not None}
+    metrics = {(run.evals[0].metric, run.evals[0].higher_is_better) for run in runs if run.evals}
     if len(metrics) > 1:
         raise ValueError(f"the runs measure different quality metrics: {sorted(m for m, _ in metrics)}")
     return metrics.pop() if metrics else None
@@ -341,7 +342,7 @@ def _bytes(n: float) -> str:
 # -------------------------------------------------------------------------------------------------
 # Plots (matplotlib's object API on the Agg canvas: no pyplot, no global backend change)
 # -------------------------------------------------------------------------------------------------
-def _figure() -> tuple[Figure, object]:
+def _figure() -> tuple[Figure, Axes]:
     fig = Figure(figsize=(7.5, 4.5), layout="constrained")
     return fig, fig.subplots()
 
@@ -351,13 +352,13 @@ def _color(index: int) -> str:
     return f"C{index % 10}"
 
 
-def _target_line(ax: object, goal: Target | None) -> None:
+def _target_line(ax: Axes, goal: Target | None) -> None:
     if goal is not None:
         ax.axhline(goal.value, color="gray", linestyle=":",
                    label=f"target {_quality(goal.value, goal.metric)}")
 
 
-def _quality_axes(ax: object, rows: Sequence[Row], goal: Target | None) -> None:
+def _quality_axes(ax: Axes, rows: Sequence[Row], goal: Target | None) -> None:
     metric = next((r.run.metric for r in rows if r.run.metric), "quality")
     ax.set_ylabel(metric + ("" if goal is None or goal.higher_is_better else " (lower is better)"))
     _target_line(ax, goal)

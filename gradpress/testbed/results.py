@@ -271,7 +271,7 @@ class Run:
     # JSON
     # ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        out = {"schema": SCHEMA}
+        out: dict[str, Any] = {"schema": SCHEMA}
         out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("steps", "evals")})
         out["steps"] = [asdict(s) for s in self.steps]
         out["evals"] = [asdict(e) for e in self.evals]
@@ -357,7 +357,7 @@ def _check_seconds(obj: object, name: str) -> None:
         raise ValueError(f"{type(obj).__name__}.{name} must be a finite number of seconds ≥ 0, got {value}")
 
 
-def _check_keys(cls: type, obj: dict[str, Any], optional: set[str] = frozenset()) -> None:
+def _check_keys(cls: type, obj: dict[str, Any], optional: Iterable[str] = frozenset()) -> None:
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(obj) - names)
     missing = sorted(names - set(obj) - set(optional))

@@ -166,10 +166,10 @@ def _wait(processes: list[subprocess.Popen], deadline: float, result: Path | Non
             for p in processes:
                 if p.poll() is None:
                     p.terminate()
-            tail = ""
-            if processes[rank].stderr is not None:
-                tail = processes[rank].stderr.read().decode(errors="replace")[-3000:]
-            why = reasons[rank][1] if reasons.get(rank) else ""
+            tail, stderr = "", processes[rank].stderr
+            if stderr is not None:
+                tail = stderr.read().decode(errors="replace")[-3000:]
+            why = found[1] if (found := reasons.get(rank)) else ""
             raise TrainFailed(f"worker {rank} exited with status {code}" + (f": {why}" if why else "")
                               + (f"\n{tail}" if tail else ""))
         if all(code == 0 for code in codes):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -103,11 +103,11 @@ def reduce_scatter(s: Strategy, packets, timer, faulty) -> Protocol:
 
 
 @functools.cache
-def _takes_out(method: type) -> bool:
-    return "out" in inspect.signature(method.decode_sum).parameters
+def _takes_out(decode_sum: Callable[..., object]) -> bool:
+    return "out" in inspect.signature(decode_sum).parameters
 
 
 def takes_out(compressor: Compressor) -> bool:
     """Whether ``compressor``'s :meth:`~gradpress.core.compressor.Compressor.decode_sum` takes an ``out`` (a
     method written before it had one may not)."""
-    return _takes_out(type(compressor))
+    return _takes_out(type(compressor).decode_sum)

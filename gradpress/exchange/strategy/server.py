@@ -119,9 +119,10 @@ def uploads_packets(s: Strategy, packets: Sequence[Packet], own: Sequence[Sequen
     size only, so every rank decides alike."""
     c = s.compressor
     sizes = [c.expected_nbytes(p.numel, p.dtype) for p in packets]
-    if any(size is None for size in sizes):
+    known = [size for size in sizes if size is not None]
+    if len(known) < len(sizes):
         return False
-    return sum(sizes) < sum(t.numel() * t.element_size() for mine in own for t in mine)
+    return sum(known) < sum(t.numel() * t.element_size() for mine in own for t in mine)
 
 
 def add(s: Strategy, packet: Packet, mine: list[torch.Tensor], parts: list[list[torch.Tensor]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from gradpress import costmodel
 from gradpress.costmodel.method import BASELINE, LocalStep, MethodCost, baseline_cost, measure_method
@@ -95,7 +95,7 @@ class Advice:
         """The same measurements priced through other links (α ``latency``, a token bucket of ``burst``
         bytes, ``efficiency`` per strategy): the rankings at every bandwidth and where each method stops
         paying, anew (a pure function of what was measured)."""
-        link = {"latency": latency, "burst": burst, "efficiency": dict(efficiency or {})}
+        link: dict[str, Any] = {"latency": latency, "burst": burst, "efficiency": dict(efficiency or {})}
         rankings = {bw: rank(self.profile, self.costs, n=self.workers, bandwidth=bw,
                              steps_to_target=self.steps_to_target, baseline=self.reference, **link)
                     for bw in self.bandwidths}

@@ -306,7 +306,8 @@ def _print_checks(console: Any, checks: list[Checked]) -> None:
         runs = f" (the median of {top[0].runs} runs)" if top[0].runs > 1 else ""
         console.print(f"top pick {top[0].spec}: measured rank {top[0].measured_rank} by samples/s{runs}; "
                       f"rank {top[0].overhead_rank} by the measured step less its own compute")
-    scaled = sorted((c for c in checks if c.with_noop_s is not None), key=lambda c: c.with_noop_s)
+    scaled = sorted((c for c in checks if c.with_noop_s is not None),
+                    key=lambda c: c.with_noop_s if c.with_noop_s is not None else math.inf)
     if scaled:
         console.print(f"top pick with noop's compute {scaled[0].spec}: measured rank "
                       f"{scaled[0].measured_rank} by samples/s")

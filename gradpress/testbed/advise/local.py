@@ -85,7 +85,8 @@ def at_typical_speed(measured: Mapping[str, Sequence[float]],
     typical = statistics.median(n[0] for n in noops)
     steps = {spec: tuple(t * typical / ((noops[i][0] + noops[i + 1][0]) / 2) for t in times)
              for i, (spec, times) in enumerate(measured.items())}
-    steps["noop"] = tuple(min(noops, key=lambda n: abs(n[0] - typical)))
+    nearest: Sequence[float] = min(noops, key=lambda n: abs(n[0] - typical))
+    steps["noop"] = tuple(nearest)
     return steps
 
 

@@ -169,7 +169,7 @@ def plot(advice: Advice, path: str | Path, limit: int = PLOTTED) -> Path:
 
     profile, n = advice.profile, advice.workers
     base = advice.reference
-    best = {}
+    best: dict[str, float] = {}
     for rows in advice.rankings.values():
         for r in rows:
             best[r.spec] = max(best.get(r.spec, 0.0), r.speedup)

@@ -107,6 +107,7 @@ def testbed_workload(spec: str, batch_size: int | None = None, data_name: str | 
     settings.build()  # bad sizes fail here
     batch = batch_size or settings.batch_size
     task = cls.task
+    sample: Callable[[torch.Generator], tuple[Any, Any]]
     if dataset is not None:
         train = dataset.training_set(torch.Generator().manual_seed(0))
 

@@ -122,7 +122,8 @@ def predict(run: Run, runs: Sequence[Run], workers: int, bandwidth: str, latency
     strategy = strategy_of(run) if strategy == "auto" else strategy
     base, source = compute_time(run, runs)
     phases = link_phases(run, strategy, run.bytes_per_step, workers)
-    common = {"n": workers, "bandwidth": bandwidth, "latency": latency, "burst": burst_of(run)}
+    common: dict[str, Any] = {"n": workers, "bandwidth": bandwidth, "latency": latency,
+                              "burst": burst_of(run)}
     per_worker = run.steps[-1].samples / run.workers
     return Prediction(run.compressor, workers, bandwidth, strategy, source, run.bytes_per_step, latency,
                       costmodel.predict_step_time(base, run.mean_compress_s, phases, overlap=False, **common),
