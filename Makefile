@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradpress-installed
 
-.PHONY: test demo clean wheel-check
+.PHONY: test demo clean wheel-check lint
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ test: $(STAMP)
 	$(PY) -m gradpress compile all --jobs 2 --dtypes float32
 	$(PY) -m pytest -q -n 2 --dist loadfile
 	$(MAKE) --no-print-directory wheel-check
+
+# the checks of the code: pyflakes, bugbear and import order (ruff), types (mypy; configured in pyproject.toml)
+lint: $(STAMP)
+	$(PY) -m ruff check gradpress tests
+	$(PY) -m mypy
 
 # the wheel `python -m build` makes, installed into a fresh virtualenv (torch as above, no extras), runs
 # the README's quick-start from outside the checkout

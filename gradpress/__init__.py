@@ -12,14 +12,14 @@ A new compressor registers with ``@gradpress.register_compressor("name")``
 time. Importing gradpress loads neither numba nor scipy nor any method's module: each loads when first used.
 """
 from gradpress import compressors as _compressors  # noqa: F401  (declares every method, importing none)
+from gradpress import fsdp
+from gradpress.communicator import Communicator
 from gradpress.core.compressor import Compose, Compressor, NonFiniteError, Preliminary, compressor_names, make
 from gradpress.core.compressor import register as register_compressor
 from gradpress.core.feedback import Feedback, feedback_names, make_feedback
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context
-from gradpress.communicator import Communicator
 from gradpress.ddp import GradpressState, ddp_comm_hook, register
-from gradpress import fsdp
 from gradpress.exchange.driver import ExchangeFailed
 from gradpress.exchange.pipeline import flat_stats
 from gradpress.simulation import Simulator, simulate
@@ -34,7 +34,7 @@ __all__ = [
     "thc_table",
     "Communicator", "Preliminary", "Simulator", "ddp_comm_hook", "register_compressor", "simulate",
     "ExchangeFailed", "GradpressState", "flat_stats", "fsdp",
-    "warm_up",
+    "warm_up", "__version__",
 ]
 from gradpress._version import __version__  # noqa: E402
 

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from gradpress.core.compressor import Compressor
-from gradpress.ddp import GradpressState, _own_part, _unwrap_ddp, register as register_ddp
+from gradpress.ddp import GradpressState, _own_part, _unwrap_ddp
+from gradpress.ddp import register as register_ddp
 
 # where launchers put the number of processes they started (torchrun, MPI); Accelerate reads the same
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")

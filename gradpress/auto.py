@@ -48,8 +48,16 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import torch
 
 from gradpress.core.compressor import make
-from gradpress.exchange.protocol import AllGather, AllReduce, Broadcast, Gather, Protocol, ReduceScatter, Round
 from gradpress.exchange.pipeline import Group, Options, Pipeline, Stats
+from gradpress.exchange.protocol import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    Gather,
+    Protocol,
+    ReduceScatter,
+    Round,
+)
 from gradpress.exchange.state import FORMAT, own_state, resized, shapes_of, warn_resized
 
 if TYPE_CHECKING:
@@ -304,7 +312,7 @@ class AutoPipeline:
         self._pipelines: dict[str, Pipeline] = {}
         self.choice: dict[str, str] = {}  # key -> spec (absent: none)
         self.decided_at: int | None = None
-        self.next_decision = auto.settle_steps + auto.measure_steps
+        self.next_decision: float = auto.settle_steps + auto.measure_steps  # (math.inf: never)
         self.why: dict[str, Any] = {}
         self._flush: dict[str, torch.Tensor] = {}
         self._records: deque[_StepRecord] = deque(maxlen=auto.measure_steps + 1)
@@ -501,8 +509,8 @@ class AutoPipeline:
         ready = [statistics.median(row[b] for row in readies) for b in range(len(layout))]
         last = same[-1]
         buckets = tuple(Bucket(b, keys, rec.numel, rec.nbytes, ready[b])
-                        for b, (keys, rec) in enumerate(zip(layout, last.buckets)))
-        forward = statistics.median(r.gap for r in same)
+                        for b, (keys, rec) in enumerate(zip(layout, last.buckets, strict=True)))
+        forward = statistics.median(r.gap for r in same if r.gap is not None)  # (all of them)
         return ComputeProfile(forward, ready[-1] if ready else 0.0, 0.0, buckets, "measured", 0,
                               torch.get_num_threads(), sum(b.numel for b in buckets))
 
@@ -567,7 +575,7 @@ class AutoPipeline:
         if status == NEED_GRADIENTS:  # rank 0 has no costs yet: it keeps this step's gradients, decides next
             self.next_decision = step + 1
             return
-        for keys, spec in zip(layout, specs):
+        for keys, spec in zip(layout, specs, strict=True):
             for key in keys:
                 self._switch(key, self.choice.get(key, UNCOMPRESSED), spec)
         self.decided_at = step
@@ -581,7 +589,7 @@ class AutoPipeline:
             "compute_s": compute,
             "buckets": [{"keys": list(keys), "spec": spec,
                          "predicted_s": {"chosen": predicted, UNCOMPRESSED: a} if decided else {}}
-                        for keys, spec, a in zip(layout, specs, alone)],
+                        for keys, spec, a in zip(layout, specs, alone, strict=True)],
         }
 
     def _switch(self, key: str, old: str, new: str) -> None:
@@ -718,8 +726,8 @@ class AutoPipeline:
         flush = section.get("flush", {})
         _check_keyed("auto.flush", {"flush": flush}, shapes)
         decided_at, next_decision = section.get("decided_at"), section.get("next_decision")
-        for name, value in (("decided_at", decided_at), ("next_decision", next_decision)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        for name, given in (("decided_at", decided_at), ("next_decision", next_decision)):
+            if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 0):
                 raise ValueError(f"gradpress state: auto.{name} must be a step (an integer >= 0) or None")
         saved = section.get("pipelines")
         if not isinstance(saved, dict) or not all(isinstance(s, str) for s in saved):

@@ -15,15 +15,15 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from gradpress import warmup
 from gradpress.auto import AutoOptions, AutoPipeline, is_auto
 from gradpress.core.compressor import Compressor
+from gradpress.exchange.distributed import NodeExecutor, ProcessGroupExecutor, gather_objects, spans_world
+from gradpress.exchange.distributed import process_group as resolve_group
 from gradpress.exchange.driver import Driver
 from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 from gradpress.exchange.state import gathered as _gathered
-from gradpress.exchange.distributed import (NodeExecutor, ProcessGroupExecutor, gather_objects,
-                                            process_group as resolve_group, spans_world)
-from gradpress import warmup
 
 
 class Communicator:
@@ -76,16 +76,18 @@ class Communicator:
         self._pipeline: Pipeline | AutoPipeline | HierarchicalPipeline
         if auto is not None:  # a pipeline per chosen method (gradpress.auto)
             self._pipeline = AutoPipeline(auto, self.options, self.rank, self.world_size)
+            self._spec = "auto"
         else:
+            assert compressor is not None  # (built above)
             whole = self.options.hierarchy is None or spans_world(process_group)
             self._pipeline = make_pipeline(compressor, self.options, self.rank, self.world_size,
                                            whole_world=whole)
+            self._spec = compressor.spec
         talk: ProcessGroupExecutor | NodeExecutor = executor
         if isinstance(self._pipeline, HierarchicalPipeline):  # rounds inside the node and between nodes
             talk = NodeExecutor(executor, self._pipeline.layout.local_size, self.options.timeout)
         self._driver = Driver(talk, self._pipeline.stats)
         self._auto = auto
-        self._spec = "auto" if auto is not None else compressor.spec
 
     def __repr__(self) -> str:
         """``Communicator('topk:ratio=0.01', seed=3, …)``: the spec and the options not at their default."""
@@ -118,9 +120,9 @@ class Communicator:
         self._driver.advance()
         out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
         for members, future in started:
-            for i, averaged in zip(members, self._driver.wait(future)):
+            for i, averaged in zip(members, self._driver.wait(future), strict=True):
                 out[i] = averaged
-        return {key: averaged for (key, _), averaged in zip(items, out)}
+        return {key: averaged for (key, _), averaged in zip(items, out, strict=True)}
 
     def reduce_gradients(self, parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         """Replace the gradient of every parameter that requires one by the ranks' average, in one

@@ -34,21 +34,28 @@ import re
 import sys
 import warnings
 import weakref
+from types import FrameType
 from typing import Any, Callable
 
 import torch
 
+from gradpress import warmup
 from gradpress.auto import AUTO, AutoOptions, AutoPipeline, is_auto
 from gradpress.core.compressor import Compressor
+from gradpress.exchange.distributed import (
+    NodeExecutor,
+    ProcessGroupExecutor,
+    all_settled,
+    chain,
+    gather_objects,
+    rank_and_size,
+    spans_world,
+)
+from gradpress.exchange.distributed import process_group as resolve_group
 from gradpress.exchange.driver import Driver, failed_future
 from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, Stats, build, describe, flat_stats
 from gradpress.exchange.state import check_world_size_change, gathered, own_state, shapes_of
-from gradpress.exchange.distributed import ProcessGroupExecutor, all_settled, chain, gather_objects, rank_and_size
-from gradpress.exchange.distributed import NodeExecutor
-from gradpress.exchange.distributed import process_group as resolve_group, spans_world
-from gradpress import warmup
-
 
 _PLAIN_KEY = re.compile(r"param\d+")  # the keys of a hook that does not know the module's names
 
@@ -171,7 +178,7 @@ class GradpressState:
         if buffer.is_sparse:
             raise TypeError("gradpress compresses dense gradients; this bucket holds a sparse one")
         grads = bucket.gradients()
-        items = [(self._key(p), g) for p, g in zip(bucket.parameters(), grads)]
+        items = [(self._key(p), g) for p, g in zip(bucket.parameters(), grads, strict=True)]
         devices = None if buffer.is_cpu else [buffer.device]
         agreement = pipeline.agreement(items)
         if agreement is not None:  # the first time these gradients are exchanged (blocking, once)
@@ -181,9 +188,9 @@ class GradpressState:
         self._plans[bucket.index()] = planner(items, buffer) if planner is not None else None
 
         def assemble(averages: list[list[torch.Tensor]]) -> torch.Tensor:
-            for group, averaged in zip(groups, averages):
+            for group, averaged in zip(groups, averages, strict=True):
                 outputs = [group.flat] if group.flat is not None else [grads[i] for i in group.members]
-                for output, average in zip(outputs, averaged):
+                for output, average in zip(outputs, averaged, strict=True):
                     if average.data_ptr() != output.data_ptr() or average.dtype != output.dtype:
                         output.copy_(average.view(output.shape))
             return buffer
@@ -263,6 +270,7 @@ class GradpressState:
         if self.auto is not None:
             return AutoPipeline(self.auto, self.options, rank, world_size)
         whole = self.options.hierarchy is None or spans_world(self._group)
+        assert self.compressor is not None  # (a spec's, when not auto)
         return make_pipeline(self.compressor, self.options, rank, world_size, self.master, whole)
 
     @property
@@ -396,11 +404,11 @@ def _not_ddp(model: Any) -> str:
 
 def _calling_ddp(module: torch.nn.Module, depth: int = 12) -> Any:
     """The DistributedDataParallel whose forward is calling ``module`` (a few frames up), or None."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and depth > 0:
         calling = frame.f_code.co_name in ("forward", "_run_ddp_forward")
         owner = frame.f_locals.get("self") if calling else None
-        if _is_ddp(owner) and owner.module is module:
+        if owner is not None and _is_ddp(owner) and owner.module is module:
             return owner
         frame, depth = frame.f_back, depth - 1
     return None

@@ -42,12 +42,12 @@ from typing import Any, Sequence
 
 import torch
 
+from gradpress import warmup
 from gradpress.core.compressor import Compressor, NonFiniteError, any_nonfinite, compressor_names, make
-from gradpress.exchange.driver import Driver
-from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 from gradpress.exchange.distributed import ProcessGroupExecutor
 from gradpress.exchange.distributed import process_group as resolve_group
-from gradpress import warmup
+from gradpress.exchange.driver import Driver
+from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 
 
 def scatter_methods() -> list[str]:
@@ -121,9 +121,9 @@ class FSDPState:
         groups = pipeline.groups(items, bucket=bucket)
         started = [driver.start(g.protocol, g.step) for g in groups]
         driver.advance()
-        for g, future in zip(groups, started):
+        for g, future in zip(groups, started, strict=True):
             outputs = [g.flat] if g.flat is not None else [items[i][1] for i in g.members]
-            for output, average in zip(outputs, self._wait(future)):
+            for output, average in zip(outputs, self._wait(future), strict=True):
                 if average.data_ptr() != output.data_ptr() or average.dtype != output.dtype:
                     output.copy_(average.view(output.shape))
 
@@ -138,8 +138,8 @@ class FSDPState:
         started = [driver.start(g.protocol, g.step) for g in groups]
         driver.advance()
         out: list[torch.Tensor] = [None] * len(names)  # type: ignore[list-item]
-        for g, future in zip(groups, started):
-            for i, average in zip(g.members, self._wait(future)):
+        for g, future in zip(groups, started, strict=True):
+            for i, average in zip(g.members, self._wait(future), strict=True):
                 out[i] = average
         return out
 
@@ -253,7 +253,7 @@ class _Reducer:
                   for name, offset, numel, shape in layout] for j in range(n)]
         averages = self.state._scatter(items, names)
         out = output.view(-1)
-        for (_, offset, numel, _), average in zip(layout, averages):
+        for (_, offset, numel, _), average in zip(layout, averages, strict=True):
             out[offset:offset + numel].copy_(average.reshape(-1))
         if op == dist.ReduceOp.AVG:
             return
@@ -281,7 +281,9 @@ def _compressed_reduce_scatter(reducer: _Reducer) -> Any:
     """FSDP's ``ReduceScatter`` comm running :meth:`_Reducer.reduce_scatter` (1-D meshes; the class is made
     here, so that importing gradpress does not import FSDP)."""
 
-    class CompressedReduceScatter(_Allocating, _reduce_scatter_base()):
+    base: Any = _reduce_scatter_base()
+
+    class CompressedReduceScatter(_Allocating, base):
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                      async_op: bool = False) -> None:
             reducer.reduce_scatter(output_tensor, input_tensor, op)
@@ -297,7 +299,9 @@ def _checked_reduce_scatter() -> Any:
 
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (FSDP's call)
 
-    class CheckedReduceScatter(_Allocating, _reduce_scatter_base()):
+    base: Any = _reduce_scatter_base()
+
+    class CheckedReduceScatter(_Allocating, base):
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                      async_op: bool = False) -> Any:
             if any_nonfinite(input_tensor.view(-1)):
@@ -314,14 +318,15 @@ def _param_groups(model: Any) -> list[tuple[Any, Any]]:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     except ImportError as error:  # (torch without distributed support)
         raise TypeError("gradpress.fsdp needs torch.distributed's FSDP") from error
+    root: torch.nn.Module = model  # (fully_shard makes it an FSDPModule too)
     if isinstance(model, FullyShardedDataParallel):
         raise TypeError("gradpress.fsdp.register takes a model sharded with fully_shard (FSDP2), not "
                         "FullyShardedDataParallel (FSDP1)")
     if not isinstance(model, FSDPModule):
         raise TypeError(f"gradpress.fsdp.register: expected a model wrapped with "
                         f"torch.distributed.fsdp.fully_shard, got {type(model).__name__}")
-    out = []
-    for module in model.modules():
+    out: list[tuple[Any, Any]] = []
+    for module in root.modules():
         if isinstance(module, FSDPModule):
             groups = module._get_fsdp_state()._fsdp_param_groups
             if len(groups) > 1:

@@ -30,6 +30,7 @@ import os
 import sys
 import warnings
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -97,6 +98,7 @@ class GradpressCallback(TrainerCallback):
         if resumed is not None:
             self._load(resumed, args.process_index, ddp)
         elif carried is not None:  # a second train() goes on from the first
+            assert self.state is not None  # (registered with the new DDP above)
             self.state.load_state_dict(carried)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -120,7 +122,7 @@ class GradpressCallback(TrainerCallback):
                 trainer.log(self.state.stats(flat=True))
 
     # -- resuming ------------------------------------------------------------------------------------
-    def _load(self, folder: str, rank: int, ddp: Any) -> None:
+    def _load(self, folder: str | os.PathLike[str], rank: int, ddp: Any) -> None:
         assert self.state is not None
         path = os.path.join(folder, CHECKPOINT_FILE.format(rank=rank))
         if not os.path.isfile(path):
@@ -137,7 +139,7 @@ class GradpressCallback(TrainerCallback):
 def _calling_trainer(callback: GradpressCallback) -> Trainer:
     """The ``transformers.Trainer`` whose event is calling ``callback`` (the innermost frame whose
     ``self`` is a Trainer holding it)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, Trainer) and any(c is callback for c in owner.callback_handler.callbacks):
@@ -148,11 +150,11 @@ def _calling_trainer(callback: GradpressCallback) -> Trainer:
                        "trainer.train()")
 
 
-def _resumed_from(trainer: Trainer, args: Any, state: Any) -> str | None:
+def _resumed_from(trainer: Trainer, args: Any, state: Any) -> str | os.PathLike[str] | None:
     """The checkpoint folder ``trainer.train(resume_from_checkpoint=…)`` resumes from, or None: the
     argument of the ``train()`` call on the stack, which ``train`` has resolved to a folder by now
     (``True``: the last checkpoint in ``output_dir``)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "train" and frame.f_locals.get("self") is trainer:
             resume = frame.f_locals.get("resume_from_checkpoint")

@@ -112,7 +112,9 @@ class GradpressStrategy(DDPStrategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._gradpress_log_stats and self.gradpress_state is not None:
             figures = self.gradpress_state.stats(flat=True)
-            self.lightning_module.log_dict(figures, on_step=True, on_epoch=False)
+            module = self.lightning_module
+            assert module is not None  # (set while it trains)
+            module.log_dict(figures, on_step=True, on_epoch=False)
         return result
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -233,7 +235,7 @@ class GradpressFabricStrategy(FabricDDPStrategy):
         if len(pending) < len(self.gradpress_states):
             raise ValueError(f"gradpress: the checkpoint holds the state of {len(pending)} module(s), "
                              f"{len(self.gradpress_states)} are set up")
-        for state, saved in zip(self.gradpress_states, pending):
+        for state, saved in zip(self.gradpress_states, pending, strict=False):  # (checked: not fewer)
             state.load_state_dict(_own_part(state, saved, self.root_device))
         done = len(self.gradpress_states)
         self._gradpress_pending = pending[done:] if len(pending) > done else None

@@ -23,18 +23,26 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import fields, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, overload
 
 import torch
 
-from gradpress.core.compressor import Compressor
-from gradpress.core.compressor import make
+from gradpress.core.compressor import Compressor, make
 from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, build
+from gradpress.exchange.protocol import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    Collective,
+    Gather,
+    ReduceScatter,
+    Round,
+    fold_sum,
+    traffic,
+)
 from gradpress.exchange.state import gathered
 from gradpress.kernels.warm import warm
-from gradpress.exchange.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
-                                fold_sum, traffic)
 
 WorkerGrads = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
@@ -64,6 +72,17 @@ class Simulator:
         if warm_up:
             warm_kernels([self.pipelines[0].compressor], workers, self.options, (torch.float32,))
 
+    @overload
+    def step(self, worker_grads: Sequence[torch.Tensor], *, writable: bool = False) -> torch.Tensor: ...
+    @overload
+    def step(self, worker_grads: Sequence[Mapping[str, torch.Tensor]], *,
+             writable: bool = False) -> dict[str, torch.Tensor]: ...
+    @overload
+    def step(self, worker_grads: Sequence[Sequence[torch.Tensor]], *,
+             writable: bool = False) -> list[torch.Tensor]: ...
+    @overload
+    def step(self, worker_grads: Sequence[WorkerGrads], *, writable: bool = False) -> WorkerGrads: ...
+
     def step(self, worker_grads: Sequence[WorkerGrads], *, writable: bool = False) -> WorkerGrads:
         """Exchange one step: ``worker_grads[r]`` is rank r's gradients (a tensor, a list of tensors or a
         dict name -> tensor; keys ``"0"``, ``"1"``, … for a list, ``""`` for a tensor). Returns what every
@@ -76,17 +95,17 @@ class Simulator:
         for rank, mine in enumerate(items[1:], start=1):
             if [(k, t.shape, t.dtype) for k, t in mine] != [(k, t.shape, t.dtype) for k, t in items[0]]:
                 raise ValueError(f"worker {rank}'s gradients differ in keys, shapes or dtypes from worker 0's")
-        agreements = [p.agreement(mine) for p, mine in zip(self.pipelines, items)]
+        agreements = [p.agreement(mine) for p, mine in zip(self.pipelines, items, strict=True)]
         if agreements[0] is not None:
             self._lockstep(agreements, control=True)
-        groups = [p.groups(mine, writable=writable) for p, mine in zip(self.pipelines, items)]
+        groups = [p.groups(mine, writable=writable) for p, mine in zip(self.pipelines, items, strict=True)]
         out: list[torch.Tensor] = [None] * len(items[0])  # type: ignore[list-item]
         for g, first in enumerate(groups[0]):
             if self.hierarchical:
                 results = self._scoped([worker_groups[g] for worker_groups in groups])
             else:
                 results = self._lockstep([worker_groups[g] for worker_groups in groups])
-            for i, result in zip(first.members, results):
+            for i, result in zip(first.members, results, strict=True):
                 out[i] = result
         if not self.hierarchical:  # (every worker decoded its own shard)
             self._share_compressor_state()
@@ -140,7 +159,7 @@ class Simulator:
                     return stop.value
                 except Exception:  # every worker meets the error (and undoes its step), as in a real run
                     everyone = _results([r.requests for r in rounds], self.world_size, only=None)
-                    for other, reply in zip(protocols[1:], everyone[1:]):
+                    for other, reply in zip(protocols[1:], everyone[1:], strict=True):
                         try:
                             other.send(reply)
                         except Exception:  # noqa: BLE001 - the same error as worker 0's
@@ -185,13 +204,13 @@ class Simulator:
                     continue
                 rounds = [waiting.pop(m) for m in members]
                 _check_same(rounds)
-                for position, (member, mine) in enumerate(zip(members, rounds)):
+                for position, (member, mine) in enumerate(zip(members, rounds, strict=True)):
                     for request in mine.requests:
                         sent, received = traffic(request, position, len(members))
                         stats = self.pipelines[member].stats
                         stats.add_traffic(groups[member].step, mine.scope, sent, received)
                 replies = _results([r.requests for r in rounds], len(members), only=None)
-                for member, reply in zip(members, replies):
+                for member, reply in zip(members, replies, strict=True):
                     resume(member, reply)
                 moved = True
         if errors:
@@ -206,6 +225,19 @@ class Simulator:
         if state:
             for pipeline in self.pipelines[1:]:
                 pipeline.compressor.load_state_dict(state)
+
+
+@overload
+def simulate(spec: str | Compressor, worker_grads: Sequence[torch.Tensor],
+             **options: Any) -> torch.Tensor: ...
+@overload
+def simulate(spec: str | Compressor, worker_grads: Sequence[Mapping[str, torch.Tensor]],
+             **options: Any) -> dict[str, torch.Tensor]: ...
+@overload
+def simulate(spec: str | Compressor, worker_grads: Sequence[Sequence[torch.Tensor]],
+             **options: Any) -> list[torch.Tensor]: ...
+@overload
+def simulate(spec: str | Compressor, worker_grads: Sequence[WorkerGrads], **options: Any) -> WorkerGrads: ...
 
 
 def simulate(spec: str | Compressor, worker_grads: Sequence[WorkerGrads], **options: Any) -> WorkerGrads:
@@ -274,14 +306,14 @@ def _restore(like: WorkerGrads, out: list[torch.Tensor]) -> WorkerGrads:
     if isinstance(like, torch.Tensor):
         return out[0]
     if isinstance(like, Mapping):
-        return dict(zip(like.keys(), out))
+        return dict(zip(like.keys(), out, strict=True))
     return list(out)
 
 
 def _send_all(protocols, replies) -> list:
     """Resume every worker's protocol; their next rounds, or their results if all finished."""
     rounds, finished, error = [], [], None
-    for rank, (protocol, reply) in enumerate(zip(protocols, replies)):
+    for protocol, reply in zip(protocols, replies, strict=True):
         try:
             rounds.append(protocol.send(reply))
             finished.append(False)
@@ -328,7 +360,7 @@ def _results(requests: list[list[Collective]], n: int, only: int | None) -> list
                 total = tensors[0].clone()
                 for t in tensors[1:]:
                     total = combine(total, t)
-            shared = [total if r == ranks[0] else total.clone() for r in ranks]
+            shared: list[torch.Tensor | None] = [total if r == ranks[0] else total.clone() for r in ranks]
         elif isinstance(first, ReduceScatter):
             total = fold_sum([c.tensor for c in column])  # (n, chunk): row r is rank r's sum
             shared = [total[r] for r in ranks]
@@ -343,6 +375,6 @@ def _results(requests: list[list[Collective]], n: int, only: int | None) -> list
             shared = [stack if r == first.dst else None for r in ranks]
         else:
             raise TypeError(f"unknown collective {first!r}")
-        for r, value in zip(ranks, shared):
+        for r, value in zip(ranks, shared, strict=True):
             replies[r].append(value)
     return replies if only is None else replies[only]

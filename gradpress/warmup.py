@@ -57,7 +57,11 @@ def for_training(spec: str | Compressor | None, options: Options, auto: AutoOpti
                          and p.dtype in FLOAT_DTYPES}, key=FLOAT_DTYPES.index)
         if not dtypes:
             return
-    specs: Iterable[str | Compressor | None] = auto.candidates if auto is not None else [spec]
+    if auto is not None:
+        specs: Iterable[str | Compressor] = auto.candidates
+    else:
+        assert spec is not None  # (a spec, or auto's options with the candidates)
+        specs = [spec]
     compressors = [build(s) for s in specs]
     workers = dist.get_world_size(group) if initialized else max(2, options.root + 1)
     warm_kernels(compressors, workers, options, dtypes)

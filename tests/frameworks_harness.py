@@ -322,10 +322,9 @@ def job_accelerate() -> dict[str, Any]:
     """Accelerate, 2 CPU processes: 6 steps with save_state at step 3, then a fresh Accelerator, model
     and optimizer that load_state and train steps 4 to 6."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
 
     import gradpress.accelerate
-
-    from accelerate.state import AcceleratorState, GradientState
 
     # the launcher's environment without ACCELERATE_USE_CPU: on a machine without GPUs Accelerate then
     # runs every process alone, and register says so instead of training each model on its own
@@ -507,7 +506,7 @@ def _main() -> None:
     blocks = readme_blocks()
     docs = doc_blocks()
     failed = False
-    for job, port in zip(jobs, ports):
+    for job, port in zip(jobs, ports, strict=True):
         os.environ["MASTER_PORT"] = port
         folder = out / job
         folder.mkdir(exist_ok=True)
@@ -516,7 +515,7 @@ def _main() -> None:
         if job.startswith("readme"):
             text = blocks[int(job[len("readme"):])]
             module = framework_of(text)
-            run = lambda index=int(job[len("readme"):]): run_readme(index)  # noqa: E731
+            run = functools.partial(run_readme, int(job[len("readme"):]))
         elif job.startswith("docs"):
             text = docs[int(job[len("docs"):])]
             module = framework_of(text)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import gradpress
-from gradpress.kernels.jit import numba_disabled
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import numba_disabled
 
 #: both implementations on the CPU: ``@pytest.mark.parametrize("torch_only", PATHS)``
 PATHS = [pytest.param(False, id="numba"), pytest.param(True, id="torch")]

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 import gradpress
-from gradpress.cli import main
-from gradpress.testbed import advise as A
 from gradpress import costmodel as C
-from gradpress.testbed import data as D
+from gradpress.cli import main
 from gradpress.costmodel import BucketStep, Phase
+from gradpress.testbed import advise as A
+from gradpress.testbed import data as D
 from synthetic import synthetic_images
 
 MS = 1e-3
@@ -263,7 +263,8 @@ def test_predicted_speedup_never_rises_with_link_speed(case, burst):
         speedups = [A.speedup_at(prof, cost, float(bw), n=n, latency=0.0 if burst else 1e-4, baseline=base,
                                  burst=burst)
                     for bw in grid]
-        rises = [(f"{grid[i]:.3g}", a, b) for i, (a, b) in enumerate(zip(speedups, speedups[1:]))
+        rises = [(f"{grid[i]:.3g}", a, b)
+                 for i, (a, b) in enumerate(zip(speedups, speedups[1:], strict=False))
                  if b > a * (1 + (1e-9 if burst else 1e-12))]  # bisection of the tokens: 1e-6 bytes
         assert not rises, (cost.spec, rises[:3])
 

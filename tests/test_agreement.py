@@ -61,10 +61,10 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
         for auto_rank in (0, 1):
             spec = "auto" if rank == auto_rank else fixed
             comm = gradpress.Communicator(spec)
-            out[("comm", fixed, auto_rank)] = _outcome(lambda: comm.reduce_many(_grads(rank, 0)))
+            out[("comm", fixed, auto_rank)] = _outcome(lambda comm=comm: comm.reduce_many(_grads(rank, 0)))
             ddp = nn.parallel.DistributedDataParallel(_net())
             gradpress.register(ddp, spec)
-            out[("ddp", fixed, auto_rank)] = _outcome(lambda: _backward(ddp, rank, 0))
+            out[("ddp", fixed, auto_rank)] = _outcome(lambda ddp=ddp: _backward(ddp, rank, 0))
     # -- ranks resumed from states of different steps ------------------------------------------------
     for label, (spec, options) in STALE.items():
         path = os.path.join(folder, label.replace(" ", "_"))
@@ -80,17 +80,17 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
         later = _grads(rank, SAVED_AT[-1])
         # into the running communicator and hook (they agreed long ago: the load makes them agree again)
         comm.load_state_dict(torch.load(_mine(rank, f"{path}.comm"), weights_only=False))
-        out[("stale comm live", label)] = _outcome(lambda: comm.reduce_many(later))
+        out[("stale comm live", label)] = _outcome(lambda comm=comm, later=later: comm.reduce_many(later))
         state.load_state_dict(torch.load(_mine(rank, f"{path}.ddp"), weights_only=False))
-        out[("stale ddp live", label)] = _outcome(lambda: _backward(ddp, rank, SAVED_AT[-1]))
+        out[("stale ddp live", label)] = _outcome(lambda ddp=ddp: _backward(ddp, rank, SAVED_AT[-1]))
         # into fresh ones, as after a restart
         fresh = gradpress.Communicator(spec, seed=1, **options)
         fresh.load_state_dict(torch.load(_mine(rank, f"{path}.comm"), weights_only=False))
-        out[("stale comm fresh", label)] = _outcome(lambda: fresh.reduce_many(later))
+        out[("stale comm fresh", label)] = _outcome(lambda fresh=fresh, later=later: fresh.reduce_many(later))
         ddp = nn.parallel.DistributedDataParallel(_net())
         gradpress.register(ddp, spec, seed=1, **options).load_state_dict(
             torch.load(_mine(rank, f"{path}.ddp"), weights_only=False))
-        out[("stale ddp fresh", label)] = _outcome(lambda: _backward(ddp, rank, SAVED_AT[-1]))
+        out[("stale ddp fresh", label)] = _outcome(lambda ddp=ddp: _backward(ddp, rank, SAVED_AT[-1]))
         # the ranks resumed from the same step exchange as before
         same = gradpress.Communicator(spec, seed=1, **options)
         same.load_state_dict(torch.load(f"{path}.comm.{SAVED_AT[0]}.{rank}", weights_only=False))

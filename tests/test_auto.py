@@ -172,7 +172,7 @@ def test_forced_switches_carry_or_flush_the_residual_exactly_on_every_rank() -> 
         assert [b["spec"] for b in report["buckets"]] == ["none"]
         assert report["predicted_s"] == {"chosen": 1.0, "none": 2.0}
     assert results[0]["report"] == results[1]["report"]
-    rows = zip(*(r["rows"] for r in results))
+    rows = zip(*(r["rows"] for r in results), strict=True)
     for step, (mine, theirs) in enumerate(rows):
         for key in SHAPES:
             # Σ averaged + mean of what the ranks have left = Σ mean of the gradients, to fp32 rounding
@@ -249,5 +249,5 @@ def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice
     first, second = results
     assert first["decided"]["auto"]["buckets"] == second["decided"]["auto"]["buckets"]
     assert first["rechecked"]["buckets"] == second["rechecked"]["buckets"]
-    for mine, theirs in zip(first["params"], second["params"]):
+    for mine, theirs in zip(first["params"], second["params"], strict=True):
         assert torch.equal(mine, theirs)

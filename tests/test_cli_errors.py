@@ -476,7 +476,7 @@ def test_a_failed_worker_is_named_with_its_recorded_error(tmp_path):
 
 
 def test_output_checks_create_nothing(tmp_path):
-    from gradpress.cli import check_writable
+    from gradpress.testbed.arguments import check_writable
 
     check_writable(tmp_path / "a" / "b" / "run.json")
     check_writable(tmp_path / "report", directory=True)

@@ -9,18 +9,20 @@ import pytest
 
 from gradpress import cli
 from gradpress.core.registry import did_you_mean
+from gradpress.testbed import arguments
 from gradpress.testbed.compare import DEMO_SET
+from gradpress.testbed.results import REFERENCES
 from test_cli_errors import assert_one_line_error, nothing_runs, run_cli  # noqa: F401 (a fixture)
 
 
 def test_spaces_around_commas_do_not_matter():
-    convert = cli.compressor_list()
+    convert = arguments.compressor_list()
     assert convert("topk, qsgd") == convert("topk,qsgd") == convert(" topk ,qsgd ") == ["topk", "qsgd"]
     assert convert("topk:ratio=0.1, qsgd:levels=16, bucket=512") == ["topk:ratio=0.1", "qsgd:levels=16,bucket=512"]
 
 
 def test_a_keyword_stands_for_its_specs_beside_others():
-    convert = cli.compressor_list(references=True, keywords={"demo": lambda: list(DEMO_SET)})
+    convert = arguments.compressor_list(references=REFERENCES, keywords={"demo": lambda: list(DEMO_SET)})
     specs = convert("demo, topk:ratio=0.1")
     assert specs == [*DEMO_SET, "topk:ratio=0.1"]
     assert specs.expanded == set(DEMO_SET)
@@ -32,7 +34,7 @@ def test_a_keyword_stands_for_its_specs_beside_others():
 
 def test_a_list_without_commas_says_the_rule():
     with pytest.raises(argparse.ArgumentTypeError, match="lists are comma-separated: 'topk,qsgd'"):
-        cli.compressor_list()("topk qsgd")
+        arguments.compressor_list()("topk qsgd")
 
 
 @pytest.mark.parametrize("typed, known, expected", [

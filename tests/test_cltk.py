@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import gradpress
+from dist_utils import run_workers
 from gradpress.compressors.cltk import chunk_kept, chunk_top
 from gradpress.compressors.sparsify import topk_indices
 from gradpress.core.rng import Context
-from dist_utils import run_workers
 from numerics import mean_error
 
 # Figure A2: the first 8 error-feedback gradients of the four workers at iteration 0 (leader cuda:1)
@@ -51,7 +51,7 @@ def test_figure_a2_four_workers():
     _, residuals = a2_expected()
     assert_a2_average(out)
     assert torch.allclose(out[A2_SELECTED], torch.tensor([0.0071, 0.0148]), rtol=0, atol=5e-5)  # as printed
-    for pipeline, residual in zip(sim.pipelines, residuals):
+    for pipeline, residual in zip(sim.pipelines, residuals, strict=True):
         assert torch.equal(pipeline.feedback.memory(""), residual)
 
 

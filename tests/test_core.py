@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import gradpress
-from gradpress.kernels.jit import numba_disabled
-from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.cli import main as cli
 from gradpress.core.registry import split_specs
 from gradpress.core.rng import Context, mix32_torch, uniform24_torch
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.kernels.jit import numba_disabled
 from numerics import unit_roundoff
 
 
@@ -243,8 +243,8 @@ def test_cli_list(capsys):
 def test_topk_sampled_path_finds_every_nonfinite_value(numel, bad):
     """Top-k checks NaN/Inf among its candidates (every NaN/Inf is one), not in a pass of its own:
     a bad value anywhere, also in the strided sample or beside the largest values, raises."""
-    from gradpress.core.compressor import NonFiniteError
     from gradpress.compressors.sparsify import topk_indices
+    from gradpress.core.compressor import NonFiniteError
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(numel, generator=g)

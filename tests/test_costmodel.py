@@ -65,10 +65,10 @@ def test_units_are_bits_per_second_and_bytes():
                                       "ps-dedicated", "gather-broadcast"])
 def test_monotonic_in_workers_and_bandwidth(strategy):
     times = [seconds(strategy, n, MB, latency=1e-4) for n in range(1, 65)]
-    assert all(b >= a for a, b in zip(times, times[1:])), strategy
+    assert all(b >= a for a, b in zip(times, times[1:], strict=False)), strategy
     assert times[-1] > times[1]
     by_rate = [seconds(strategy, 8, MB, bandwidth=r, latency=1e-4) for r in (1e7, 1e8, 1e9, 1e10)]
-    assert all(b < a for a, b in zip(by_rate, by_rate[1:])), strategy
+    assert all(b < a for a, b in zip(by_rate, by_rate[1:], strict=False)), strategy
     # latency only ever adds
     assert seconds(strategy, 8, MB, latency=1e-3) > seconds(strategy, 8, MB, latency=0.0)
 
@@ -76,7 +76,7 @@ def test_monotonic_in_workers_and_bandwidth(strategy):
 def test_allgather_grows_with_workers_while_allreduce_saturates():
     allreduce = [C.Phase("allreduce", MB).cost(n).nbytes for n in (2, 8, 64, 1024)]
     allgather = [C.Phase("allgather", MB).cost(n).nbytes for n in (2, 8, 64, 1024)]
-    assert all(b > a for a, b in zip(allreduce, allreduce[1:]))
+    assert all(b > a for a, b in zip(allreduce, allreduce[1:], strict=False))
     assert all(x < 2 * MB for x in allreduce) and allreduce[-1] == pytest.approx(2 * MB, rel=1e-3)
     assert allgather == pytest.approx([(n - 1) * MB for n in (2, 8, 64, 1024)])
     # at 1024 workers, gathering 1/32-size packets moves ~16× more than all-reducing the full gradient
@@ -276,7 +276,7 @@ def test_through_a_token_bucket_the_speedup_still_never_rises_with_link_speed(ca
         kw = {"n": n, "bandwidth": float(bw), "latency": latency, "burst": burst}
         speedups.append(C.predict_step_time(compute, 0.0, base, **kw).total
                         / C.predict_step_time(compute, compress, method, **kw).total)
-    rises = [(f"{grid[i]:.3g}", a, b) for i, (a, b) in enumerate(zip(speedups, speedups[1:]))
+    rises = [(f"{grid[i]:.3g}", a, b) for i, (a, b) in enumerate(zip(speedups, speedups[1:], strict=False))
              if b > a * (1 + 1e-9)]
     assert not rises, rises[:3]
 

@@ -121,7 +121,7 @@ def _nmse(approx: dict[str, torch.Tensor], step: int, dtype: torch.dtype) -> flo
 
 def _compare(spec: Any, device_out: list, cpu_out: list, dtype: torch.dtype = torch.float32) -> None:
     names = _names(spec)
-    for step, (got, want) in enumerate(zip(device_out, cpu_out)):
+    for step, (got, want) in enumerate(zip(device_out, cpu_out, strict=True)):
         got = {k: t.cpu() for k, t in got.items()}
         if all(torch.equal(got[k], want[k]) for k in want):
             continue
@@ -226,7 +226,7 @@ def _nccl_worker(rank: int, world_size: int, specs: list[str], device_type: str 
             ddp.zero_grad()
             made_on_host = []
             if device.type == "cuda" and step == 2:  # (warm: the ranks agreed the keys on the first step)
-                made_on_host = _made_on_host(lambda: ddp(x).square().mean().backward())
+                made_on_host = _made_on_host(lambda ddp=ddp, x=x: ddp(x).square().mean().backward())
             else:
                 ddp(x).square().mean().backward()
             if device.type == "cuda":
@@ -234,7 +234,7 @@ def _nccl_worker(rank: int, world_size: int, specs: list[str], device_type: str 
             mismatched += [f"step {step} {name}" for name, p in model.named_parameters()
                            if not torch.equal(p.grad, expected[name])]
             with torch.no_grad():  # both models take the same step from the averaged gradients
-                for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+                for p, q in zip(model.parameters(), twin.parameters(), strict=True):
                     p -= 0.1 * p.grad
                     q.copy_(p)
             mismatched += [f"step {step}: made on the host: {made_on_host}"] if made_on_host else []

@@ -56,7 +56,7 @@ def check_empty(out: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
 def test_simulator_passes_empty_tensors_by(spec):
     with_empty, sent = simulated(spec, True)
     without, sent_without = simulated(spec, False)
-    for out, ref in zip(with_empty, without):
+    for out, ref in zip(with_empty, without, strict=True):
         check_empty(out)
         for key in ref:
             assert torch.equal(out[key], ref[key]), f"{spec}: {key!r} differs beside empty tensors"
@@ -81,7 +81,7 @@ def test_empty_tensors_under_other_modes_options_and_dtypes(spec, options):
     dtype = options.pop("dtype", torch.float32)
     with_empty, sent = simulated(spec, True, dtype, **options)
     without, sent_without = simulated(spec, False, dtype, **options)
-    for out, ref in zip(with_empty, without):
+    for out, ref in zip(with_empty, without, strict=True):
         check_empty(out, dtype)
         assert all(torch.equal(out[key], ref[key]) for key in ref)
     assert sent == sent_without
@@ -140,7 +140,7 @@ def test_communicator_and_ddp_hook_pass_empty_tensors_by():
         for communicated, _ in ranks:
             got, got_sent = communicated[spec]
             assert got_sent == sum(sent), spec
-            for out, ref in zip(got, outs):
+            for out, ref in zip(got, outs, strict=True):
                 check_empty(out)
                 assert all(torch.equal(out[key], ref[key]) for key in ref), spec
     trained = [rank[1] for rank in ranks]

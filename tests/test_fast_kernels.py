@@ -13,16 +13,30 @@ import torch
 from scipy.stats import chisquare
 
 import gradpress
-from gradpress.kernels.jit import (abs_above64, abs_not_below64, compress_above16, finite, jit, numba_disabled,
-                              select_bits64, sign_bits64)
-from gradpress.core.compressor import NonFiniteError
-from gradpress.compressors.cltk import chunk_top
 from gradpress.compressors import sparsify
+from gradpress.compressors.cltk import chunk_top
 from gradpress.compressors.dither import standard_deviation
-from gradpress.compressors.sparsify import (SAMPLE, kth_largest, random_subset, sample_stride, scatter,
-                                            topk_indices)
+from gradpress.compressors.sparsify import (
+    SAMPLE,
+    kth_largest,
+    random_subset,
+    sample_stride,
+    scatter,
+    topk_indices,
+)
 from gradpress.compressors.threshold import _strata_positions, packet_above, stratified_threshold
+from gradpress.core.compressor import NonFiniteError
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import (
+    abs_above64,
+    abs_not_below64,
+    compress_above16,
+    finite,
+    jit,
+    numba_disabled,
+    select_bits64,
+    sign_bits64,
+)
 from kernels import PATHS, accumulate_both_paths, bits, both_paths, path
 
 
@@ -354,7 +368,7 @@ def test_gathering_past_an_estimate_takes_a_second_pass():
     x = torch.randn(200_000)
     small = packet_above(x, 0.5, expected=10)
     whole = packet_above(x, 0.5)
-    assert all(torch.equal(a, b) for a, b in zip(small.wire(), whole.wire()))
+    assert all(torch.equal(a, b) for a, b in zip(small.wire(), whole.wire(), strict=True))
     assert small["values"].numel() == int((x.abs() > 0.5).sum())
     x[123_456] = float("inf")
     with pytest.raises(NonFiniteError):

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 import gradpress
+from dist_utils import run_workers
 from gradpress.core.compressor import NonFiniteError
 from gradpress.exchange.state import gathered
-from dist_utils import run_workers
 from specs import COMPOSITIONS
 
 STRATEGIES = {
@@ -63,7 +63,8 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y)
+                                                                for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -120,7 +121,8 @@ def _faults(rank: int, world_size: int) -> dict:
                 comm = gradpress.Communicator(spec, seed=3, **options)
                 comm.reduce_many(_gradients(1, seed=rank)[0])
                 tensors = _nan_on(rank, faulty, _gradients(1, seed=10 + rank)[0])
-                out[("comm", spec, name, faulty)] = _outcome(lambda: comm.reduce_many(tensors))
+                out[("comm", spec, name, faulty)] = _outcome(
+                    lambda comm=comm, tensors=tensors: comm.reduce_many(tensors))
     for spec in ("none", "topk:ratio=0.1", "natural", "qsgd", "signsgd", "thc", "sketch", "cltk", "powersgd"):
         for faulty in range(world_size):
             torch.manual_seed(0)
@@ -129,7 +131,7 @@ def _faults(rank: int, world_size: int) -> dict:
             if rank == faulty:
                 x[2, 3] = float("inf")
             state = gradpress.register(ddp, spec)
-            kind, message, _ = _outcome(lambda: ddp(x).square().sum().backward())
+            kind, message, _ = _outcome(lambda ddp=ddp, x=x: ddp(x).square().sum().backward())
             out[("ddp", spec, faulty)] = (kind, message, getattr(state.error, "ranks", None))
     # ranks that disagree
     specs = ["topk:ratio=0.1", "topk:ratio=0.2"]

@@ -74,10 +74,10 @@ def _faulty_buckets(rank: int, world_size: int) -> dict:
                     x[1, 2] = float("inf")
                 if rank == faulty and where == "one bucket":  # layer 1: the third bucket of four
                     ddp.module[1].weight.register_hook(lambda grad: grad.index_fill(0, ROW, math.nan))
-                fault = _outcome(lambda: ddp(x).square().sum().backward())
+                fault = _outcome(lambda ddp=ddp, x=x: ddp(x).square().sum().backward())
                 error = state.error
                 collectives = state.stats()["total"]["collectives"]
-                later = _outcome(lambda: ddp(torch.randn(8, 32, generator=g)).square().sum().backward())
+                later = _outcome(lambda ddp=ddp, g=g: ddp(torch.randn(8, 32, generator=g)).square().sum().backward())
                 out[(spec, faulty, where, trial)] = {
                     "buckets": buckets, "fault": fault, "later": later,
                     "error": (type(error).__name__, str(error), getattr(error, "ranks", None)),

@@ -61,7 +61,7 @@ def test_statistics_totals_survive_a_save_and_load(tmp_path):
     assert restored.stats()[0]["steps"] == 3 and restored.stats()[0]["total"]["raw_bytes"] > 0
     grads = _grads(2, 3, SHAPES)
     assert torch.equal(sim.step(grads)["w"], restored.step(grads)["w"])
-    for a, b in zip(sim.stats(), restored.stats()):
+    for a, b in zip(sim.stats(), restored.stats(), strict=True):
         assert a["steps"] == b["steps"] == 4
         assert {k: a["total"][k] for k in BYTES if k != "control_bytes"} \
             == {k: b["total"][k] for k in BYTES if k != "control_bytes"}
@@ -292,7 +292,7 @@ def test_register_refuses_fsdp_and_elastic_resume_in_two_processes(tmp_path):
         assert set(found["trained"]["feedback"]["memory"]) == set(NET_SHAPES)  # formed anew
         trained, loaded_total = found["trained"]["stats"]["total"], found["loaded"]["stats"]["total"]
         assert trained["raw_bytes"] > loaded_total["raw_bytes"]
-    for a, b in zip(results[0]["parameters"], results[1]["parameters"]):
+    for a, b in zip(results[0]["parameters"], results[1]["parameters"], strict=True):
         assert torch.equal(a, b)
 
 

@@ -135,7 +135,7 @@ def test_reduce_scatter_protocol_equals_simulated_allreduce_of_rows():
                     _check_same(rounds)
                     rounds = _send_all(protocols, _results([r.requests for r in rounds], n, only=None))
                 for r in range(n):
-                    for i, value in zip(groups[r][index].members, rounds[r]):
+                    for i, value in zip(groups[r][index].members, rounds[r], strict=True):
                         got[r][i] = value
             want = simulator.step([{f"{k}[{j}]": local[r][j][i].clone() for j in range(n)
                                     for i, k in enumerate(names)} for r in range(n)])
@@ -253,7 +253,7 @@ def hsdp(tmp_path_factory):
 
 
 def test_hsdp_none_equals_native_hsdp(hsdp):
-    for rank, found in enumerate(hsdp):
+    for found in hsdp:
         assert "hsdp=True" in found["repr"]
         for name, native in found["native_grads"].items():
             bound = _sum_bound(found["abs_sum"][name], 4)

@@ -6,15 +6,16 @@ pass (SIGNUM's momentum) and in THC's norm."""
 from __future__ import annotations
 
 import math
+
 import pytest
 import torch
 
 import gradpress
-from gradpress.kernels.jit import numba_disabled
-from gradpress.core.compressor import NonFiniteError, scaled_sum
 from gradpress.compressors.sparsify import sample_stride
+from gradpress.core.compressor import NonFiniteError, scaled_sum
 from gradpress.core.feedback import compress_with
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import numba_disabled
 
 
 def _pair(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,9 +280,9 @@ def test_the_runtime_fused_equals_the_runtime_unfused(spec, memory_spec, monkeyp
                                for r in range(workers)]) for step in range(steps)]
             runs.append((means, [p.feedback.state_dict() for p in sim.pipelines]))
     (plain, plain_state), (fused, fused_state) = runs
-    for a, b in zip(plain, fused):
+    for a, b in zip(plain, fused, strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
-    for a, b in zip(plain_state, fused_state):
+    for a, b in zip(plain_state, fused_state, strict=True):
         (name, memory), = a.items()
         assert all(torch.equal(_bits(memory[k]), _bits(b[name][k])) for k in memory)
 

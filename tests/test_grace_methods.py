@@ -10,9 +10,9 @@ import torch
 import gradpress
 from gradpress.compressors import inceptionn
 from gradpress.compressors.dgc import DGCMemory
-from gradpress.core.compressor import check_finite
 from gradpress.compressors.eightbit import BLOCK, CROWDED, EDGES, NO_EDGE, TABLE, cell_table
 from gradpress.compressors.onebit import fixed_point_scale, to_fixed
+from gradpress.core.compressor import check_finite
 from gradpress.core.rng import Context
 from kernels import PATHS, accumulate_both_paths, both_paths, path
 from numerics import eps, unit_roundoff

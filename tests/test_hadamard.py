@@ -6,9 +6,9 @@ import pytest
 import scipy.linalg
 import torch
 
-from gradpress.kernels.jit import numba_disabled
-from gradpress.kernels.hadamard import apply_rht, fwht, inverse_rht, rht, rht_layout
 from gradpress.core.rng import Context, mix32_torch
+from gradpress.kernels.hadamard import apply_rht, fwht, inverse_rht, rht, rht_layout
+from gradpress.kernels.jit import numba_disabled
 from numerics import gamma, log2ceil, unit_roundoff
 
 

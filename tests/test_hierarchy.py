@@ -32,12 +32,12 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_workers
-from numerics import gamma
 from torch import nn
 
 import gradpress
+from dist_utils import run_workers
 from gradpress.exchange.hierarchy import Split
+from numerics import gamma
 
 K, NODES = 2, 2  # ranks a node, nodes
 N = K * NODES
@@ -95,7 +95,7 @@ def _train(rank: int, spec: str, reference: bool = False, **options: Any) -> dic
     buckets: list[int] = []
 
     def recording(state, bucket):  # (no annotations: DDP checks them)
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
             local[-1][names[id(p)]] = g.detach().clone()
         buckets[-1] += 1
         return hook(state, bucket)
@@ -219,7 +219,7 @@ def four_ranks(tmp_path_factory) -> list[dict]:
     warm = gradpress.Simulator  # the kernels compile here, once (cached on disk), not in 4 processes at once
     for spec in METHODS:
         simulator = warm(spec, N, hierarchy="node", local_size=K)
-        for step in range(2):
+        for _ in range(2):
             simulator.step([{"w": torch.randn(40, 12), "b": torch.randn(40)} for _ in range(N)])
     ranks = run_workers(_scenarios, N, str(folder), timeout=400, group_timeout=60, may_exit=frozenset({3}))
     ranks[3] = torch.load(str(folder / "rank3.pt"), weights_only=False)
@@ -228,7 +228,7 @@ def four_ranks(tmp_path_factory) -> list[dict]:
 
 def _assert_identical(runs: list[dict], label: Any) -> None:
     for other in runs[1:]:
-        for mine, theirs in zip(runs[0]["averaged"], other["averaged"]):
+        for mine, theirs in zip(runs[0]["averaged"], other["averaged"], strict=True):
             for name in mine:
                 assert torch.equal(mine[name], theirs[name]), (label, name)
         for name, value in runs[0]["params"].items():
@@ -284,9 +284,11 @@ def test_explicit_local_size_is_torchruns_layout_and_one_node_is_one_level(four_
     explicit = [ranks["explicit"] for ranks in four_ranks]
     _assert_identical(explicit, "explicit")
     for ranks in four_ranks:
-        for mine, theirs in zip(ranks["explicit"]["averaged"], ranks[("two", "topk:ratio=0.1")]["averaged"]):
+        for mine, theirs in zip(ranks["explicit"]["averaged"], ranks[("two", "topk:ratio=0.1")]["averaged"],
+                                strict=True):
             assert all(torch.equal(mine[name], theirs[name]) for name in mine)
-        for mine, theirs in zip(ranks["one node"]["averaged"], ranks[("flat", "topk:ratio=0.1")]["averaged"]):
+        for mine, theirs in zip(ranks["one node"]["averaged"], ranks[("flat", "topk:ratio=0.1")]["averaged"],
+                                strict=True):
             assert all(torch.equal(mine[name], theirs[name]) for name in mine)
         one, flat = ranks["one node"]["stats"]["total"], ranks[("flat", "topk:ratio=0.1")]["stats"]["total"]
         assert one["sent_bytes"] == flat["sent_bytes"] and one["intra_node_sent_bytes"] == 0
@@ -564,7 +566,7 @@ def readme_nodes(tmp_path_factory) -> dict[str, dict[int, str]]:
             if run.poll() is None:
                 os.killpg(run.pid, 9)  # the session this test started: the launcher and its workers
                 run.communicate()
-    for node, (run, output) in enumerate(zip(runs, outputs)):
+    for node, (run, output) in enumerate(zip(runs, outputs, strict=True)):
         assert run.returncode == 0, f"node {node}'s torchrun exited {run.returncode}:\n{output[-3000:]}"
     found: dict[str, dict[int, str]] = {"ddp": {}, "hsdp": {}}
     for script, rank, text in re.findall(r"(ddp|hsdp) rank (\d) of 4: ([^\n]*?parameters [0-9a-f]{64})",

@@ -74,7 +74,7 @@ def test_the_declared_names_are_what_the_modules_register():
     package = gradpress.compressors
     for module in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{module.name}")
-    for table, reg in zip(package.declared(), (registry, feedback_registry)):
+    for table, reg in zip(package.declared(), (registry, feedback_registry), strict=True):
         registered = {name: cls.__module__ for name, cls in reg._types.items()
                       if cls.__module__.startswith(package.__name__ + ".")}
         assert registered == table

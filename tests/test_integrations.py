@@ -130,7 +130,7 @@ def world_of_one(tmp_path):
 
 def test_flat_stats_of_a_real_exchange(world_of_one):
     comm = gradpress.Communicator("topk:ratio=0.25", seed=1, timeout=30)
-    for step in range(2):
+    for _ in range(2):
         comm.reduce_many({"a": torch.randn(64), "b": torch.randn(8, 8)})
     report, flat = comm.stats(), comm.stats(flat=True)
     assert flat == gradpress.flat_stats(report)

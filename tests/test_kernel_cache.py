@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import gradpress
-from gradpress.kernels.jit import dependencies, sources_digest
 from gradpress.compressors.sign import _decode_signs
+from gradpress.kernels.jit import dependencies, sources_digest
 
 #: run in a child process against the copy of the package: decode 4096 packed signs with the sign
 #: decoder's kernel, report its cache statistics and whether the result is right

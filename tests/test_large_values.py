@@ -82,7 +82,6 @@ def test_round_trip_of_large_values_is_finite_or_a_clear_error(spec, dtype, kind
 def test_mean_of_two_workers_of_large_values_is_finite_or_a_clear_error(spec, dtype, kind, request):
     """``gradpress.simulate(spec, [x, x])``: the runtime's own exchange (all-reduce of summands, or
     all-gather and mean), the mean x representable."""
-    name = spec.partition(":")[0]
     x = large(kind, dtype)
     must_work = kind in SQUARES and not narrow_wire(spec, dtype)
     finite_or_clear_error(lambda: gradpress.simulate(spec, [x, x]), f"simulate {spec} {dtype} {kind}", must_work)

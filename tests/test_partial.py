@@ -37,11 +37,11 @@ def packets_of(c, xs: list[torch.Tensor], key: str, step: int = 0) -> list:
     """Every worker's packet as the runtime makes it (combined preliminary values where there are any)."""
     ctxs = [Context(SEED, step, key, r) for r in range(len(xs))]
     if not c.prepares:
-        return [c.compress(x, ctx) for x, ctx in zip(xs, ctxs)]
-    prelims = [c.prepare(x, ctx, len(xs)) for x, ctx in zip(xs, ctxs)]
+        return [c.compress(x, ctx) for x, ctx in zip(xs, ctxs, strict=True)]
+    prelims = [c.prepare(x, ctx, len(xs)) for x, ctx in zip(xs, ctxs, strict=True)]
     assert all(p.op == "max" for p in prelims)
     shared = torch.stack([p.values for p in prelims]).amax(dim=0)
-    return [c.compress(x, ctx, prepared=shared) for x, ctx in zip(xs, ctxs)]
+    return [c.compress(x, ctx, prepared=shared) for x, ctx in zip(xs, ctxs, strict=True)]
 
 
 # -- the arrivals ---------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def _exchanges(rank: int, world_size: int) -> list:
 
 def test_gloo_run_equals_simulate():
     ranks = run_workers(_exchanges, 4, timeout=180)
-    for (spec, options), *runs in zip(CONFIGS, *ranks):
+    for (spec, options), *runs in zip(CONFIGS, *ranks, strict=True):
         sim = gradpress.Simulator(spec, 4, seed=SEED, **options)
         for step in range(STEPS):
             expected = sim.step([_local(r, step) for r in range(4)])

@@ -127,7 +127,7 @@ def test_error_feedback_solves_least_squares():
     assert sim.pipelines[0].feedback.spec == "residual"
     x = torch.zeros(8, 12)
     for _ in range(300):
-        x = x - 0.3 * sim.step([aw.t() @ (aw @ x - bw) / 30 for aw, bw in zip(a, b)])
+        x = x - 0.3 * sim.step([aw.t() @ (aw @ x - bw) / 30 for aw, bw in zip(a, b, strict=True)])
     # a convergence threshold, not a rounding one: float32's own floor, about (κ(AᵀA)·γ_30)² ≈ 5e-11 for
     # cond(A) ≈ 1.9 (the gradient's products have 30 terms; tests/numerics.py), lies far below it
     assert nmse(x, solution) < 1e-8
@@ -147,7 +147,7 @@ def test_simulate_is_the_powersgd_step_by_hand():
         qt = warm_start(sim, "w")[0]
         q = qt.double().t()
         grads = [randn(m, n, seed=100 * step + w) for w in range(workers)]
-        deltas = [g.double() + e for g, e in zip(grads, memory)]
+        deltas = [g.double() + e for g, e in zip(grads, memory, strict=True)]
         p_hat = torch.linalg.qr(sum(d @ q for d in deltas)).Q
         q = sum(d.t() @ p_hat for d in deltas) / workers
         expected = p_hat @ q.t()
@@ -261,8 +261,8 @@ def test_streamed_products_have_their_documented_bits_at_any_address(m, n, r):
     multiple of 16, ranks 1 to STREAMED_RANK) give the bits of their documented summation orders, whatever
     the address of M (MKL's may not), and lie within the dot product's bound γ_n·|Qᵀ|·|Mᵀ| of the exact
     products, as torch.mm does (numba disabled)."""
-    from gradpress.kernels.jit import numba_disabled
     from gradpress.compressors.powersgd import STREAMED_NUMEL, STREAMED_RANK, p_product, q_product
+    from gradpress.kernels.jit import numba_disabled
 
     assert r <= STREAMED_RANK and m * n >= STREAMED_NUMEL  # the kernels' path
     matrix, qt, pt = randn(m, n, seed=m), randn(r, n, seed=n), randn(r, m, seed=r)
@@ -317,7 +317,7 @@ def test_state_round_trip_keeps_the_warm_start():
     expected = [sim.step(step)["w"] for step in grads[2:]]
     resumed = gradpress.Simulator("powersgd:rank=2", 2, seed=1)
     resumed.load_state_dict(saved)
-    assert all(torch.equal(resumed.step(step)["w"], e) for step, e in zip(grads[2:], expected))
+    assert all(torch.equal(resumed.step(step)["w"], e) for step, e in zip(grads[2:], expected, strict=True))
     # without the warm start the same steps give other bits: the state carried something
     fresh = gradpress.Simulator("powersgd:rank=2", 2, seed=1)
     fresh.load_state_dict([{**s, "compressor": {"warm": {}}} for s in saved])
@@ -432,7 +432,7 @@ TORCH_DEADLINE = 10.0  # seconds for PyTorch's hook to take its STEPS steps (it 
 def _model() -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for a, b in zip(WIDTHS[:-1], WIDTHS[1:]):
+    for a, b in zip(WIDTHS[:-1], WIDTHS[1:], strict=True):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -469,7 +469,7 @@ def _ours_then_torchs(rank: int, world_size: int, path: str) -> None:
     local: list[dict] = []
 
     def recording(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the hook's annotations
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
             local[-1][names[id(p)]] = g.detach().clone()
         local[-1].setdefault("buckets", 0)
         local[-1]["buckets"] += 1

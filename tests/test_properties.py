@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import gradpress
-from gradpress.kernels.jit import numba_disabled
 from gradpress.compressors.powersgd import PowerSGD
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import numba_disabled
 from numerics import eps, gamma, powersgd_step_error, unit_roundoff
 from specs import SPECS, SUMMABLE, UNBIASED
 
@@ -180,7 +180,7 @@ def test_summable_packets_decode_to_the_sum(spec):
     c = gradpress.make(spec)
     xs = [gradient(seed=s) for s in range(3)]
     ctxs = [Context(seed=1, step=4, key="b", rank=r) for r in range(len(xs))]
-    packets = [c.compress(x, ctx, **_prepared(c, xs, ctxs)) for x, ctx in zip(xs, ctxs)]
+    packets = [c.compress(x, ctx, **_prepared(c, xs, ctxs)) for x, ctx in zip(xs, ctxs, strict=True)]
     summed = [_sum(ts) for ts in zip(*[c.summands(p) for p in packets], strict=True)]
     mean = c.decode_sum(packets[0], summed, len(packets))
     assert mean.shape == xs[0].shape and mean.dtype == xs[0].dtype and torch.isfinite(mean).all()
@@ -202,7 +202,7 @@ def _prepared(c, xs, ctxs) -> dict:
     exchange gives them (``{}`` for a method without one: each compresses alone)."""
     if not c.prepares:
         return {}
-    prelims = [c.prepare(x, ctx, len(xs)) for x, ctx in zip(xs, ctxs)]
+    prelims = [c.prepare(x, ctx, len(xs)) for x, ctx in zip(xs, ctxs, strict=True)]
     first = prelims[0]
     if first is None:
         return {"prepared": None}
@@ -262,7 +262,7 @@ def test_residual_and_accumulate_equal_their_dense_formulas(spec, dtype):
     c = gradpress.make(spec)
     xs = [gradient(seed=s, dtype=dtype) for s in range(2)]
     ctxs = [Context(seed=1, step=2, key="r", rank=r) for r in range(len(xs))]
-    packets = [c.compress(x, ctx, **_prepared(c, xs, ctxs)) for x, ctx in zip(xs, ctxs)]
+    packets = [c.compress(x, ctx, **_prepared(c, xs, ctxs)) for x, ctx in zip(xs, ctxs, strict=True)]
     x, packet = xs[0], packets[0]
     expected = x.float() - c.decompress(packet).float()
     kept = x.clone()

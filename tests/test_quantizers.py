@@ -16,13 +16,13 @@ import torch
 
 import gradpress
 import gradpress.core.compressor
-from gradpress.kernels.jit import numba_disabled
-from gradpress.kernels.bits import unpack_bits
-from gradpress.core.compressor import check_finite
 from gradpress.compressors.dither import CHUNK, Dithering, _uniforms_torch, bucket_norms, standard_deviation
 from gradpress.compressors.natural import decode_table, exponent_code, natural_round
+from gradpress.core.compressor import check_finite
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context, mix32_torch
+from gradpress.kernels.bits import unpack_bits
+from gradpress.kernels.jit import numba_disabled
 from kernels import both_paths, path
 from numerics import gamma, log2ceil, unit_roundoff
 

@@ -10,8 +10,8 @@ import typing
 import pytest
 
 import gradpress
-from gradpress.core.compressor import registry as compressor_registry
 from gradpress.compressors.sparsify import TopK
+from gradpress.core.compressor import registry as compressor_registry
 from gradpress.core.feedback import feedback_registry
 from gradpress.core.registry import RANGE, Range, param_range, parse_spec, spec_fields, split_specs
 

@@ -11,10 +11,10 @@ from torch import nn
 
 import gradpress
 from gradpress.core.compressor import NonFiniteError
+from gradpress.core.packet import adjacent, concat, pack, unpack
 from gradpress.core.rng import Context
 from gradpress.exchange.driver import Driver, ExchangeFailed
 from gradpress.exchange.pipeline import Options, Pipeline, Stats
-from gradpress.core.packet import adjacent, concat, pack, unpack
 from gradpress.exchange.protocol import AllReduce, Round, fold_sum, parallel
 from gradpress.exchange.strategy import sum_dtype
 from gradpress.exchange.strategy.allreduce import takes_out
@@ -311,7 +311,7 @@ def test_nonfinite_input_is_checked_before_a_memory_takes_it():
     bad[0]["t0"][1] = float("nan")
     with pytest.raises(NonFiniteError, match="NaN/Inf in the gradient of rank 0"):
         sim.step(bad)
-    for before, after in zip(memory, sim.state_dict()):
+    for before, after in zip(memory, sim.state_dict(), strict=True):
         for key, e in before["feedback"]["memory"].items():
             assert torch.equal(e, after["feedback"]["memory"][key])
 
@@ -325,7 +325,7 @@ def test_state_dict_resumes_bit_identically():
         first.step(s)
     resumed = gradpress.Simulator("topk:ratio=0.2", 3)
     resumed.load_state_dict(first.state_dict())
-    for s, expected in zip(steps[2:], outs[2:]):
+    for s, expected in zip(steps[2:], outs[2:], strict=True):
         out = resumed.step(s)
         assert all(torch.equal(out[k], expected[k]) for k in expected)
     with pytest.raises(ValueError, match="spec is 'topk:ratio=0.2'"):
@@ -350,7 +350,7 @@ def test_pack_unpack_round_trip_with_alignment():
     buffer = pack(tensors, torch.device("cpu"), size=200)
     assert buffer.numel() == 200
     back = unpack(buffer, [(t.dtype, tuple(t.shape)) for t in tensors])
-    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back, strict=True))
 
 
 def test_concat_views_adjacent_writable_tensors():
@@ -574,7 +574,7 @@ def test_two_round_method_with_warm_start():
     workers = [{"w": target * (0.5 + 0.5 * r)} for r in range(n)]  # their mean is the target
     sim = gradpress.Simulator(PowerIteration(), n, feedback="none")
     errors = [float((sim.step(workers)["w"] - target).norm()) for _ in range(12)]
-    assert all(later < earlier for earlier, later in zip(errors, errors[1:]))
+    assert all(later < earlier for earlier, later in zip(errors, errors[1:], strict=False))
     assert errors[0] > 2.8 and errors[-1] < 2.71  # best rank-1 error: 2.7
     warm = [p.compressor.state_dict()["warm"]["w"] for p in sim.pipelines]
     assert all(torch.equal(w, warm[0]) for w in warm)  # every worker holds the same warm start

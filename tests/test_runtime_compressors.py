@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradpress.core.compressor import Compressor, Preliminary
 from gradpress.compressors.sparsify import keep_count, scatter, topk_indices
+from gradpress.core.compressor import Compressor, Preliminary
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context, uniform24_torch
 

@@ -95,7 +95,7 @@ def _train(rank: int, spec: Any, options: dict, variant: dict, steps: int = STEP
     merged: list[int] = []  # gradients exchanged together as one flat view of their bucket
 
     def recording(state: Any, bucket):  # noqa: ANN001, ANN202 - annotations are checked by DDP
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
             local[-1][names[id(p)]] = g.detach().clone()
         buckets[-1] += 1
         future = hook(state, bucket)
@@ -151,7 +151,7 @@ def test_ranks_identical_equal_simulate_and_loss_falls(three_ranks, label):
     runs = [ranks[label] for ranks in three_ranks]
     # every rank ends every step with bit-identical averaged gradients and parameters (invariant 1)
     for other in runs[1:]:
-        for mine, theirs in zip(runs[0]["averaged"], other["averaged"]):
+        for mine, theirs in zip(runs[0]["averaged"], other["averaged"], strict=True):
             assert mine.keys() == theirs.keys()
             for name in mine:
                 assert torch.equal(mine[name], theirs[name]), (label, name)
@@ -241,7 +241,7 @@ def test_a_planned_bucket_exchange_is_the_general_one_bit_for_bit():
         # steps 2 and 3 through the plans, every bucket of them, and step 4 up to its failure
         assert planned["used"] >= 2 * planned["planned"] and general["used"] == 0, (planned["used"], general["used"])
         assert len(planned["steps"]) == len(general["steps"]) == FAULT_AT
-        for step, (mine, theirs) in enumerate(zip(planned["steps"], general["steps"])):
+        for step, (mine, theirs) in enumerate(zip(planned["steps"], general["steps"], strict=True)):
             for name, grad in mine["grads"].items():
                 assert torch.equal(grad, theirs["grads"][name]), (rank, step, name)
             counters = ("raw_bytes", "packet_bytes", "sent_bytes", "received_bytes", "collectives")
@@ -316,12 +316,12 @@ def _restored(rank: int, world_size: int, path: str) -> dict:
 def test_powersgd_case_and_bit_identical_resume(tmp_path):
     first = run_workers(_uninterrupted, 2, str(tmp_path / "ckpt"), timeout=180)
     for name in gradpress.compressor_names():
-        for a, b in zip(first[0]["plain"][name], first[1]["plain"][name]):
+        for a, b in zip(first[0]["plain"][name], first[1]["plain"][name], strict=True):
             assert torch.equal(a, b), name
     second = run_workers(_restored, 2, str(tmp_path / "ckpt"), timeout=120)
     for spec in RESUME_SPECS:
         for rank in range(2):
-            for a, b in zip(first[rank]["resumed"][spec], second[rank][spec]):
+            for a, b in zip(first[rank]["resumed"][spec], second[rank][spec], strict=True):
                 assert torch.equal(a, b), (spec, rank)
 
 

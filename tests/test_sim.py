@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from gradpress.cli import main
+from gradpress.costmodel import Phase
 from gradpress.testbed import data as D
 from gradpress.testbed import sim as S
-from gradpress.costmodel import Phase
 from gradpress.testbed.results import Eval, Run, Step, save_runs
+from gradpress.testbed.sim.quality import _endless_batches
 from numerics import eps
 from synthetic import synthetic_images
 
@@ -89,13 +90,14 @@ def test_a_step_with_none_applies_the_mean_of_the_workers_gradients():
         grads.append([p.grad.clone() for p in reference.parameters()])
     bounds = []
     with torch.no_grad():
-        for p, *worker_grads in zip(reference.parameters(), *grads):
+        for p, *worker_grads in zip(reference.parameters(), *grads, strict=True):
             mean = sum(worker_grads) / 2
             p -= 0.1 * mean  # SGD with momentum: the first step is plain SGD
             # the mean of two is rounded once (u of it); p − lr·g twice here and at most twice in the
             # optimizer (a product and a difference, or one fused multiply-add): u of each
             bounds.append(eps() * (p.abs() + 2 * 0.1 * mean.abs()))
-    for (name, got), want, bound in zip(simulated.named_parameters(), reference.parameters(), bounds):
+    for (name, got), want, bound in zip(simulated.named_parameters(), reference.parameters(), bounds,
+                                        strict=True):
         assert ((got - want).abs() <= bound).all(), name
     assert not torch.equal(simulated.net[1].weight, _model(data).net[1].weight)
 
@@ -109,7 +111,7 @@ def _model(data):
 
 
 def _first_batch(data, rank, n, batch):
-    return next(S._endless_batches(data.shard(rank, n, seed=0), batch, 0, rank))
+    return next(_endless_batches(data.shard(rank, n, seed=0), batch, 0, rank))
 
 
 def test_training_leaves_the_global_rng_alone_and_rejects_tiny_shards():

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import gradpress
-from gradpress.kernels.jit import numba_disabled
 from gradpress.compressors.sketch import _buckets, _signs, element_indices
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import numba_disabled
 from kernels import bits, both_paths
 from numerics import gamma
 
@@ -103,7 +103,7 @@ def test_summed_wire_is_the_sketch_of_the_summed_gradient():
     c = gradpress.make("sketch:rows=3,lam=0.5")
     xs = [sparse_rows(touched=t, seed=i) for i, t in enumerate([(1, 4), (4, 7, 8), (0, 11)])]
     ctx = [Context(seed=2, step=7, key="emb", rank=r) for r in range(3)]
-    summed = all_reduce([c.compress(x, k) for x, k in zip(xs, ctx)])
+    summed = all_reduce([c.compress(x, k) for x, k in zip(xs, ctx, strict=True)])
     direct = c.compress(sum(xs), ctx[0])
     assert summed["bitmap"].dtype == torch.bool
     assert torch.equal(summed["bitmap"], direct["bitmap"])

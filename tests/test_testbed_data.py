@@ -13,6 +13,7 @@ import torch
 
 from gradpress.cli import main as cli_main
 from gradpress.testbed import data as D
+from gradpress.testbed.data.recommendation import _read_member
 from numerics import eps, log2ceil
 
 
@@ -129,7 +130,7 @@ def test_ensure_debian_package_without_root_says_how(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------ MovieLens (.inter)
 def read_fixture_inter() -> D.Interactions:
-    return D.parse_inter(D._read_member(WHEEL).decode(), "fixture")
+    return D.parse_inter(_read_member(WHEEL).decode(), "fixture")
 
 
 def test_parse_inter_fixture_exact():
@@ -337,7 +338,7 @@ def test_real_fashion_mnist():
 
 def test_real_movielens():
     _real(lambda: D.fetch_movielens(install=False))  # checks the sha256 of ml-100k.inter
-    inter = D.parse_inter(D._read_member(D.recbole_wheel()).decode())
+    inter = D.parse_inter(_read_member(D.recbole_wheel()).decode())
     assert len(inter.users) == 100_000 and set(np.unique(inter.ratings)) == {1, 2, 3, 4, 5}
     data = D.load("movielens-100k")
     assert (data.num_users, data.num_items) == (943, 1682)

@@ -9,9 +9,9 @@ import torch
 from scipy.stats import norm
 
 import gradpress
-from gradpress.kernels.bits import unpack_bits
-from gradpress.core.rng import Context
 from gradpress.compressors.thc_table import table_error
+from gradpress.core.rng import Context
+from gradpress.kernels.bits import unpack_bits
 from numerics import eps, gamma, rht_residual_error, unit_roundoff
 
 PUBLISHED = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)  # (b, g, p) = (4, 30, 1/32)
@@ -24,7 +24,7 @@ def vectors(n: int, numel: int = 3000, seed: int = 0) -> list[torch.Tensor]:
 
 def prepared(c, xs, ctxs) -> torch.Tensor:
     """The combined preliminary values (both methods combine by max)."""
-    prelims = [c.prepare(x, ctx, len(xs)) for x, ctx in zip(xs, ctxs)]
+    prelims = [c.prepare(x, ctx, len(xs)) for x, ctx in zip(xs, ctxs, strict=True)]
     assert all(p.op == "max" for p in prelims)
     return torch.stack([p.values for p in prelims]).amax(dim=0)
 
@@ -33,7 +33,7 @@ def compress_all(c, xs, seed=0, step=0, key="w"):
     """Every worker's packet, compressed with the combined preliminary values, as the runtime does."""
     ctxs = [Context(seed, step, key, r) for r in range(len(xs))]
     shared = prepared(c, xs, ctxs)
-    return [c.compress(x, ctx, prepared=shared) for x, ctx in zip(xs, ctxs)]
+    return [c.compress(x, ctx, prepared=shared) for x, ctx in zip(xs, ctxs, strict=True)]
 
 
 def server(c, packets, arrived) -> torch.Tensor:
@@ -83,13 +83,13 @@ def test_uniform_thc_is_algorithm_1():
     assert prepared(c, xs, [Context(rank=r) for r in range(n)]).tolist() == [-lo, hi]
     packets = compress_all(c, xs, seed=4, key="")
     codes = [unpack_bits(p["codes"], 3, 3000).long() for p in packets]
-    assert all(torch.equal(c.summands(p)[0].long(), k) for p, k in zip(packets, codes))
+    assert all(torch.equal(c.summands(p)[0].long(), k) for p, k in zip(packets, codes, strict=True))
     step = (hi - lo) / 7
     # decoded in float64 (a few roundings of its u, γ_4 of the terms), then rounded once to float32 (u)
     def rounding(level: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return unit_roundoff() * level.abs() + gamma(4, torch.float64) * (abs(lo) + k.double() * step)
 
-    for x, k, p in zip(xs, codes, packets):
+    for x, k, p in zip(xs, codes, packets, strict=True):
         own = c.decompress(p).double()
         level = lo + k.double() * step
         assert ((own - level).abs() <= rounding(level, k)).all()
@@ -214,7 +214,7 @@ def test_error_feedback_is_algorithm_3_line_21():
     memory = [torch.zeros(3000) for _ in range(n)]
     for step, xs in enumerate(steps):
         sim.step(xs)
-        compensated = [x + m for x, m in zip(xs, memory)]
+        compensated = [x + m for x, m in zip(xs, memory, strict=True)]
         packets = compress_all(c, compensated, seed=3, step=step, key="")
         decoded = [c.decompress(p).double() for p in packets]
         for r in range(n):
@@ -275,7 +275,7 @@ def test_grid_rounds_unbiasedly_between_table_values():
     draws = torch.stack([torch.from_numpy(values[c.grid.quantize(a, 0.0, 30.0, seed).numpy()])
                          for seed in range(4000)])
     assert torch.allclose(draws.mean(dim=0), a.double(), atol=0.06)
-    for value, row in zip(a.tolist(), draws.t()):  # only the two table values around a
+    for value, row in zip(a.tolist(), draws.t(), strict=True):  # only the two table values around a
         below = max(t for t in PUBLISHED if t <= value)
         assert set(row.tolist()) <= {below, min(t for t in PUBLISHED if t >= value)}
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import gradpress
-from gradpress.kernels import simd as _simd
-from gradpress.kernels.jit import numba_disabled
-from gradpress.kernels.bits import unpack_bits
 from gradpress.compressors.thc import _affine
 from gradpress.core.rng import Context, mix32_torch, seed32
+from gradpress.kernels import simd as _simd
+from gradpress.kernels.bits import unpack_bits
+from gradpress.kernels.jit import numba_disabled
 from kernels import path
 from numerics import rht_residual_error
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import gradpress
-from gradpress import cli
 from dist_utils import run_workers
+from gradpress import cli
 
 SPEC = "qsgd"
 
@@ -62,7 +62,8 @@ def _set_up_then_train(rank: int, world: int) -> dict:
                           "b": torch.randn(50, generator=generator)})
     gradpress.Simulator(SPEC, 3, warm_up=False).step(
         [{"w": torch.randn(500, 600, generator=generator)} for _ in range(3)])
-    out["compiled or loaded in training"] = [now - then for now, then in zip(compile_counts(), ready)]
+    out["compiled or loaded in training"] = [now - then
+                                             for now, then in zip(compile_counts(), ready, strict=True)]
     out["training"] = lines.lines
     return out
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gradpress import cli
+from gradpress.testbed import arguments
 
 Main = Callable[[argparse.Namespace], int]
 
@@ -145,4 +146,4 @@ def _entry(worker: Worker, rank: int, workers: int, store: str, out: str, args: 
 def write_json(path: str, value: Any) -> None:
     """``value`` as JSON at ``path`` (its folder made if need be; values JSON lacks written as text)."""
 
-    cli.writable_parent(path).write_text(json.dumps(value, indent=2, default=str) + "\n")
+    arguments.writable_parent(path).write_text(json.dumps(value, indent=2, default=str) + "\n")

@@ -21,6 +21,7 @@ many times the host waits for the GPU in it, and how many tensors its operators 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from typing import Any
@@ -28,9 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpress import cli
 from gradpress.bench import add_bench, run_as_script, spawn, write_json
-
+from gradpress.testbed import arguments
 
 # preset MLPs of ``--model``: (width, depth)
 MODELS = {"mlp-4m": (1024, 4), "mlp-1m": (512, 4)}
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     base = _model(args["width"], args["depth"])
-    variants: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    variants: dict[str, tuple[nn.parallel.DistributedDataParallel, torch.optim.Optimizer]] = {}
     for name in ["ddp", "torch-hook", *args["specs"]]:
         model = _model(args["width"], args["depth"])
         model.load_state_dict(base.state_dict())
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             sync()
 
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for name, (ddp, optimizer) in variants.items():  # warm-up: DDP's bucket rebuild, numba, allocator
+    for ddp, optimizer in variants.values():  # warm-up: DDP's bucket rebuild, numba, allocator
         for _ in range(2):
             step(ddp, optimizer)
     for _ in range(args["rounds"]):
@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         for name, (ddp, optimizer) in variants.items():
             dist.barrier()
             sync()
-            syncs, host_ops = host_traffic(lambda: step(ddp, optimizer, wait=False))
+            syncs, host_ops = host_traffic(functools.partial(step, ddp, optimizer, wait=False))
             sync()
             audit[name] = {"syncs": syncs, "host_tensors": len(host_ops)}
     return {"times": times, "audit": audit}
@@ -115,35 +115,36 @@ def run(specs: list[str], workers: int = 2, width: int = 1024, depth: int = 4, b
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--specs", type=cli.compressor_list(), default="none",
+    parser.add_argument("--specs", type=arguments.compressor_list(), default="none",
                         help="comma-separated gradpress specs to time (default: none)")
-    parser.add_argument("--workers", type=cli.positive_int, default=2)
+    parser.add_argument("--workers", type=arguments.positive_int, default=2)
     parser.add_argument("--model", choices=sorted(MODELS), default=None,
                         help="preset MLP: " + ", ".join(f"{name} = {d} × {w}" for name, (w, d) in MODELS.items())
                         + " (default mlp-4m; or give --width/--depth)")
-    parser.add_argument("--width", type=cli.positive_int, default=None,
+    parser.add_argument("--width", type=arguments.positive_int, default=None,
                         help="width of the MLP's square layers (default 1024)")
-    parser.add_argument("--depth", type=cli.positive_int, default=None, help="number of linear layers (default 4)")
-    parser.add_argument("--batch", type=cli.positive_int, default=32)
-    parser.add_argument("--rounds", type=cli.positive_int, default=5)
-    parser.add_argument("--steps", type=cli.positive_int, default=5, help="timed steps per variant per round")
-    parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads per worker")
+    parser.add_argument("--depth", type=arguments.positive_int, default=None, help="number of linear layers (default 4)")
+    parser.add_argument("--batch", type=arguments.positive_int, default=32)
+    parser.add_argument("--rounds", type=arguments.positive_int, default=5)
+    parser.add_argument("--steps", type=arguments.positive_int, default=5,
+                        help="timed steps per variant per round")
+    parser.add_argument("--threads", type=arguments.positive_int, default=1, help="torch threads per worker")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: Gloo workers; cuda: NCCL workers, one per GPU")
-    parser.add_argument("--json", type=cli.output_file, help="write the figures to this file")
+    parser.add_argument("--json", type=arguments.output_file, help="write the figures to this file")
 
 
 def main(args: argparse.Namespace) -> int:
 
     specs = list(args.specs)
     if args.model is not None and (args.width is not None or args.depth is not None):
-        raise cli.UsageError("give either --model or --width/--depth, not both")
+        raise arguments.UsageError("give either --model or --width/--depth, not both")
     width, depth = MODELS[args.model] if args.model is not None else MODELS["mlp-4m"]
     args.width = args.width if args.width is not None else width
     args.depth = args.depth if args.depth is not None else depth
     if args.device == "cuda" and torch.cuda.device_count() < args.workers:
-        raise cli.UsageError(f"--device cuda --workers {args.workers}: this machine has "
-                             f"{torch.cuda.device_count()} CUDA GPU(s), one per worker needed")
+        raise arguments.UsageError(f"--device cuda --workers {args.workers}: this machine has "
+                                   f"{torch.cuda.device_count()} CUDA GPU(s), one per worker needed")
     result = run(specs, args.workers, args.width, args.depth, args.batch, args.rounds, args.steps, args.threads,
                  args.device)
     params = args.depth * (args.width * args.width + args.width)

@@ -13,6 +13,7 @@ the fault flag in-band, the ranks without the NaN waited out the ``timeout``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import statistics
@@ -22,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpress import cli
 from gradpress.bench import add_bench, run_as_script, spawn, write_json
+from gradpress.testbed import arguments
 
 STRATEGIES = {
     "collective": {},
@@ -58,7 +59,7 @@ def _nan(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             grads = {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
             if rank == world - 1:
                 grads["w"][3, 5] = float("nan")
-            results[f"{spec} {name}"] = _timed(lambda: comm.reduce_many(grads))
+            results[f"{spec} {name}"] = _timed(functools.partial(comm.reduce_many, grads))
     return results
 
 
@@ -81,7 +82,7 @@ def run(specs: list[str], workers: int = 2, timeout: float = 30.0) -> list[dict[
     args = dict(specs=specs, timeout=timeout)
     nan = spawn(_nan, workers, args, timeout=60 + len(specs) * len(STRATEGIES) * (timeout + 5))
     killed = [r or {} for r in spawn(_kill, workers, args, timeout=60 + timeout, may_die=frozenset({workers - 1}))]
-    results = [{**a, **b} for a, b in zip(nan, killed)]
+    results = [{**a, **b} for a, b in zip(nan, killed, strict=True)]
     rows = []
     for case in results[0]:
         row: dict[str, Any] = {"case": case}
@@ -93,12 +94,12 @@ def run(specs: list[str], workers: int = 2, timeout: float = 30.0) -> list[dict[
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compressors", type=cli.compressor_list(keywords={"all": cli.all_methods}), default="all",
+    parser.add_argument("--compressors", type=arguments.compressor_list(keywords={"all": arguments.all_methods}), default="all",
                         help="comma-separated specs, or 'all' (default)")
-    parser.add_argument("--workers", type=cli.positive_int, default=2)
-    parser.add_argument("--timeout", type=cli.positive_float, default=30.0,
+    parser.add_argument("--workers", type=arguments.positive_int, default=2)
+    parser.add_argument("--timeout", type=arguments.positive_float, default=30.0,
                         help="the process group's timeout in seconds (what peers would wait without the flag)")
-    parser.add_argument("--json", type=cli.output_file, help="write the figures to this file")
+    parser.add_argument("--json", type=arguments.output_file, help="write the figures to this file")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -38,8 +38,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from gradpress import cli
 from gradpress.bench import add_bench, run_as_script, write_json
+from gradpress.testbed import arguments
 
 DEFAULT_SPECS = "thc,topk:ratio=0.01,qsgd,powersgd"
 
@@ -78,11 +78,11 @@ VARIANTS = (("cold", True), ("warm", True), ("cold, no warm-up", False), ("warm,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compressors", type=cli.compressor_list(), default=DEFAULT_SPECS,
+    parser.add_argument("--compressors", type=arguments.compressor_list(), default=DEFAULT_SPECS,
                         help=f"the specs measured, comma-separated (default {DEFAULT_SPECS})")
-    parser.add_argument("--runs", type=cli.integer(1), default=1,
+    parser.add_argument("--runs", type=arguments.integer(1), default=1,
                         help="repetitions of the whole (each compiling from scratch; default 1): medians")
-    parser.add_argument("--out", type=cli.output_file, default=None,
+    parser.add_argument("--out", type=arguments.output_file, default=None,
                         help="also write the results as JSON here")
 
 
@@ -120,7 +120,7 @@ def measure(spec: str) -> dict[str, dict[str, Any]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    specs = list(args.compressors)  # (cli.Specs)
+    specs = list(args.compressors)  # (arguments.Specs)
     runs: dict[str, list[dict[str, dict[str, Any]]]] = {spec: [] for spec in specs}
     loads = []
     for _ in range(args.runs):

@@ -37,8 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from gradpress import cli
 from gradpress.bench import add_bench, add_glibc_defaults, keep_freed_memory, run_as_script
+from gradpress.testbed import arguments
 
 #: modules a GRACE compressor module may import at import time without needing them on the CPU
 STUBBABLE = ("horovod", "cupy", "tensorflow", "cnat_cuda", "qsgd_cuda", "rdxtopk")
@@ -127,8 +127,8 @@ def _import(name: str, stubs: list[str]) -> types.ModuleType:
             missing = (error.name or "").split(".")[0]
             if missing not in STUBBABLE or missing in sys.modules:
                 raise
-            stub = types.ModuleType(missing)
-            stub.__getattr__ = lambda attribute, _m=missing: _unavailable(_m, attribute)  # type: ignore[attr-defined]
+            stub: Any = types.ModuleType(missing)  # (with a module __getattr__, PEP 562)
+            stub.__getattr__ = lambda attribute, _m=missing: _unavailable(_m, attribute)
             sys.modules[missing] = stub
             stubs.append(missing)
     return importlib.import_module(name)
@@ -156,7 +156,7 @@ def load_grace(path: str | None, pairs: list[Pair]) -> dict[str, Any]:
         for pair in pairs:
             name = f"grace_dl.dist.compressor.{pair.module}"
             try:
-                module = _import(name, stubs)
+                module: Any = _import(name, stubs)  # (GRACE's own code, as it is)
             except Exception as error:  # noqa: BLE001 - reported, as the benchmark's one message
                 raise GraceUnavailable(f"cannot import {name} from {path}: {type(error).__name__}: {error}") from None
             if pair.module == "powersgd":  # a world of one worker: all_reduce is the identity
@@ -265,15 +265,15 @@ def render(records: list[GraceRecord], clock: str = "wall") -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-path", help="a checkout of github.com/sands-lab/grace (the folder holding grace_dl)")
-    parser.add_argument("--size", type=cli.size, default=2**20, help="values per tensor (2^20 allowed)")
-    parser.add_argument("--repeats", type=cli.positive_int, default=21, help="timed rounds (medians reported)")
-    parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--size", type=arguments.size, default=2**20, help="values per tensor (2^20 allowed)")
+    parser.add_argument("--repeats", type=arguments.positive_int, default=21, help="timed rounds (medians reported)")
+    parser.add_argument("--threads", type=arguments.positive_int, default=1, help="torch threads (default 1)")
     parser.add_argument("--methods", help="comma-separated methods or specs of the table (default: all)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall clock (default) or this thread's CPU time (steadier on a shared machine)")
     add_glibc_defaults(parser)
-    parser.add_argument("--seed", type=cli.seed, default=0)
-    parser.add_argument("--json", type=cli.output_file, help="write one record per method to this file")
+    parser.add_argument("--seed", type=arguments.seed, default=0)
+    parser.add_argument("--json", type=arguments.output_file, help="write one record per method to this file")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -281,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     unknown = [m for m in methods or [] if not any(m in (p.method, p.spec) for p in PAIRS)]
     if unknown:
-        raise cli.UsageError(f"--methods: {', '.join(unknown)}: not among {', '.join(p.method for p in PAIRS)}")
+        raise arguments.UsageError(f"--methods: {', '.join(unknown)}: not among {', '.join(p.method for p in PAIRS)}")
     if not args.glibc_defaults and not keep_freed_memory():
         print("gradpress bench grace: glibc's mallopt is not available: allocator defaults kept")
     try:
@@ -292,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
     render(records, args.clock)
     if args.json:
         rows = [dict(asdict(r), speedup=r.speedup, grace_copies=r.grace_copies, target=r.target) for r in records]
-        cli.writable_parent(args.json).write_text(json.dumps(rows, indent=1))
+        arguments.writable_parent(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradpress import cli
 from gradpress.bench import add_bench, run_as_script, write_json
+from gradpress.testbed import arguments
 
 _LINE = re.compile(r"^import time:\s+(\d+)\s+\|\s+(\d+)\s+\|( *)(\S+)\s*$")
 WATCHED = ("numba", "scipy", "scipy.stats", "matplotlib", "tqdm", "rich", "gradpress.testbed",
@@ -35,9 +35,9 @@ WATCHED = ("numba", "scipy", "scipy.stats", "matplotlib", "tqdm", "rich", "gradp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runs", type=cli.integer(1), default=7,
+    parser.add_argument("--runs", type=arguments.integer(1), default=7,
                         help="fresh processes per import (default 7)")
-    parser.add_argument("--out", type=cli.output_file, default=None,
+    parser.add_argument("--out", type=arguments.output_file, default=None,
                         help="also write the results as JSON here")
 
 

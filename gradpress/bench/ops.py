@@ -32,9 +32,9 @@ from typing import Callable
 import torch
 
 import gradpress
-from gradpress import cli
 from gradpress.bench import add_glibc_defaults, keep_freed_memory
 from gradpress.core.rng import Context
+from gradpress.testbed import arguments
 
 DEFAULT_SIZES = (2**20, 2**22)
 
@@ -94,7 +94,7 @@ def host_traffic(fn: Callable[[], object]) -> tuple[int, list[str]]:
     host_ops: list[str] = []
 
     class Audit(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_leaves(out)):
                 host_ops.append(str(func.overloadpacket.__name__))
@@ -186,10 +186,11 @@ def parse_size(text: str) -> int:
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise cli.UsageError("--device cuda: CUDA is not available on this machine")
+        raise arguments.UsageError("--device cuda: CUDA is not available on this machine")
     specs = list(args.compressors)
-    sizes = args.sizes  # a list: checked as it was parsed (cli.sizes)
-    cli.check_memory(f"--sizes {max(sizes)}", 3 * 4 * max(sizes))  # the tensor, its copy, its decompression
+    sizes = args.sizes  # a list: checked as it was parsed (arguments.sizes)
+    # the tensor, its copy, its decompression
+    arguments.check_memory(f"--sizes {max(sizes)}", 3 * 4 * max(sizes))
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -211,20 +212,20 @@ def add_bench_parser(bench: argparse._SubParsersAction) -> None:
     """Adds ``gradpress bench ops``."""
     ops = bench.add_parser("ops", help="bits, NMSE and speed of each compressor on one tensor",
                            description=__doc__)
-    ops.add_argument("--compressors", type=cli.compressor_list(keywords={"all": cli.all_methods}), default="all",
+    ops.add_argument("--compressors", type=arguments.compressor_list(keywords={"all": arguments.all_methods}), default="all",
                      help="'all' or a comma-separated list of specs (e.g. topk:ratio=0.01,qsgd:levels=16,bucket=512)")
-    ops.add_argument("--sizes", type=cli.sizes, default=",".join(map(str, DEFAULT_SIZES)),
+    ops.add_argument("--sizes", type=arguments.sizes, default=",".join(map(str, DEFAULT_SIZES)),
                      help="comma-separated sizes, 2^22 allowed")
-    ops.add_argument("--workers", type=cli.positive_int, default=4,
+    ops.add_argument("--workers", type=arguments.positive_int, default=4,
                      help="workers whose packets are aggregated for 'NMSE avg n'")
-    ops.add_argument("--repeats", type=cli.positive_int, default=7,
+    ops.add_argument("--repeats", type=arguments.positive_int, default=7,
                      help="timed repetitions (the median is reported)")
-    ops.add_argument("--threads", type=cli.positive_int, default=1,
+    ops.add_argument("--threads", type=arguments.positive_int, default=1,
                      help="torch threads (default 1, as in the README's table)")
-    ops.add_argument("--seed", type=cli.seed, default=0)
+    ops.add_argument("--seed", type=arguments.seed, default=0)
     ops.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="where the tensor lives (cuda: the torch path on a GPU, timed to completion)")
-    ops.add_argument("--json", type=cli.output_file, help="write one record per (compressor, size) to this file")
+    ops.add_argument("--json", type=arguments.output_file, help="write one record per (compressor, size) to this file")
     add_glibc_defaults(ops)
     ops.set_defaults(func=main)
 

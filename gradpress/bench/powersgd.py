@@ -38,13 +38,14 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
 
-from gradpress import cli
 from gradpress.bench import add_bench, run_as_script, spawn
+from gradpress.testbed import arguments
+from gradpress.testbed.train import model_spec
 
 VARIANTS = ("torch-allreduce", "torch-powersgd", "gradpress-powersgd")
 
@@ -111,13 +112,14 @@ def bench_matrix(rows: int = 2048, cols: int = 2048, rank: int = 1, repeats: int
                  seed: int = 0) -> MatrixRecord:
     """Time ``powersgd:rank=rank`` on one float32 matrix beside its matrix products (module docstring)."""
     import gradpress
-    from gradpress.compressors.powersgd import _product, orthonormal_rows, p_product, q_product
+    from gradpress.compressors.powersgd import PowerSGD, _product, orthonormal_rows, p_product, q_product
     from gradpress.core.rng import Context
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         compressor = gradpress.make(f"powersgd:rank={rank}")
+        assert isinstance(compressor, PowerSGD)
         generator = torch.Generator().manual_seed(seed)
         matrix = torch.randn(rows, cols, generator=generator)
         dims = compressor.factors(matrix.shape)
@@ -167,7 +169,7 @@ class _Recorder:
     def wrap(self, inner: Callable) -> Callable:
         def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks hook annotations literally
             if self.active:
-                for p, g in zip(bucket.parameters(), bucket.gradients()):
+                for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
                     self.local[id(p)] = g.detach().clone()
             return inner(state, bucket)
 
@@ -182,14 +184,16 @@ class _Recorder:
         exact = torch.cat([self.local[id(p)].reshape(-1) for p in params]).double()
         dist.all_reduce(exact)
         exact /= dist.get_world_size()
-        got = torch.cat([p.grad.reshape(-1) for p in params]).double()
+        got = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in params]).double()  # (after backward)
         self.local.clear()
         return float((got - exact).square().sum() / exact.square().sum())
 
 
-def _install(variant: str, ddp: nn.Module, recorder: _Recorder, args: dict[str, Any]) -> None:
-    import gradpress
+def _install(variant: str, ddp: nn.parallel.DistributedDataParallel, recorder: _Recorder,
+             args: dict[str, Any]) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    import gradpress
 
     if variant == "torch-allreduce":
         ddp.register_comm_hook(None, recorder.wrap(default_hooks.allreduce_hook))
@@ -199,9 +203,9 @@ def _install(variant: str, ddp: nn.Module, recorder: _Recorder, args: dict[str, 
                                             use_error_feedback=True, warm_start=True, random_seed=args["seed"])
         ddp.register_comm_hook(state, recorder.wrap(powerSGD_hook.powerSGD_hook))
     elif variant == "gradpress-powersgd":
-        state, hook = gradpress.ddp_comm_hook(f"powersgd:rank={args['rank']}", model=ddp.module,
-                                              warmup_steps=args["start"], seed=args["seed"])
-        ddp.register_comm_hook(state, recorder.wrap(hook))
+        ours, hook = gradpress.ddp_comm_hook(f"powersgd:rank={args['rank']}", model=ddp.module,
+                                             warmup_steps=args["start"], seed=args["seed"])
+        ddp.register_comm_hook(ours, recorder.wrap(hook))
     else:
         raise ValueError(f"unknown variant {variant!r}; variants: {', '.join(VARIANTS)}")
 
@@ -217,7 +221,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     lr = args["lr"] if args["lr"] is not None else model_config(args["model"], data).lr
     torch.manual_seed(args["seed"])
     initial = make_model(args["model"], data=data).state_dict()
-    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, _Recorder]] = {}
+    runs: dict[str, tuple[nn.parallel.DistributedDataParallel, torch.optim.Optimizer, _Recorder]] = {}
     for variant in VARIANTS:
         model = make_model(args["model"], data=data)
         model.load_state_dict(initial)
@@ -330,58 +334,65 @@ def parse_matrix(text: str) -> tuple[int, int] | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rank", type=cli.positive_int, default=1,
+    parser.add_argument("--rank", type=arguments.positive_int, default=1,
                         help="PowerSGD rank r for both hooks (default 1)")
-    parser.add_argument("--steps", type=cli.positive_int, default=300, help="training steps")
-    parser.add_argument("--workers", type=cli.positive_int, default=2, help="Gloo processes")
-    parser.add_argument("--start", type=cli.integer(2), default=2,
+    parser.add_argument("--steps", type=arguments.positive_int, default=300, help="training steps")
+    parser.add_argument("--workers", type=arguments.positive_int, default=2, help="Gloo processes")
+    parser.add_argument("--start", type=arguments.integer(2), default=2,
                         help="uncompressed first steps (torch's start_powerSGD_iter, gradpress's warmup_steps); >= 2")
-    parser.add_argument("--batch", type=cli.positive_int, default=64, help="batch size per worker")
-    parser.add_argument("--nmse-steps", type=cli.positive_int, default=5,
+    parser.add_argument("--batch", type=arguments.positive_int, default=64, help="batch size per worker")
+    parser.add_argument("--nmse-steps", type=arguments.positive_int, default=5,
                         help="NMSE at the first and the last N compressed steps")
     parser.add_argument("--dataset", default="fashion-mnist", choices=("fashion-mnist", "synthetic"),
                         help="fashion-mnist or synthetic")
-    parser.add_argument("--model", type=cli.model, default="mlp",
+    parser.add_argument("--model", type=model_spec, default="mlp",
                         help="a testbed classification model spec (default mlp)")
-    parser.add_argument("--lr", type=cli.positive_float, help="SGD learning rate (default: the model's)")
-    parser.add_argument("--momentum", type=cli.non_negative_float, default=0.0,
+    parser.add_argument("--lr", type=arguments.positive_float,
+                        help="SGD learning rate (default: the model's)")
+    parser.add_argument("--momentum", type=arguments.non_negative_float, default=0.0,
                         help="SGD momentum (default 0: GRACE §5 trains PowerSGD with vanilla SGD)")
-    parser.add_argument("--bucket-cap-mb", type=cli.positive_float, default=1000.0,
+    parser.add_argument("--bucket-cap-mb", type=arguments.positive_float, default=1000.0,
                         help="DDP bucket size (default: one bucket; several make torch's hook fail on Gloo)")
-    parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads (per worker)")
-    parser.add_argument("--seed", type=cli.seed, default=0)
+    parser.add_argument("--threads", type=arguments.positive_int, default=1,
+                        help="torch threads (per worker)")
+    parser.add_argument("--seed", type=arguments.seed, default=0)
     parser.add_argument("--matrix", type=parse_matrix, default=(2048, 2048),
                         help="ROWSxCOLS of the single-matrix timing, or 'none' (default 2048x2048)")
-    parser.add_argument("--repeats", type=cli.positive_int, default=21,
+    parser.add_argument("--repeats", type=arguments.positive_int, default=21,
                         help="timed repetitions of the single-matrix timing")
     parser.add_argument("--no-training", action="store_true", help="only the single-matrix timing")
-    parser.add_argument("--json", type=cli.output_file, help="write the records to this file")
+    parser.add_argument("--json", type=arguments.output_file, help="write the records to this file")
 
 
 def _check(args: argparse.Namespace) -> None:
     """What the arguments together must allow, before any process starts (UsageError)."""
     import gradpress
+    from gradpress.compressors.powersgd import PowerSGD
     from gradpress.testbed.data import DataUnavailable
     from gradpress.testbed.train import check_model
 
-    if args.matrix is not None and gradpress.make(f"powersgd:rank={args.rank}").factors(args.matrix) is None:
-        rows, cols = args.matrix
-        raise cli.UsageError(f"--matrix {rows}x{cols}: not compressed at --rank {args.rank} (too small a saving)")
+    if args.matrix is not None:
+        compressor = gradpress.make(f"powersgd:rank={args.rank}")
+        assert isinstance(compressor, PowerSGD)
+        if compressor.factors(args.matrix) is None:
+            rows, cols = args.matrix
+            raise arguments.UsageError(f"--matrix {rows}x{cols}: not compressed at --rank {args.rank} "
+                                       "(too small a saving)")
     if args.no_training:
         return
     if args.start >= args.steps:
-        raise cli.UsageError(f"--start {args.start}: no compressed step in --steps {args.steps}")
+        raise arguments.UsageError(f"--start {args.start}: no compressed step in --steps {args.steps}")
     try:
         dataset = _dataset(args.dataset, args.seed)
     except DataUnavailable as error:
-        raise cli.UsageError(f"--dataset {args.dataset}: {error}") from None
+        raise arguments.UsageError(f"--dataset {args.dataset}: {error}") from None
     try:
         check_model(args.model, dataset)
     except ValueError as error:
-        raise cli.UsageError(f"--model {args.model}: {error}") from None
+        raise arguments.UsageError(f"--model {args.model}: {error}") from None
     if len(dataset.train) < args.workers:
-        raise cli.UsageError(f"--workers {args.workers}: {args.dataset} has {len(dataset.train)} training samples, "
-                             "fewer than one per worker")
+        raise arguments.UsageError(f"--workers {args.workers}: {args.dataset} has {len(dataset.train)} training samples, "
+                                   "fewer than one per worker")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpress import cli
 from gradpress.bench import add_bench, run_as_script, spawn, write_json
-from gradpress.testbed.train import copy_s
+from gradpress.testbed import arguments
+from gradpress.testbed.train import copy_s, model_spec
 
 
 def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -86,16 +86,16 @@ def run(specs: list[str], model: str = "mlp-wide", workers: int = 2, batch: int 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compressors", type=cli.compressor_list(), default="topk:ratio=0.01,natural,qsgd,thc",
+    parser.add_argument("--compressors", type=arguments.compressor_list(), default="topk:ratio=0.01,natural,qsgd,thc",
                         help="comma-separated gradpress specs")
-    parser.add_argument("--model", type=cli.model, default="mlp-wide", help="a testbed model spec")
-    parser.add_argument("--workers", type=cli.positive_int, default=2)
-    parser.add_argument("--batch", type=cli.positive_int, default=64)
-    parser.add_argument("--steps", type=cli.positive_int, default=20, help="timed steps per variant")
-    parser.add_argument("--warmup", type=cli.positive_int, default=3)
+    parser.add_argument("--model", type=model_spec, default="mlp-wide", help="a testbed model spec")
+    parser.add_argument("--workers", type=arguments.positive_int, default=2)
+    parser.add_argument("--batch", type=arguments.positive_int, default=64)
+    parser.add_argument("--steps", type=arguments.positive_int, default=20, help="timed steps per variant")
+    parser.add_argument("--warmup", type=arguments.positive_int, default=3)
     parser.add_argument("--feedback", choices=("both", "default", "none"), default="both",
                         help="the method's default memory, none, or both (default)")
-    parser.add_argument("--json", type=cli.output_file, help="write the figures to this file")
+    parser.add_argument("--json", type=arguments.output_file, help="write the figures to this file")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
           f"batch {args.batch}, one thread each; medians of {args.steps} steps, rank 0")
     print(f"  {'spec':28s} {'feedback':9s} {'compress':>14s} {'decompress':>14s} {'step':>9s}   copy")
     for r in runs:
-        copies = lambda ms: f"{ms:6.2f} ms {ms / r['copy_ms']:4.1f}×"  # noqa: E731
+        copies = lambda ms, r=r: f"{ms:6.2f} ms {ms / r['copy_ms']:4.1f}×"  # noqa: E731
         print(f"  {r['spec']:28s} {r['feedback']:9s} {copies(r['compress_ms'])} {copies(r['decompress_ms'])} "
               f"{r['step_ms']:6.1f} ms   {r['copy_ms']:.2f} ms")
     if args.json:

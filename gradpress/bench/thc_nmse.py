@@ -32,8 +32,8 @@ from typing import Callable, Sequence
 import torch
 
 import gradpress
-from gradpress import cli
 from gradpress.bench import add_bench
+from gradpress.testbed import arguments
 
 DEFAULT_BITS = (2, 3, 4)
 DEFAULT_GRANULARITIES = (3, 7, 8, 12, 15, 16, 20, 24, 30, 36, 44, 51)
@@ -93,6 +93,8 @@ def nmse_vs_granularity(
     """App. D.4: mean NMSE of THC over ``repeats`` lognormal vectors copied to ``workers`` workers, for
     every b in ``bits`` and every granularity g ≥ 2^b − 1 in ``granularities`` (``symmetric``: the
     published tables, or the unrestricted optimum)."""
+    from gradpress.compressors.thc import THC
+
     records = []
     for b in bits:
         for g in granularities:
@@ -101,6 +103,7 @@ def nmse_vs_granularity(
             spec = f"thc:bits={b},granularity={g},p={p!r},symmetric={str(symmetric).lower()}"
             progress(spec)
             compressor = gradpress.make(spec)
+            assert isinstance(compressor, THC)
             generator = torch.Generator().manual_seed(seed)
             errors = []
             for rep in range(repeats):
@@ -132,7 +135,7 @@ def nmse_vs_workers(
                 shared = lognormal(dim, generator)
                 xs = [shared + torch.randn(dim, generator=generator) for _ in range(n)]
                 simulator = gradpress.Simulator(spec, n, seed=seed + rep)
-                errors.append(nmse(simulator.step(xs), sum(xs) / n))
+                errors.append(nmse(simulator.step(xs), sum(xs[1:], xs[0]) / n))
                 received.append(simulator.stats()[-1]["total"]["received_bytes"] / dim)
             upstream = compressor.compress(xs[0]).nbytes * 8 / dim
             records.append(WorkersRecord(compressor.spec, n, dim, repeats, statistics.fmean(errors), upstream,
@@ -160,9 +163,9 @@ def render(by_granularity: list[GranularityRecord], by_workers: list[WorkersReco
             table.add_row(str(g), *(cells.get(b, "") for b in bits))
         console.print(table)
     if by_workers:
-        first = by_workers[0]
+        head = by_workers[0]
         table = Table(title=f"NMSE of the aggregate vs workers (Section 8.4): x_i = lognormal + N(0,1), "
-                            f"d={first.dim}, mean of {first.repeats}")
+                            f"d={head.dim}, mean of {head.repeats}")
         for column in ("spec", "workers", "upstream bits/value", "received B/value", "NMSE"):
             table.add_column(column, justify="left" if column == "spec" else "right")
         for r in by_workers:
@@ -181,11 +184,11 @@ def plot(by_granularity: list[GranularityRecord], by_workers: list[WorkersRecord
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for b in sorted({r.bits for r in by_granularity}):
         points = [(r.granularity, r.nmse) for r in by_granularity if r.bits == b]
-        left.plot(*zip(*points), marker="o", label=f"THC b={b}")
+        left.plot(*zip(*points, strict=True), marker="o", label=f"THC b={b}")
     left.set(xlabel="granularity g", ylabel="NMSE", yscale="log", title="THC vs granularity (App. D.4)")
     for spec in dict.fromkeys(r.spec for r in by_workers):
         points = [(r.workers, r.nmse) for r in by_workers if r.spec == spec]
-        right.plot(*zip(*points), marker="o", label=spec)
+        right.plot(*zip(*points, strict=True), marker="o", label=spec)
     right.set(xlabel="workers", ylabel="NMSE of the mean", yscale="log", title="4 bits/value upstream")
     right.set_xscale("log", base=2)
     counts = sorted({r.workers for r in by_workers})
@@ -208,7 +211,7 @@ def _check(args: argparse.Namespace) -> None:
                 try:
                     gradpress.make(f"thc:bits={b},granularity={g},p={args.p!r},symmetric={symmetric}")
                 except ValueError as error:
-                    raise cli.UsageError(f"--bits {b}, --granularities {g}, --p {args.p!r}: {error}") from None
+                    raise arguments.UsageError(f"--bits {b}, --granularities {g}, --p {args.p!r}: {error}") from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -234,30 +237,33 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bits", type=cli.int_list(1), default=",".join(map(str, DEFAULT_BITS)),
+    parser.add_argument("--bits", type=arguments.int_list(1), default=",".join(map(str, DEFAULT_BITS)),
                         help="bit budgets b (Figure 15: 2,3,4)")
-    parser.add_argument("--granularities", type=cli.int_list(1),
+    parser.add_argument("--granularities", type=arguments.int_list(1),
                         default=",".join(map(str, DEFAULT_GRANULARITIES)),
                         help="granularities g (those below 2^b − 1 are skipped for that b)")
-    parser.add_argument("--workers", type=cli.positive_int, default=10,
+    parser.add_argument("--workers", type=arguments.positive_int, default=10,
                         help="workers of the granularity sweep (App. D.4: 10)")
-    parser.add_argument("--p", type=cli.positive_float, default="1/1024",
+    parser.add_argument("--p", type=arguments.positive_float, default="1/1024",
                         help="THC's p of the granularity sweep (App. D.4: 1/1024)")
     parser.add_argument("--asymmetric", action="store_true",
                         help="granularity sweep with the unrestricted optimal tables (thc:symmetric=false)")
-    parser.add_argument("--dim", type=cli.size, default=1 << 14, help="values per vector (2^14 allowed)")
-    parser.add_argument("--repeats", type=cli.positive_int, default=10,
+    parser.add_argument("--dim", type=arguments.size, default=1 << 14,
+                        help="values per vector (2^14 allowed)")
+    parser.add_argument("--repeats", type=arguments.positive_int, default=10,
                         help="vectors per granularity point (the paper: 100)")
-    parser.add_argument("--workers-list", type=cli.int_list(1), default=",".join(map(str, DEFAULT_WORKERS)),
+    parser.add_argument("--workers-list", type=arguments.int_list(1),
+                        default=",".join(map(str, DEFAULT_WORKERS)),
                         help="numbers of workers of the scalability sweep")
-    parser.add_argument("--specs", type=cli.compressor_list(), default=",".join(SAME_BITS),
+    parser.add_argument("--specs", type=arguments.compressor_list(), default=",".join(SAME_BITS),
                         help="comma-separated specs of the scalability sweep (default: 4 bits per value each)")
-    parser.add_argument("--worker-repeats", type=cli.positive_int, default=3,
+    parser.add_argument("--worker-repeats", type=arguments.positive_int, default=3,
                         help="draws per (spec, workers) point")
-    parser.add_argument("--threads", type=cli.positive_int, default=1)
-    parser.add_argument("--seed", type=cli.seed, default=0)
-    parser.add_argument("--json", type=cli.output_file, help="write every record to this file")
-    parser.add_argument("--plot", type=cli.output_file, help="write both sweeps as a PNG figure to this file")
+    parser.add_argument("--threads", type=arguments.positive_int, default=1)
+    parser.add_argument("--seed", type=arguments.seed, default=0)
+    parser.add_argument("--json", type=arguments.output_file, help="write every record to this file")
+    parser.add_argument("--plot", type=arguments.output_file,
+                        help="write both sweeps as a PNG figure to this file")
 
 
 def add_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None:

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import as_numpy, jit, use_numba
-from gradpress.core.compressor import Compressor, register
 from gradpress.compressors.onebit import as_float32, fixed_point_scale, mean_of, to_fixed
 from gradpress.compressors.threshold import draw_sample
+from gradpress.core.compressor import Compressor, register
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import as_numpy, jit, use_numba
 
 
 @register("adaptive")

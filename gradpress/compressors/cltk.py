@@ -42,13 +42,13 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import as_numpy, jit, use_numba, wide_vectors
-from gradpress.core.compressor import Compressor, Preliminary, register
 from gradpress.compressors.sparsify import scatter, topk_indices
+from gradpress.core.compressor import Compressor, Preliminary, register
 from gradpress.core.feedback import KeyedMemory, feedback_registry
 from gradpress.core.packet import Packet
 from gradpress.core.registry import check_params_of, param
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import as_numpy, jit, use_numba, wide_vectors
 
 Select = Literal["chunk", "exact"]
 
@@ -105,9 +105,11 @@ class CLTK(Compressor):
             mine = torch.zeros(self.kept_count(numel), dtype=dtype, device=x.device)
         return Preliminary(mine, "broadcast", src=leader)
 
-    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor) -> Packet:
+    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None = None) -> Packet:
         """This worker's values at the leader's indices (its own error-feedback gradient, Figure A2)."""
         k = self.kept_count(flat.numel())
+        if prepared is None:
+            raise ValueError(f"{self.spec}: expected {k} integer indices from the leader, got none")
         if prepared.dim() != 1 or prepared.numel() != k or prepared.is_floating_point():
             raise ValueError(f"{self.spec}: expected {k} integer indices from the leader, got "
                              f"{prepared.dtype} {tuple(prepared.shape)}")

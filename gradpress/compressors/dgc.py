@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from gradpress.core.compressor import check_finite, register
-from gradpress.compressors.sparsify import Sparse
 from gradpress.compressors.onebit import as_float32
+from gradpress.compressors.sparsify import Sparse
 from gradpress.compressors.threshold import packet_above, stratified_threshold
+from gradpress.core.compressor import check_finite, register
 from gradpress.core.feedback import Feedback, feedback_registry
 from gradpress.core.packet import Packet
 from gradpress.core.registry import check_params_of, param

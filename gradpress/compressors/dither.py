@@ -47,16 +47,22 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import ADD, as_numpy, fold_mode, jit, use_numba, wide_vectors
-from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.core.compressor import Compressor, check_finite, finish_fold, register
-from gradpress.compressors.dither_kernels import (CHUNK, U, _bucket_norms_numba, _decode_add_numba, _decode_numba,
-                                                  _encode_numba)
+from gradpress.compressors.dither_kernels import (
+    CHUNK,
+    U,
+    _bucket_norms_numba,
+    _decode_add_numba,
+    _decode_numba,
+    _encode_numba,
+)
 from gradpress.compressors.natural import Natural
 from gradpress.compressors.onebit import fixed_point_scale, mean_of, to_fixed
+from gradpress.core.compressor import Compressor, check_finite, finish_fold, register
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context, mix32_torch, seed32
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.kernels.jit import ADD, as_numpy, fold_mode, jit, use_numba, wide_vectors
 
 Norm = Literal["1", "2", "inf"]
 Partition = Literal["natural", "standard"]
@@ -183,6 +189,7 @@ def _values_torch(codes: torch.Tensor, scales: torch.Tensor, levels: int, natura
         level = torch.where(k > 0, torch.ldexp(torch.ones_like(scales), k - levels), 0.0)
         values = scales * level
     else:
+        assert norms is not None  # (the standard partition's decoding passes them)
         values = torch.minimum(scales * k.float(), norms)
     return torch.where(codes & 1 == 1, -values, values)
 

@@ -14,10 +14,27 @@ import math
 
 import numpy as np
 
-from gradpress.kernels.jit import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, bits_of_f32, bits_of_f64,
-                              f32_from_bits, f64_from_bits, fold, fold_top, fused, jit, kernel, mix32,
-                              mix32_from, mul32, wide_vectors)
 from gradpress.kernels.bits import pack_groups, unpack_groups
+from gradpress.kernels.jit import (
+    ADD,
+    FINISH,
+    FINISH_POW2,
+    GOLDEN,
+    STORE,
+    bits_of_f32,
+    bits_of_f64,
+    f32_from_bits,
+    f64_from_bits,
+    fold,
+    fold_top,
+    fused,
+    jit,
+    kernel,
+    mix32,
+    mix32_from,
+    mul32,
+    wide_vectors,
+)
 
 U = np.uint32
 CHUNK = 256  # the norm's summation order: a halves tree over each chunk, then over the chunk sums

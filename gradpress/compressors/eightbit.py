@@ -26,12 +26,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
-                              gather16, jit, kernel, use_numba)
-from gradpress.core.compressor import Compressor, finish_fold, register
 from gradpress.compressors.onebit import as_float32, checked_max_magnitude
+from gradpress.core.compressor import Compressor, finish_fold, register
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import (
+    ADD,
+    FINISH,
+    FINISH_POW2,
+    STORE,
+    as_numpy,
+    fold,
+    fold_mode,
+    fold_top,
+    fused,
+    gather16,
+    jit,
+    kernel,
+    use_numba,
+)
 
 
 def dynamic_tree_table() -> torch.Tensor:

@@ -2,16 +2,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Callable, ClassVar, NoReturn
 
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import (bits_of_f32, f16_bits_of_f32, f32_from_bits, f32_of_f16_bits, jit, use_numba,
-                              wide_vectors)
-from gradpress.core.compressor import Compressor, check_finite, count_nonfinite, register, scaled_sum, sum_addends
+from gradpress.core.compressor import (
+    Compressor,
+    check_finite,
+    count_nonfinite,
+    register,
+    scaled_sum,
+    sum_addends,
+)
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context
+from gradpress.kernels.jit import (
+    bits_of_f32,
+    f16_bits_of_f32,
+    f32_from_bits,
+    f32_of_f16_bits,
+    jit,
+    use_numba,
+    wide_vectors,
+)
 
 
 @register("none")
@@ -68,16 +82,20 @@ class _CheckedCast(_Cast):
 
     checks_finite = True  # NaN/Inf input is NaN/Inf in the 16-bit values, which are checked anyway
     precision = ""
+    #: the format's numba pass: float32 values (and the addends of a sum) -> its int16 bits, returning the
+    #: largest exponent field; and that field's all-ones value (Inf or NaN among the results)
+    _kernel: ClassVar[Callable[..., int]]
+    _all_ones: ClassVar[int]
 
     def compress(self, x: torch.Tensor, ctx: Context | None = None, *,
-                 prepared: torch.Tensor | None = None) -> Packet:
+                 prepared: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> Packet:
         """The base class's :meth:`~gradpress.core.compressor.Compressor.compress`, with a shortcut for the
         common case (a non-empty contiguous float32 CPU tensor): a cast is a single memory pass, so the
         checks and calls around it are a visible part of its cost."""
         if type(x) is torch.Tensor and x.dtype is torch.float32 and prepared is None and x.is_contiguous() \
                 and use_numba(x) and x.numel():
             return self._cast(x.detach(), x.shape)
-        return super().compress(x, ctx, prepared=prepared)
+        return super().compress(x, ctx, prepared=prepared, residual=residual)
 
     def _compress(self, flat: torch.Tensor, ctx: Context) -> Packet:
         if flat.dtype == torch.float32 and use_numba(flat):
@@ -93,10 +111,10 @@ class _CheckedCast(_Cast):
         bits = torch.empty(x.numel(), dtype=torch.int16)
         values = x.numpy()
         top = self._kernel(values if values.ndim == 1 else values.reshape(-1), bits.numpy())
-        values = bits.view(self.wire_dtype)
+        wire = bits.view(self.wire_dtype)
         if top == self._all_ones:
-            self._refuse(x.reshape(-1), values)
-        return Packet({"values": values}, shape, torch.float32)
+            self._refuse(x.reshape(-1), wire)
+        return Packet({"values": wire}, shape, torch.float32)
 
     def compress_residual_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
                               ctx: Context | None = None, beta: float = 1.0,

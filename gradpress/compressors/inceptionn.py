@@ -34,14 +34,14 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import as_numpy, f32_from_bits, jit, kernel, use_numba
-from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.core.compressor import Compressor, check_finite, register
 from gradpress.compressors import inceptionn_simd as simd
 from gradpress.compressors.onebit import as_float32
+from gradpress.core.compressor import Compressor, check_finite, register
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.kernels.jit import as_numpy, f32_from_bits, jit, kernel, use_numba
 
 FINE_STEP = 2.0**-15  # the 16-bit form's resolution
 PAYLOAD_BYTES = (0, 1, 2, 4)  # by tag
@@ -122,7 +122,7 @@ class INCEPTIONN(Compressor):
         self._check_payload(int(size.sum()), payload)
         start = torch.cumsum(size, 0) - size
         padded = torch.cat([payload, payload.new_zeros(4)]).to(torch.int64)
-        word = sum(padded[start + k] << (8 * k) for k in range(4))
+        word = sum((padded[start + k] << (8 * k) for k in range(1, 4)), padded[start])
         small = ((word & 0x7F).float() + 0.5) * self.error_bound
         fine = ((word & 0x7FFF).float() + 0.5) * FINE_STEP
         value = torch.where(tag == 1, _signed(small, word >> 7 & 1), _signed(fine, word >> 15 & 1))

@@ -37,12 +37,30 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import (ADD, FINISH, FINISH_POW2, GOLDEN, STORE, as_numpy, bits_of_f32, f32_from_bits,
-                              fold, fold_mode, fold_top, fused, jit, kernel, mix32, mix32_from, mul32,
-                              use_numba, wide_vectors)
 from gradpress.core.compressor import Compressor, check_finite, finish_fold, register
 from gradpress.core.packet import Packet
 from gradpress.core.rng import Context, mix32_torch, seed32
+from gradpress.kernels.jit import (
+    ADD,
+    FINISH,
+    FINISH_POW2,
+    GOLDEN,
+    STORE,
+    as_numpy,
+    bits_of_f32,
+    f32_from_bits,
+    fold,
+    fold_mode,
+    fold_top,
+    fused,
+    jit,
+    kernel,
+    mix32,
+    mix32_from,
+    mul32,
+    use_numba,
+    wide_vectors,
+)
 
 U = np.uint32
 WINDOW = 127  # powers of two a 7-bit code names (code 0 is zero)
@@ -317,7 +335,7 @@ def _encode_torch(x: torch.Tensor, seed: int, bottom: int, deterministic: bool) 
     negative, nonzero, exponent, _ = _split(rounded)
     below = nonzero & (exponent < bottom)
     if bool(below.any()):  # 0 or the window's smallest power P, unbiased (or nearest)
-        if deterministic:
+        if words is None:  # (deterministic)
             keep = _split(x[below])[2] == bottom - 1
         else:
             keep = _keep_power_torch(index[below], seed, words[below], bottom - exponent[below])

@@ -21,14 +21,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import (ADD, FINISH, FINISH_POW2, STORE, as_numpy, fold, fold_mode, fold_top, fused,
-                              jit, kernel, select_bits64, use_numba, wide_vectors)
-from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.core.compressor import Compressor, check_finite, finish_fold, register, sum_addends
-from gradpress.kernels.passes import scaled_into_bits
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.kernels.jit import (
+    ADD,
+    FINISH,
+    FINISH_POW2,
+    STORE,
+    as_numpy,
+    fold,
+    fold_mode,
+    fold_top,
+    fused,
+    jit,
+    kernel,
+    select_bits64,
+    use_numba,
+    wide_vectors,
+)
+from gradpress.kernels.passes import scaled_into_bits
 
 
 # -- exact group means (shared with sign.py, adaptive.py, sketchml.py) -----------------------------

@@ -48,13 +48,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradpress.kernels import simd as V
-from gradpress.kernels.jit import jit, use_numba
-from gradpress.core.compressor import (Compressor, Preliminary, check_finite, divide, float32_output,
-                                  register, saturate)
+from gradpress.core.compressor import (
+    Compressor,
+    Preliminary,
+    check_finite,
+    divide,
+    float32_output,
+    register,
+    saturate,
+)
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context
+from gradpress.kernels import simd as V
+from gradpress.kernels.jit import jit, use_numba
 
 
 @register("powersgd")
@@ -150,7 +157,7 @@ class PowerSGD(Compressor):
         generator = ctx.shared_generator(device, "powersgd.q")
         return torch.randn(r, n, generator=generator, device=device, dtype=torch.float32)
 
-    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None) -> Packet:
+    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None = None) -> Packet:
         """Algorithm 1, P̂ ← ORTHOGONALIZE(ΣP) and Q ← Mᵀ P̂ (this worker's), from ``prepared`` = ΣPᵀ.
 
         NaN/Inf (``checks_finite``): uncompressed tensors are checked here. A compressed one is not read

@@ -15,19 +15,37 @@ import numpy as np
 import torch
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from gradpress.kernels import simd as V
-from gradpress.kernels.jit import (as_numpy, f64_from_bits, jit, kernel, select_bits64, sign_bits64, sign_flags64,
-                              use_numba, wide_vectors)
-from gradpress.kernels.bits import packed_nbytes, unpack_bits
-from gradpress.core.compressor import Compressor, check_finite, register, scaled_sum, sum_addends
-from gradpress.kernels.passes import scaled_into_bits
+from gradpress.compressors.onebit import (
+    add_two_levels,
+    as_float32,
+    checked_fixed_point_scale,
+    decode_two_levels,
+    fold_two_levels,
+    mean_of,
+    minus_levels,
+    pack_mask,
+    to_fixed,
+)
 from gradpress.compressors.sparsify import float32_decompress
-from gradpress.compressors.onebit import (add_two_levels, as_float32, checked_fixed_point_scale, decode_two_levels,
-                                          fold_two_levels, mean_of, minus_levels, pack_mask, to_fixed)
+from gradpress.core.compressor import Compressor, check_finite, register, scaled_sum, sum_addends
 from gradpress.core.feedback import KeyedMemory, SumParts, feedback_registry, spare_for
 from gradpress.core.packet import Packet
 from gradpress.core.registry import check_params_of, param
 from gradpress.core.rng import Context
+from gradpress.kernels import simd as V
+from gradpress.kernels.bits import packed_nbytes, unpack_bits
+from gradpress.kernels.jit import (
+    as_numpy,
+    f64_from_bits,
+    jit,
+    kernel,
+    select_bits64,
+    sign_bits64,
+    sign_flags64,
+    use_numba,
+    wide_vectors,
+)
+from gradpress.kernels.passes import scaled_into_bits
 
 
 @register("signsgd")

@@ -33,21 +33,36 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
-from gradpress.kernels.jit import (as_numpy, bits_of_f32, f32_from_bits, gather16, jit, kernel, mix32, use_numba,
-                              wide_vectors)
-from gradpress.core.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output,
-                                 nonfinite_error, register)
 from gradpress.compressors.sparsify import keep_count, select_largest, topk_indices
+from gradpress.core.compressor import (
+    Compressor,
+    check_finite,
+    count_nonfinite,
+    divide,
+    float32_output,
+    nonfinite_error,
+    register,
+)
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context, mix32_torch, seed32
+from gradpress.kernels.jit import (
+    as_numpy,
+    bits_of_f32,
+    f32_from_bits,
+    gather16,
+    jit,
+    kernel,
+    mix32,
+    use_numba,
+    wide_vectors,
+)
 
 # How many rows the tensor being compressed has (None: 1-D, or unknown). ``Compressor.compress``
 # flattens before ``_compress`` sees the tensor, so the public entry point records the shape here.

@@ -27,15 +27,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import as_numpy, gather16, jit, kernel, use_numba
-from gradpress.kernels.bits import pack_bits, unpack_bits
-from gradpress.core.compressor import Compressor, register
-from gradpress.compressors.eightbit import BLOCK, CROWDED, cell_table, lookup, lookup_add, order_key, rank_in_cell
+from gradpress.compressors.eightbit import (
+    BLOCK,
+    CROWDED,
+    cell_table,
+    lookup,
+    lookup_add,
+    order_key,
+    rank_in_cell,
+)
 from gradpress.compressors.onebit import as_float32, checked_extreme_and_nonzeros, fixed_point_scale, to_fixed
 from gradpress.compressors.threshold import draw_sample, select_above
+from gradpress.core.compressor import Compressor, register
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context
+from gradpress.kernels.bits import pack_bits, unpack_bits
+from gradpress.kernels.jit import as_numpy, gather16, jit, kernel, use_numba
 
 
 @register("sketchml")
@@ -128,12 +136,12 @@ def encode(values: torch.Tensor, edges: torch.Tensor, scale: float) -> tuple[tor
         return torch.empty(0, dtype=torch.uint8, device=values.device), values.new_zeros(0)
     if use_numba(values):
         codes = torch.empty(values.numel(), dtype=torch.uint8)
-        sums = np.zeros(buckets + 1, dtype=np.int64)
-        counts = np.zeros(buckets + 1, dtype=np.int64)
+        sums_np = np.zeros(buckets + 1, dtype=np.int64)
+        counts_np = np.zeros(buckets + 1, dtype=np.int64)
         edges_np = as_numpy(edges)
         cells, crowded = cell_table(edges_np)
-        _encode(as_numpy(values), edges_np, cells, crowded > 1, scale, as_numpy(codes), sums, counts)
-        sums, counts = torch.from_numpy(sums), torch.from_numpy(counts)
+        _encode(as_numpy(values), edges_np, cells, crowded > 1, scale, as_numpy(codes), sums_np, counts_np)
+        sums, counts = torch.from_numpy(sums_np), torch.from_numpy(counts_np)
     else:  # (on the gradients' device: the means are formed there, with no round trip to the host)
         codes = torch.where(values == 0, 0, torch.searchsorted(edges, values) + 1)
         sums = torch.zeros(buckets + 1, dtype=torch.int64, device=values.device)

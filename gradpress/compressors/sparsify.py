@@ -15,17 +15,32 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from gradpress.kernels import simd as V
-from gradpress.kernels.jit import (as_numpy, bits_of_f32, compress_at_least16, finite, jit, kernel, mix32,
-                              use_numba, wide_vectors)
-from gradpress.core.compressor import (Compressor, check_finite, count_nonfinite, divide, float32_output, register,
-                                 sum_addends)
+from gradpress.core.compressor import (
+    Compressor,
+    check_finite,
+    count_nonfinite,
+    divide,
+    float32_output,
+    register,
+    sum_addends,
+)
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context, mix32_torch, seed32
+from gradpress.kernels import simd as V
+from gradpress.kernels.jit import (
+    as_numpy,
+    bits_of_f32,
+    compress_at_least16,
+    finite,
+    jit,
+    kernel,
+    mix32,
+    use_numba,
+    wide_vectors,
+)
 
 
 def keep_count(numel: int, ratio: float) -> int:
@@ -105,7 +120,7 @@ class Sparse(Compressor):
         pairs = [self.sparse(packet) for packet in packets]
         if not all(p.numel == first.numel and i.device.type == "cpu" and i.dtype == pairs[0][0].dtype
                    and i.dtype in (torch.int32, torch.int64) and v.dtype == torch.float32
-                   for p, (i, v) in zip(packets, pairs)):
+                   for p, (i, v) in zip(packets, pairs, strict=True)):
             return super().aggregate(packets, out)
         total = float32_output(out, first.numel)
         if total is None:
@@ -119,7 +134,7 @@ class Sparse(Compressor):
             if nonfinite != _UNORDERED:
                 break
             orders = [i.reshape(-1).argsort() for i, _ in pairs]  # (positions are distinct)
-            pairs = [(i.reshape(-1)[o], v.reshape(-1)[o]) for (i, v), o in zip(pairs, orders)]
+            pairs = [(i.reshape(-1)[o], v.reshape(-1)[o]) for (i, v), o in zip(pairs, orders, strict=True)]
         if nonfinite != 0:  # a position out of range, or a sum that overflowed
             return super().aggregate(packets, out)
         return total.view(first.shape)
@@ -355,14 +370,15 @@ def _sampled_top(values: torch.Tensor, k: int, where: str | Compressor,
             check_finite(values, named(where))
         # about want·stride candidates: room for twice that (then for all n, if more are found; with
         # a threshold of 0, the sample mostly zeros, every value is one)
-        capacity = min(n, 2 * want * stride + 1024) if threshold > 0.0 else n
+        room = min(n, 2 * want * stride + 1024) if threshold > 0.0 else n
         zeroed = addends is not None and residual and threshold > 0.0
-        for capacity in dict.fromkeys((capacity, n)):
+        for capacity in dict.fromkeys((room, n)):
             kept = np.empty(capacity + 16, dtype=np.float32)
             positions = np.empty(capacity + 16, dtype=np.int32)
             # (with addends: the sum's one pass, written in full even when the room runs out)
             count = _collect_at_least(x, addends, np.float32(threshold), kept, positions, zeroed)
-            if zeroed and (count < k or not _all_finite(kept[:count])):  # (count −1: the room ran out)
+            # (count −1: the room ran out)
+            if zeroed and addends is not None and (count < k or not _all_finite(kept[:count])):
                 _add(*addends, x)  # the sum in full, candidates included, for what follows
                 zeroed = False
             addends = None

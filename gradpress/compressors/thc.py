@@ -74,19 +74,46 @@ import numpy as np
 import torch
 from scipy.special import ndtri
 
-from gradpress.kernels import simd as V
-from gradpress.kernels.jit import GOLDEN, as_numpy, bits_of_f32, jit, kernel, mix32, squares, use_numba
-from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
-from gradpress.core.compressor import (Compressor, Preliminary, check_finite, float32_output, register, saturate,
-                                 sum_addends)
-from gradpress.kernels.hadamard import (_PANEL, _STREAMED, DEFAULT_PARTITION, ONE, _columns_but_last, _geometry, _kernel_args,
-                                _last_group, _load_signed, _load_signed_rows, _negative, _quad, _radix_any,
-                                _inverse_store, _row_rest, _row_small, _stages, apply_rht, inverse_columns, inverse_rht,
-                                rht_layout, work_buffer)
+from gradpress.compressors.thc_table import thc_table
+from gradpress.core.compressor import (
+    Compressor,
+    Preliminary,
+    check_finite,
+    float32_output,
+    register,
+    saturate,
+    sum_addends,
+)
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context, mix32_torch, seed32
-from gradpress.compressors.thc_table import thc_table
+from gradpress.kernels import simd as V
+from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.kernels.hadamard import (
+    DEFAULT_PARTITION,
+    ONE,
+    _PANEL,
+    _STREAMED,
+    _columns_but_last,
+    _geometry,
+    _inverse_store,
+    _kernel_args,
+    _last_group,
+    _load_signed,
+    _load_signed_rows,
+    _negative,
+    _quad,
+    _radix_any,
+    _row_rest,
+    _row_small,
+    _stages,
+    apply_rht,
+    inverse_columns,
+    inverse_rht,
+    rht_layout,
+    work_buffer,
+)
+from gradpress.kernels.jit import GOLDEN, as_numpy, bits_of_f32, jit, kernel, mix32, squares, use_numba
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -778,10 +805,11 @@ class UniformTHC(_Homomorphic):
         lo, hi = torch.aminmax(x.reshape(-1))
         return Preliminary(torch.stack([-lo, hi]).float(), "max")
 
-    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor) -> Packet:
+    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None = None) -> Packet:
         """Algorithm 1 line 5: X_i = USQ(∇_i, m, M, b)."""
-        if prepared.numel() != 2:
-            raise ValueError(f"{self.spec}: expected the prepared (−min, max), got {prepared.numel()} values")
+        if prepared is None or prepared.numel() != 2:
+            raise ValueError(f"{self.spec}: expected the prepared (−min, max), got "
+                             f"{0 if prepared is None else prepared.numel()} values")
         lo, hi = -float(prepared[0]), float(prepared[1])
         if not (math.isfinite(lo) and math.isfinite(hi)):
             check_finite(flat, self.spec)  # (NaN/Inf input: its own range is NaN/Inf)
@@ -880,7 +908,7 @@ class THC(_Homomorphic):
         return Preliminary(torch.linalg.vector_norm(flat, dtype=torch.float64).view(1), "max")
 
     def prepare_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, ctx: Context,
-                    world_size: int, beta: float = 1.0, gamma: float = 1.0) -> Preliminary:
+                    world_size: int, beta: float = 1.0, gamma: float = 1.0) -> Preliminary | None:
         """:meth:`prepare` of φ = β·m + γ·g with φ formed in ``out`` in the pass that sums its squares
         (see :meth:`Compressor.prepare_sum`): Algorithm 3 line 5's error feedback and line 6's norm in one
         pass, ℓ's bits those of :meth:`prepare` of φ."""
@@ -889,13 +917,13 @@ class THC(_Homomorphic):
             return super().prepare_sum(memory, grad, out, ctx, world_size, beta, gamma)
         return _norm_of_squares(squares(as_numpy(out).reshape(-1), addends, out.numel() >= _STREAMED))
 
-    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor,
+    def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None) -> Packet:
         """Algorithm 3 lines 9-15; on the CPU, with ``residual`` (:meth:`Compressor.compress`), also line 21's
         e = x − RHT⁻¹(X), formed from the rotated values as they are quantized (:func:`_thc_compress_residual`)."""
-        if prepared.numel() != 1:
-            raise ValueError(f"{self.spec}: expected the prepared largest norm, got {prepared.numel()} "
-                             "values")
+        if prepared is None or prepared.numel() != 1:
+            raise ValueError(f"{self.spec}: expected the prepared largest norm, got "
+                             f"{0 if prepared is None else prepared.numel()} values")
         ell = float(prepared[0])
         if not math.isfinite(ell):
             check_finite(flat, self.spec)  # (NaN/Inf input: its own norm is NaN/Inf)
@@ -924,7 +952,7 @@ class THC(_Homomorphic):
                     np.uint64(self.bits), as_numpy(codes))
             fused = (residual is not None and flat.dtype == torch.float32 and residual.dtype == torch.float32
                      and residual.numel() == flat.numel() and residual.is_contiguous() and use_numba(residual))
-            if fused:
+            if fused and residual is not None:
                 factor = np.float32(2.0 * bound / self.granularity)  # the decoder's scale (count 1)
                 centred = self.grid.values32.astype(np.float32) - np.float32(self.granularity / 2)
                 exponent = _thc_compress_residual(*args, as_numpy(residual.view(-1)), centred, factor)

@@ -47,6 +47,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 
@@ -231,7 +232,7 @@ def _read_cache(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _is_table(stored: object, bits: int, granularity: int) -> bool:
+def _is_table(stored: object, bits: int, granularity: int) -> TypeGuard[list[int]]:
     return (
         isinstance(stored, list)
         and len(stored) == 1 << bits

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradpress.kernels.jit import abs_above64, as_numpy, compress_above16, jit, mix32, use_numba, wide_vectors
-from gradpress.core.compressor import Compressor, check_finite, register, scaled_sum, sum_addends
-from gradpress.kernels.passes import scaled_into_bits
 from gradpress.compressors.onebit import as_float32
 from gradpress.compressors.sparsify import Sparse, named
+from gradpress.core.compressor import Compressor, check_finite, register, scaled_sum, sum_addends
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context, mix32_torch, seed32
+from gradpress.kernels.jit import abs_above64, as_numpy, compress_above16, jit, mix32, use_numba, wide_vectors
+from gradpress.kernels.passes import scaled_into_bits
 
 MIN_SAMPLE = 4096  # below this many elements the threshold comes from the whole tensor, exactly
 MIN_KEPT = 50      # a sample large enough to hold this many kept elements (±14 % on the count)

@@ -17,11 +17,11 @@ from typing import Any, Callable, ClassVar, Literal
 import numpy as np
 import torch
 
-from gradpress.kernels.dispatch import as_numpy, use_numba
-from gradpress.kernels.warm import large_only
 from gradpress.core.packet import Packet
 from gradpress.core.registry import Registry, check_params_of, format_spec
 from gradpress.core.rng import Context
+from gradpress.kernels.dispatch import as_numpy, use_numba
+from gradpress.kernels.warm import large_only
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -455,8 +455,8 @@ def register(name: str) -> Callable[[type[Compressor]], type[Compressor]]:
             if facts:
                 raise TypeError(f"{cls.__name__}: {', '.join(facts)} is a class-level fact, not a spec parameter: "
                                 f"write it without a type annotation (e.g. `examples = (...)`) or as ClassVar[...]")
-            if cls.__dataclass_params__.repr:  # type: ignore[attr-defined]
-                cls.__repr__ = Compressor.__repr__  # type: ignore[method-assign]
+            if cls.__dataclass_params__.repr:
+                cls.__repr__ = Compressor.__repr__
         return registry.register(name)(cls)
 
     return decorate
@@ -540,7 +540,11 @@ class Compose(Compressor):
             raise ValueError(f"{self.first.spec!r} keeps a data-dependent number of values, which a second stage "
                              f"({self.second.spec!r}) cannot be decoded for on another worker yet: compose a "
                              "fixed-size first stage (topk, randomk, blocktopk, or a cast)")
-        self.kept = self.first.kept
+
+    @property
+    def kept(self) -> str:  # type: ignore[override]
+        assert self.first.kept is not None  # (checked as it is built)
+        return self.first.kept
 
     @property
     def unbiased(self) -> bool:  # type: ignore[override]

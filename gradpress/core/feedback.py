@@ -11,7 +11,7 @@ an optimizer's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
@@ -93,7 +93,7 @@ class Feedback:
 
     def snapshot(self, keys: list[str]) -> list[tuple[dict, dict]]:
         """The current entries of ``keys`` in every per-key dict of this memory."""
-        keyed = [getattr(self, f.name) for f in fields(self)] if hasattr(self, "__dataclass_fields__") else []
+        keyed: list[Any] = [getattr(self, f.name) for f in fields(self)] if is_dataclass(self) else []
         return [(d, {key: d.get(key, _MISSING) for key in keys}) for d in keyed if isinstance(d, dict)]
 
     def restore(self, snapshot: list[tuple[dict, dict]]) -> None:

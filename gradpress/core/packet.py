@@ -93,7 +93,7 @@ def _offsets(nbytes: Sequence[int], element_sizes: Sequence[int]) -> tuple[list[
     """Where :func:`pack` puts each tensor (a multiple of its element size, so that its slice views
     back as its dtype), and the buffer's size (a multiple of 8, so that buffers stack into rows)."""
     offsets, end = [], 0
-    for size, element in zip(nbytes, element_sizes):
+    for size, element in zip(nbytes, element_sizes, strict=True):
         start = -(-end // element) * element
         offsets.append(start)
         end = start + size
@@ -105,7 +105,7 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device, size: int | None
     element size, zero-padded to a multiple of 8 bytes, or to ``size`` bytes if given."""
     offsets, total = _offsets([t.numel() * t.element_size() for t in tensors], [t.element_size() for t in tensors])
     buffer = torch.zeros(max(total, size or 0), dtype=torch.uint8, device=device)
-    for t, offset in zip(tensors, offsets):
+    for t, offset in zip(tensors, offsets, strict=True):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[offset:offset + raw.numel()] = raw
     return buffer
@@ -114,16 +114,17 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device, size: int | None
 def unpack(buffer: torch.Tensor, layout: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
     """Views of ``buffer`` as the tensors :func:`pack` put there (``layout``: dtype and shape of each)."""
     elements = [dtype.itemsize for dtype, _ in layout]
-    nbytes = [math.prod(shape) * e for (_, shape), e in zip(layout, elements)]
+    nbytes = [math.prod(shape) * e for (_, shape), e in zip(layout, elements, strict=True)]
     offsets, _ = _offsets(nbytes, elements)
     return [buffer[o:o + b].view(dtype).view(shape) if b else buffer.new_empty(shape, dtype=dtype)
-            for (dtype, shape), o, b in zip(layout, offsets, nbytes)]  # (an empty row's offset may be unaligned)
+            for (dtype, shape), o, b in zip(layout, offsets, nbytes, strict=True)]  # (an empty row's offset may be unaligned)
 
 
 def packed_sizes(numels: Sequence[Sequence[int]], element_sizes: Sequence[int]) -> list[int]:
     """Bytes :func:`pack` needs for each row of ``numels`` (one row per rank, one column per tensor;
     numbers on the host, read once from the exchanged header)."""
-    return [_offsets([n * e for n, e in zip(row, element_sizes)], element_sizes)[1] for row in numels]
+    return [_offsets([n * e for n, e in zip(row, element_sizes, strict=True)], element_sizes)[1]
+            for row in numels]
 
 
 def received_layout(numels: Sequence[int], local: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
@@ -159,7 +160,7 @@ def adjacent(tensors: Sequence[torch.Tensor], writable: set[int]) -> torch.Tenso
             return None
         position += t.numel() * t.element_size()
     total = sum(t.numel() for t in tensors)
-    return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
+    return first.new_empty(0).set_(storage, first.storage_offset(), (total,), (1,))
 
 
 def concat(tensors: Sequence[torch.Tensor], writable: set[int]) -> torch.Tensor:

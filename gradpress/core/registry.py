@@ -264,6 +264,7 @@ class Range:
                 if not integer:
                     values.append(float(bound))
                 continue
+            edge: float
             if integer:
                 edge = math.floor(bound) if step < 0 else math.ceil(bound)
                 edge = edge if edge not in self else edge + step

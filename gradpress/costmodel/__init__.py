@@ -6,13 +6,41 @@ step's compute and DDP's buckets; :mod:`~gradpress.costmodel.method` a method's 
 wire costs per bucket; :mod:`~gradpress.costmodel.predict` puts them together into a predicted step.
 Every name is importable from the package.
 """
-from gradpress.costmodel.method import (BASELINE, BucketCost, LocalStep, MethodCost, Transfer, baseline_cost,
-                                        link_phases, measure_method, transfers_of)
-from gradpress.costmodel.network import (DEFAULT_LATENCY, STRATEGIES, TWO_WAY, Breakdown, BucketStep, Cost,
-                                         Observation, Phase, bandwidth_crossing, communication_cost,
-                                         communication_time, crossover_bandwidth, fit_alpha_beta, fit_efficiency,
-                                         fit_latency, fit_link, predict_bucketed_step, predict_step_time,
-                                         rate_bits_per_second, refill, steady_tokens, transfer_seconds)
+from gradpress.costmodel.method import (
+    BASELINE,
+    BucketCost,
+    LocalStep,
+    MethodCost,
+    Transfer,
+    baseline_cost,
+    link_phases,
+    measure_method,
+    transfers_of,
+)
+from gradpress.costmodel.network import (
+    DEFAULT_LATENCY,
+    STRATEGIES,
+    TWO_WAY,
+    Breakdown,
+    BucketStep,
+    Cost,
+    Observation,
+    Phase,
+    bandwidth_crossing,
+    communication_cost,
+    communication_time,
+    crossover_bandwidth,
+    fit_alpha_beta,
+    fit_efficiency,
+    fit_latency,
+    fit_link,
+    predict_bucketed_step,
+    predict_step_time,
+    rate_bits_per_second,
+    refill,
+    steady_tokens,
+    transfer_seconds,
+)
 from gradpress.costmodel.predict import calibrated, predict
 from gradpress.costmodel.profile import FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets
 

@@ -127,7 +127,8 @@ class MethodCost:
             raise ValueError(f"{self.spec}: costs of {len(self.buckets)} buckets for a profile of "
                              f"{len(profile.buckets)}")
         return [BucketStep(b.ready_s, c.compress_s, tuple(t.phase(n) for t in c.transfers),
-                           self.decompress_at(c, n)) for b, c in zip(profile.buckets, self.buckets)]
+                           self.decompress_at(c, n))
+                for b, c in zip(profile.buckets, self.buckets, strict=True)]
 
     def wire_bytes(self, n: int) -> float:
         """Bytes through each worker's link per step among ``n`` workers (the collectives' critical path)."""
@@ -157,7 +158,7 @@ def transfers_of(compressor: Any, items: Sequence[tuple[str, torch.Tensor]], wor
     transfers: list[Transfer] = []
     if compressor.prepares:
         groups: dict[tuple, float] = {}
-        for (key, tensor), ctx in zip(items, contexts):
+        for (_, tensor), ctx in zip(items, contexts, strict=True):
             pre = compressor.prepare(tensor.detach().contiguous(), ctx, workers)
             if pre is not None:
                 group = (pre.op, pre.src if pre.op == "broadcast" else -1, pre.values.dtype)
@@ -170,7 +171,8 @@ def transfers_of(compressor: Any, items: Sequence[tuple[str, torch.Tensor]], wor
                 flags = 0.0 if flags_given else _itemsize(dtype)
                 transfers.append(Transfer("allreduce", nbytes, per_worker=flags))
                 flags_given = True
-    packets = [compressor.compress(tensor.detach(), ctx) for (_, tensor), ctx in zip(items, contexts)]
+    packets = [compressor.compress(tensor.detach(), ctx)
+               for (_, tensor), ctx in zip(items, contexts, strict=True)]
     if compressor.exchange == "allreduce":
         summed: dict[torch.dtype, float] = {}
         for packet in packets:
@@ -241,7 +243,7 @@ def measure_method(spec: str, profile: ComputeProfile, grads: Sequence[Mapping[s
                                         for k in ("compress_s", "decompress_s", "packet_bytes")))
                 sent += after["sent_bytes"] - before["sent_bytes"]
     buckets = []
-    for keys, rows in zip(present, samples):
+    for keys, rows in zip(present, samples, strict=True):
         if not rows:
             buckets.append(BucketCost(0.0, 0.0, 0.0, ()))
             continue

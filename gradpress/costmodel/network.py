@@ -83,7 +83,6 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)$", re.I)
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
@@ -408,7 +407,7 @@ def bandwidth_crossing(step_time: Callable[[float], float], baseline_time: Calla
     grid = np.geomspace(low, high, points)
     if not pays(float(grid[0])):
         return 0.0
-    for below, above in zip(grid[:-1], grid[1:]):
+    for below, above in zip(grid[:-1], grid[1:], strict=True):
         if not pays(float(above)):
             lo, hi = math.log(below), math.log(above)
             for _ in range(40):
@@ -491,7 +490,7 @@ def fit_efficiency(observations: Sequence[Observation], bandwidth: float | str,
         raise ValueError("fit_efficiency needs an observation with bytes beyond the token bucket")
     a = np.array([[row.get(k, 0.0) for k in strategies] for row in rows], dtype=float)
     inverse, _ = nnls(a, np.array(times, dtype=float))
-    return {k: float(1.0 / x) for k, x in zip(strategies, inverse) if x > 0}
+    return {k: float(1.0 / x) for k, x in zip(strategies, inverse, strict=True) if x > 0}
 
 
 def fit_link(observations: Sequence[Observation], bandwidth: float | str,
@@ -521,13 +520,15 @@ def fit_link(observations: Sequence[Observation], bandwidth: float | str,
         raise ValueError("fit_link needs an observation with messages (n > 1)")
     a = np.array([[messages] + [row.get(k, 0.0) for k in strategies] for messages, row in rows], dtype=float)
     solution, _ = nnls(a, np.array(times, dtype=float))
-    return float(solution[0]), {k: float(1.0 / x) for k, x in zip(strategies, solution[1:]) if x > 0}
+    return float(solution[0]), {k: float(1.0 / x)
+                                for k, x in zip(strategies, solution[1:], strict=True) if x > 0}
 
 
 def _beyond_tokens(o: Observation, rate: float) -> tuple[float, dict[str, float]]:
     """An observation's messages, and per strategy the seconds at ``rate`` of its bytes beyond the
     tokens it starts with (drawn on phase by phase)."""
-    tokens, messages, row = float(o.tokens), 0.0, {}
+    tokens, messages = float(o.tokens), 0.0
+    row: dict[str, float] = {}
     for phase in _phases(o.phases):
         cost = phase.cost(o.n)
         messages += cost.messages

@@ -30,12 +30,21 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
-from gradpress.exchange.protocol import (AllGather, AllReduce, Broadcast, Collective, Gather, ReduceScatter, Round,
-                                fold_sum, traffic)
+from gradpress.exchange.protocol import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    Collective,
+    Gather,
+    ReduceScatter,
+    Round,
+    fold_sum,
+    traffic,
+)
 
 
 class Handle:
@@ -104,7 +113,8 @@ class ProcessGroupExecutor:
         self._allreduce_options = {}
         for name, op in self._ops.items():
             options = dist.AllreduceOptions()
-            options.reduceOp, options.asyncOp = op, True
+            # (torch's stubs type ReduceOp.SUM as a RedOpType, which this ReduceOp attribute takes)
+            options.reduceOp, options.asyncOp = cast(dist.ReduceOp, op), True
             self._allreduce_options[name] = options
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         _EXIT.adopt(self)
@@ -158,11 +168,11 @@ class ProcessGroupExecutor:
         if isinstance(request, Gather):
             if n == 1:
                 return None, lambda: t.unsqueeze(0)
-            mine = self.rank == request.dst
-            out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device) if mine else None
-            work = dist.gather(t, list(out.unbind(0)) if mine else None, dst=self._global(request.dst, group),
-                               group=group, async_op=True)
-            return work, lambda: out
+            gathered = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device) \
+                if self.rank == request.dst else None
+            work = dist.gather(t, list(gathered.unbind(0)) if gathered is not None else None,
+                               dst=self._global(request.dst, group), group=group, async_op=True)
+            return work, lambda: gathered
         raise TypeError(f"unknown collective {request!r}")
 
 
@@ -302,7 +312,8 @@ def all_settled(futures: list[torch.futures.Future], devices: list[torch.device]
     caller would then meet whichever failed first, which differs between ranks, instead of the failure
     of the first exchange started (the same on every rank, see :class:`gradpress.exchange.driver.Driver`).
     ``devices``: those of the futures' tensors (CUDA)."""
-    settled = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+    settled: torch.futures.Future[None] = torch.futures.Future(devices=[*devices]) if devices \
+        else torch.futures.Future()
     left = [len(futures)]
     lock = threading.Lock()
 

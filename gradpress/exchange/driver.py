@@ -65,7 +65,8 @@ def failed_future(error: BaseException, devices: list[torch.device] | None = Non
     RuntimeError quoting ``error``, and a caller in C++ (DDP's reducer) sees an error. (Python's
     ``Future.set_exception`` keeps the exception as the future's *value*, which DDP would try to read
     as the bucket: "Unable to cast … to Tensor".)"""
-    done = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+    done: torch.futures.Future[None] = torch.futures.Future(devices=[*devices]) if devices \
+        else torch.futures.Future()
     done.set_result(None)
 
     def fail(_: torch.futures.Future) -> None:
@@ -129,7 +130,7 @@ class Driver:
         if isinstance(round_, Round) and round_.final:
             return self._issue(run, round_).future(lambda results: self._finish(run, results),
                                                    lambda error: self._record(error, run.order))
-        run.future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        run.future = torch.futures.Future(devices=[*devices]) if devices else torch.futures.Future()
         if isinstance(round_, Round):
             run.handle = self._issue(run, round_)
             self._pending.append(run)
@@ -204,7 +205,7 @@ class Driver:
     def _resume(self, run: _Run, results: list | None) -> Round | StopIteration:
         """The protocol's next round, or its StopIteration (whose ``value`` is the protocol's result)."""
         try:
-            return run.protocol.send(results)
+            return run.protocol.send(results) if results is not None else next(run.protocol)
         except StopIteration as stop:
             return stop
         except BaseException as error:
@@ -231,6 +232,7 @@ class Driver:
 
     def _complete(self, run: _Run, value: Any) -> None:
         """Complete ``run.future`` with ``run.then(value)`` (on the calling thread)."""
+        assert run.future is not None  # (a run that started with a non-final round has one)
         try:
             result = run.then(value)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
@@ -252,6 +254,7 @@ class Driver:
 
     def _settle(self, run: _Run, results: list) -> None:
         """:meth:`_finish` for a run that started with a non-final round: completes its future."""
+        assert run.future is not None  # (as for _complete)
         try:
             value = self._finish(run, results)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
@@ -262,6 +265,7 @@ class Driver:
     def _abandon(self, run: _Run, error: BaseException) -> None:
         """A run's final round failed (on a backend thread): record it, fail the run's future."""
         self._record(error, run.order)
+        assert run.future is not None  # (as for _complete)
         if not run.future.done():
             run.future.set_exception(error)
 

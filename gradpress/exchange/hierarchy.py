@@ -242,7 +242,7 @@ class ShardPipeline(Pipeline):
         super().__init__(*args, **kwargs)
         self.whole: dict[str, int] = {}  # key -> the whole tensor's number of elements
 
-    def compresses(self, key: str, tensor: torch.Tensor) -> bool:
+    def compresses(self, key: str, tensor: torch.Tensor, name: str | None = None) -> bool:
         o = self.options
         if self.whole.get(key, tensor.numel()) < o.min_numel or self.steps.get(key, 0) < o.warmup_steps:
             return False
@@ -300,7 +300,7 @@ class HierarchicalPipeline:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{key!r}: expected a tensor, got {type(tensor).__name__}")
         steps = [self.steps.get(key, 0) for key in keys]
-        for key, step in zip(keys, steps):
+        for key, step in zip(keys, steps, strict=True):
             self.steps[key] = step + 1
         writable = writable or bucket is not None
         kinds: dict[tuple, list[int]] = {}
@@ -324,18 +324,18 @@ class HierarchicalPipeline:
         splits = [self._split(key, tuple(t.shape)) for key, t in items]
         offsets, totals = [], []
         for rank in range(k):
-            position, mine = 0, []
+            position, starts = 0, []
             for split in splits:
-                mine.append(position)
+                starts.append(position)
                 position += split.numel(rank)
-            offsets.append(mine)
+            offsets.append(starts)
             totals.append(position)
         chunk = max(totals)
         like = items[0][1]
         mine = torch.zeros(chunk + 1, dtype=like.dtype, device=like.device)  # the averaged shard, its status
         shard = mine[:totals[j]]
         parts = [(i, key, shard[offsets[j][i]:offsets[j][i] + split.numel(j)].view(split.part_shape(j)))
-                 for i, ((key, _), split) in enumerate(zip(items, splits)) if split.numel(j)]
+                 for i, ((key, _), split) in enumerate(zip(items, splits, strict=True)) if split.numel(j)]
         for i, key, _ in parts:
             self.inner.whole[key] = items[i][1].numel()
         inner = self.inner.groups([(key, part) for _, key, part in parts], bucket=shard, writable=True) \
@@ -354,7 +354,7 @@ class HierarchicalPipeline:
             if faulty:
                 send[:, chunk + j] = 1
             else:
-                for i, ((_, tensor), split) in enumerate(zip(items, splits)):
+                for i, ((_, tensor), split) in enumerate(zip(items, splits, strict=True)):
                     for rank in range(k):
                         n = split.numel(rank)
                         if n:
@@ -365,6 +365,7 @@ class HierarchicalPipeline:
         shard = mine[:sum(part.numel() for _, _, part in parts)]
         torch.div(row[:shard.numel()], k, out=shard)
         # 2. between nodes: this shard, by the method's own strategy
+        failure: Exception | None
         status, failure = _OK, None
         if inner:
             if flagged:  # every rank of this node marks its shard: every shard's exchange flags the node
@@ -383,9 +384,9 @@ class HierarchicalPipeline:
                 status, failure = _FAILED, error
             else:
                 views = [part for _, _, part in parts]
-                for group, averaged in zip(inner, averages):
+                for group, averaged in zip(inner, averages, strict=True):
                     outputs = [group.flat] if group.flat is not None else [views[i] for i in group.members]
-                    for output, average in zip(outputs, averaged):
+                    for output, average in zip(outputs, averaged, strict=True):
                         if average.data_ptr() != output.data_ptr() or average.dtype != output.dtype:
                             output.copy_(average.view(output.shape))
         else:  # no part of any tensor here: the nodes' flags travel alone
@@ -400,7 +401,7 @@ class HierarchicalPipeline:
             raise self._failed(items, statuses) from failure
         with self.stats.timer(step, "decompress_s"):
             out = []
-            for i, ((_, tensor), split) in enumerate(zip(items, splits)):
+            for i, ((_, tensor), split) in enumerate(zip(items, splits, strict=True)):
                 target = tensor.detach() if writable and tensor.is_contiguous() else torch.empty(
                     tensor.shape, dtype=tensor.dtype, device=tensor.device)
                 for rank in range(k):

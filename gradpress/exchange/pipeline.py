@@ -19,6 +19,7 @@ state before it loads.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import threading
 import time
@@ -28,13 +29,20 @@ from typing import Any, Sequence
 
 import torch
 
-from gradpress.exchange.agreement import agree
-from gradpress.core.compressor import (Compressor, NonFiniteError, any_nonfinite, divide_counting_nonfinite, make,
-                                  saturate, scaled_sum)
+from gradpress.core.compressor import (
+    Compressor,
+    NonFiniteError,
+    any_nonfinite,
+    divide_counting_nonfinite,
+    make,
+    saturate,
+    scaled_sum,
+)
 from gradpress.core.feedback import SumParts, make_feedback
 from gradpress.core.packet import Packet, adjacent
-from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
 from gradpress.core.rng import Context
+from gradpress.exchange.agreement import agree
+from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
 from gradpress.exchange.state import FORMAT, check, own_part, shapes_of
 from gradpress.exchange.strategy import MODES, OVERFLOW, Strategy, check_partial
 
@@ -167,7 +175,7 @@ class Stats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._total = dict.fromkeys(COUNTERS, 0)
+        self._total: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._steps: dict[int, dict[str, float]] = {}
 
     def add(self, step: int, **values: float) -> None:
@@ -337,11 +345,12 @@ class Pipeline:
         self.compressor = compressor
         self.feedback = make_feedback(options.feedback or self.compressor.default_feedback)
         self.master = master if master is not None else make(options.master) if options.master else None
-        common = dict(rank=rank, world_size=world_size, root=options.root, overflow=options.overflow,
-                      deterministic=options.deterministic, partial=options.partial)
-        self.strategy = Strategy(self.compressor, mode=options.mode, master=self.master, **common)
+        strategy = functools.partial(Strategy, rank=rank, world_size=world_size, root=options.root,
+                                     overflow=options.overflow, deterministic=options.deterministic,
+                                     partial=options.partial)
+        self.strategy = strategy(self.compressor, mode=options.mode, master=self.master)
         # uncompressed tensors meet like the rest, but a switch cannot add floats: the server does
-        self.plain = Strategy(make("none"), mode="collective" if options.mode == "collective" else "ps", **common)
+        self.plain = strategy(make("none"), mode="collective" if options.mode == "collective" else "ps")
         self.no_feedback = make_feedback("none")
         self.steps: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -414,7 +423,7 @@ class Pipeline:
         else:
             flags = [True] * len(items)
         steps = [self.steps.get(key, 0) for key in keys]
-        for key, step in zip(keys, steps):
+        for key, step in zip(keys, steps, strict=True):
             self.steps[key] = step + 1
         writable = writable or bucket is not None
         groups = []
@@ -459,9 +468,10 @@ class Pipeline:
         for key, tensor in items:
             if key not in self.shapes or self._expected_shapes:
                 self._record_shape(key, tuple(tensor.shape))
-        flags = [self.compresses(key, tensor, name) for (key, tensor), name in zip(rows[0], names)]
+        flags = [self.compresses(key, tensor, name)
+                 for (key, tensor), name in zip(rows[0], names, strict=True)]
         steps = [self.steps.get(key, 0) for key in keys]
-        for key, step in zip(keys, steps):
+        for key, step in zip(keys, steps, strict=True):
             self.steps[key] = step + 1
         groups = []
         for compressed in (True, False):
@@ -524,30 +534,31 @@ class Pipeline:
         strategy = self.strategy if compressed else self.plain
         feedback = self.feedback if compressed else self.no_feedback
         compressor, stats, step = strategy.compressor, self.stats, max(steps)
-        ctxs = [Context(self.options.seed, s, key, self.rank) for (key, _), s in zip(items, steps)]
+        ctxs = [Context(self.options.seed, s, key, self.rank)
+                for (key, _), s in zip(items, steps, strict=True)]
         grads = [grad.detach() for _, grad in items]
         keys = [key for key, _ in items]
         before = feedback.snapshot(keys) if feedback.updates else None
         start = time.perf_counter()
         # φ = β·m + γ·g formed by the compressor's first pass (its preliminary one, if it has one) where
         # the memory and the method allow it
-        sums = ([feedback.sum_parts(key, grad) for key, grad in zip(keys, grads)]
+        sums = ([feedback.sum_parts(key, grad) for key, grad in zip(keys, grads, strict=True)]
                 if feedback.updates else [None] * len(items))
         xs = [feedback.compensate(key, grad) if parts is None else parts.out
-              for (key, _), grad, parts in zip(items, grads, sums)]
-        inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads)]
+              for (key, _), grad, parts in zip(items, grads, sums, strict=True)]
+        inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads, strict=True)]
         faulty, carried = False, False
         prepared: list[torch.Tensor | None] = [None] * len(items)
         try:
             if compressor.prepares:
                 prelims = []
-                for i, (x, ctx, grad, parts) in enumerate(zip(inputs, ctxs, grads, sums)):
+                for i, (x, ctx, grad, parts) in enumerate(zip(inputs, ctxs, grads, sums, strict=True)):
                     pre = _prepare(compressor, x, ctx, self.world_size, grad, parts)
                     if pre is _FAULTY:  # the gradient's NaN/Inf, or φ's own overflow (then saturated)
                         saturated = _saturated(xs[i], grad)
                         pre = _FAULTY if saturated is None else _prepare(compressor, saturated, ctx,
                                                                          self.world_size)
-                        if pre is _FAULTY:
+                        if saturated is None or pre is _FAULTY:
                             faulty, saturated = True, torch.zeros_like(x)
                             pre = _prepare(compressor, saturated, ctx, self.world_size)
                         inputs[i] = saturated
@@ -562,7 +573,7 @@ class Pipeline:
             # a method with a preliminary exchange forms the residual in φ's own storage where φ is the
             # memory's (not the gradient) and is what is compressed (no cast): THC
             fuse = feedback.updates and feedback.keeps_residual and compressor.fuses_residual
-            for i, (given, x, ctx, ready, grad, parts) in enumerate(zip(inputs, xs, ctxs, prepared, grads, sums)):
+            for i, (given, x, ctx, ready, grad, parts) in enumerate(zip(inputs, xs, ctxs, prepared, grads, sums, strict=True)):
                 target = x if fuse and given is x and x is not grad and x.dtype == torch.float32 else None
                 try:
                     if parts is not None and feedback.keeps_residual:
@@ -575,19 +586,20 @@ class Pipeline:
                 except NonFiniteError:
                     if carried:  # not seen before the preliminary exchange: no flag can travel now
                         raise
-                    packet = None
+                    retried: Packet | None = None
                     saturated = _saturated(x, grad)  # φ (out holds it after an error) overflowed?
                     if saturated is not None:
                         try:
-                            packet = _compress(compressor, saturated, ctx, ready, divided, writable)
+                            retried = _compress(compressor, saturated, ctx, ready, divided, writable)
                         except NonFiniteError:  # (a flag then travels: no rank waits for this one)
-                            packet = None
-                    if packet is None:
+                            retried = None
+                    if retried is None:
                         faulty = True
-                        packet = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
+                        retried = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
+                    packet = retried
                 packets.append(packet)
             if feedback.updates and not faulty:
-                for (key, _), grad, x, packet, done in zip(items, grads, xs, packets, formed):
+                for (key, _), grad, x, packet, done in zip(items, grads, xs, packets, formed, strict=True):
                     if done:
                         feedback.update_residual(key, x)
                     else:
@@ -667,7 +679,7 @@ def _steps_text(keys: Sequence[str], steps: dict[str, int]) -> str:
     counts = [steps.get(key, 0) for key in keys]
     if len(set(counts)) <= 1:
         return str(counts[0]) if counts else "none"
-    return ", ".join(f"{key!r} {count}" for key, count in zip(keys, counts))
+    return ", ".join(f"{key!r} {count}" for key, count in zip(keys, counts, strict=True))
 
 
 def _names(keys: Sequence[str]) -> str:
@@ -764,6 +776,7 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
     ``parts.out``, where φ = β·m + γ·``grad`` is formed first — by the method's own preliminary pass
     (:meth:`~gradpress.core.compressor.Compressor.prepare_sum`) where it finds NaN/Inf itself."""
     if parts is not None and not compressor.checks_finite:
+        assert grad is not None  # (the parts of φ come with its gradient)
         scaled_sum(parts.memory, grad, parts.beta, parts.gamma, x)
         parts = None
     flat = x.reshape(-1).contiguous()
@@ -774,6 +787,7 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
     if parts is None:
         pre = compressor.prepare(flat.view(x.shape), ctx, world_size)
     else:
+        assert grad is not None  # (the parts of φ come with its gradient)
         pre = compressor.prepare_sum(parts.memory, grad, x, ctx, world_size, parts.beta, parts.gamma)
     if pre is None and compressor.checks_finite and any_nonfinite(flat):
         return _FAULTY  # (a tensor the method sends as it is: PowerSGD's vectors)
@@ -784,7 +798,8 @@ def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: 
 
 
 def _compress(compressor: Compressor, x: torch.Tensor, ctx: Context, prepared: torch.Tensor | None,
-              divided: int | None = None, writable: bool = False, residual: torch.Tensor | None = None) -> Any:
+              divided: int | None = None, writable: bool = False,
+              residual: torch.Tensor | None = None) -> Packet:
     if divided is not None:
         return compressor.compress_divided(x, divided, ctx, inplace=writable)
     if not compressor.prepares:

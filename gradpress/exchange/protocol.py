@@ -23,6 +23,7 @@ import torch
 
 from gradpress.core.compressor import NonFiniteError
 
+
 # -- collective requests ---------------------------------------------------------------------------
 @dataclass
 class AllReduce:

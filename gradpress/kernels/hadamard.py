@@ -33,9 +33,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from gradpress.kernels import simd as V
-from gradpress.kernels.jit import as_numpy, bits_of_f32, jit, kernel, mix32, use_numba
 from gradpress.core.rng import MASK32, mix32_torch
+from gradpress.kernels import simd as V
+from gradpress.kernels.jit import as_numpy, jit, kernel, mix32, use_numba
 
 DEFAULT_PARTITION = 1 << 20
 

@@ -422,7 +422,7 @@ def gather16(typingctx, table, indices, out, start):  # pragma: no cover - compi
     def codegen(context, builder, sig, args):
         lanes = _GATHER_LANES
         table_arr, index_arr, out_arr = (context.make_array(t)(context, builder, a)
-                                         for t, a in zip(sig.args[:3], args[:3]))
+                                         for t, a in zip(sig.args[:3], args[:3], strict=True))
         element = context.get_data_type(sig.args[0].dtype)
         size = context.get_abi_sizeof(element)
         i32, i64 = ir.IntType(32), ir.IntType(64)

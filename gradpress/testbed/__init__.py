@@ -6,7 +6,16 @@
   NCF), their losses and quality metrics (accuracy, perplexity, hit rate@10).
 """
 from gradpress.testbed.data import (
-    DataUnavailable, Dataset, ImageData, RecData, Split, TextData, dataset_names, fetch, load, shard_indices,
+    DataUnavailable,
+    Dataset,
+    ImageData,
+    RecData,
+    Split,
+    TextData,
+    dataset_names,
+    fetch,
+    load,
+    shard_indices,
 )
 from gradpress.testbed.models import criterion, evaluate, make_model, model_names
 

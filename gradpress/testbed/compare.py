@@ -20,11 +20,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gradpress import cli
+from gradpress.testbed import arguments
 from gradpress.testbed.report import write_report
 from gradpress.testbed.results import REFERENCES, Run
 from gradpress.testbed.train import (
-    TrainConfig, TrainFailed, add_arguments, check_exchange, checked_config, train,
+    TrainConfig,
+    TrainFailed,
+    add_arguments,
+    check_exchange,
+    checked_config,
+    train,
 )
 
 #: the README's demo set; methods not registered in this version are reported, not run
@@ -64,12 +69,12 @@ def run_config(base: TrainConfig, item: str) -> TrainConfig:
     return replace(base, compressor=spec, options={**base.options, **options})
 
 
-def run_list(text: str) -> cli.Specs:
-    """The ``--compressors`` converter: :func:`gradpress.cli.compressor_list`'s list (references and the
+def run_list(text: str) -> arguments.Specs:
+    """The ``--compressors`` converter: :func:`gradpress.testbed.arguments.compressor_list`'s list (references and the
     ``demo`` keyword included), where a spec may end in ``@node`` (:func:`split_run`)."""
     from gradpress.core.registry import split_specs
 
-    plain = cli.compressor_list(references=True, keywords={"demo": demo_set})
+    plain = arguments.compressor_list(references=REFERENCES, keywords={"demo": demo_set})
     try:
         pieces = split_specs(text)
     except ValueError as error:
@@ -94,7 +99,7 @@ def run_list(text: str) -> cli.Specs:
                 expanded.discard(item)
             if item not in items:
                 items.append(item)
-    return cli.Specs(items, expanded)
+    return arguments.Specs(items, expanded)
 
 
 def check_out(out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -150,7 +155,7 @@ def compare(base: TrainConfig, specs: list[str], out_dir: str | Path, progress: 
             config = run_config(base, spec)
             check_exchange(config)
         except ValueError as error:
-            failures[spec] = cli.one_line(error)
+            failures[spec] = arguments.one_line(error)
             say(f"   failed: {failures[spec]}")
             continue
         try:
@@ -180,7 +185,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              + f"; a spec ending in {HIERARCHICAL} runs the two-level exchange "
                              "(--option hierarchy=node for that run alone), e.g. topk:ratio=0.01,"
                              "topk:ratio=0.01@node with --nodes 2")
-    parser.add_argument("--out", type=cli.output_dir, default="out/compare",
+    parser.add_argument("--out", type=arguments.output_dir, default="out/compare",
                         help="directory for report.md, results.json, the plots and each run's record; it "
                              "must be new or empty, so that it holds one run's files")
     parser.add_argument("--overwrite", action="store_true",
@@ -193,7 +198,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         check_out(args.out, args.overwrite)
     except ValueError as error:
-        raise cli.UsageError(str(error)) from None
+        raise arguments.UsageError(str(error)) from None
     base = checked_config(args, "none")
     specs, skipped = [], {}
     for spec in args.compressors:
@@ -202,16 +207,16 @@ def _main(args: argparse.Namespace) -> int:
             specs.append(spec)
         except ValueError as error:
             if spec not in args.compressors.expanded:  # the user's own: every run must be able to start
-                raise cli.UsageError(f"--compressors: {spec}: {cli.one_line(error)}") from None
-            skipped[spec] = cli.one_line(error)
+                raise arguments.UsageError(f"--compressors: {spec}: {arguments.one_line(error)}") from None
+            skipped[spec] = arguments.one_line(error)
     for spec, why in skipped.items():
         print(f"skipped {spec}: {why}", file=sys.stderr)
     if not specs:
-        raise cli.UsageError("--compressors: no method of the demo set can run here (see above)")
+        raise arguments.UsageError("--compressors: no method of the demo set can run here (see above)")
     try:
         report, runs, failures = compare(base, specs, args.out, overwrite=args.overwrite)
     except TrainFailed as error:
-        print(f"{cli.PREFIX}{error}", file=sys.stderr)
+        print(f"{arguments.PREFIX}{error}", file=sys.stderr)
         return 1
     where = f"over an emulated {base.bandwidth} star" if base.bandwidth else "over loopback"
     if base.nodes > 1:

@@ -16,7 +16,8 @@ import logging
 import subprocess
 import sys
 
-from gradpress import cli
+from gradpress.testbed import arguments
+from gradpress.testbed.train import runtime_option
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -32,7 +33,7 @@ def _dtypes(text: str) -> list[str]:
 
 def _spec(text: str) -> str:
     """A compressor spec, or ``all`` (every registered method at its defaults)."""
-    return text if text == "all" else cli.compressor(text)
+    return text if text == "all" else arguments.compressor(text)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,11 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="compressor specs (topk:ratio=0.01, thc, auto, ...), or all")
     parser.add_argument("--dtypes", type=_dtypes, default=list(DTYPES),
                         help="gradient dtypes, comma-separated (default: float32,float16,bfloat16)")
-    parser.add_argument("--workers", type=cli.integer(1), default=2,
+    parser.add_argument("--workers", type=arguments.integer(1), default=2,
                         help="ranks of the exchange (integer sums are widened by the rank count; default 2)")
-    parser.add_argument("--jobs", type=cli.integer(1), default=1,
+    parser.add_argument("--jobs", type=arguments.integer(1), default=1,
                         help="processes that compile at once, each a share of the specs (default 1)")
-    parser.add_argument("--option", type=cli.option, action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--option", type=runtime_option, action="append", default=[], metavar="KEY=VALUE",
                         help="a runtime option of the training (mode=ps, master=natural, ...), repeatable")
     parser.set_defaults(func=_main)
 
@@ -61,9 +62,9 @@ def _main(args: argparse.Namespace) -> int:
     from gradpress.testbed.train import parse_options
 
     if not numba_enabled():
-        raise cli.UsageError("GRADPRESS_NUMBA=0: no kernel runs, nothing to compile")
+        raise arguments.UsageError("GRADPRESS_NUMBA=0: no kernel runs, nothing to compile")
     specs = list(dict.fromkeys(name for spec in args.specs
-                               for name in (cli.all_methods() if spec == "all" else [spec])))
+                               for name in (arguments.all_methods() if spec == "all" else [spec])))
     if args.jobs > 1 and len(specs) > 1:
         return _in_processes(args, specs)
     handler = logging.StreamHandler(sys.stdout)
@@ -75,7 +76,7 @@ def _main(args: argparse.Namespace) -> int:
         gradpress.warm_up(*specs, dtypes=[getattr(torch, name) for name in args.dtypes],
                           workers=args.workers, **parse_options(args.option))
     except ValueError as error:
-        raise cli.UsageError(cli.one_line(error)) from None
+        raise arguments.UsageError(arguments.one_line(error)) from None
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -99,7 +100,7 @@ def _in_processes(args: argparse.Namespace, specs: list[str]) -> int:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    failed = [" ".join(share) for share, code in zip(shares, codes) if code != 0]
+    failed = [" ".join(share) for share, code in zip(shares, codes, strict=True) if code != 0]
     if failed:
         print(f"gradpress: error: compiling {'; '.join(failed)} failed", file=sys.stderr)
         return 1

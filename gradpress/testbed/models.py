@@ -84,7 +84,8 @@ def make_model(spec: str, data: Dataset | None = None, **kwargs) -> nn.Module:
     record what it is."""
     config = model_config(spec, data, **kwargs)
     module = config.build()
-    module.spec, module.task = format_spec(config), config.task
+    # (torch's stubs type Module.__setattr__ for tensors and modules; any attribute can be set)
+    module.spec, module.task = format_spec(config), config.task  # type: ignore[assignment]
     return module
 
 

@@ -170,7 +170,7 @@ def build(nodes: int, rate: str, burst: str = BURST, latency: str = QUEUE_LATENC
             created.append(name)
         _run("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", bridge, "link", "set", "br0", "up")
-        for i, (name, address) in enumerate(zip(names, addresses)):
+        for i, (name, address) in enumerate(zip(names, addresses, strict=True)):
             port = f"port{i}"
             _run("ip", "link", "add", INTERFACE, "netns", name, "type", "veth", "peer", "name", port, "netns", bridge)
             _run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", INTERFACE)

@@ -40,6 +40,7 @@ DEFAULT_TOLERANCE = {"accuracy": 0.01, "hit_rate@10": 0.01, "perplexity": 5.0}
 PLOTS = {"quality_vs_time.png": "quality vs wall-clock", "quality_vs_bytes.png": "quality vs data volume",
          "throughput.png": "throughput"}
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 _DECIMALS = {"accuracy": 4, "hit_rate@10": 4, "perplexity": 2}
@@ -88,7 +89,7 @@ def find_run(runs: Sequence[Run], name: str) -> Run | None:
 
 def quality_metric(runs: Sequence[Run]) -> tuple[str, bool] | None:
     """The metric the runs share (and whether higher is better); None when no run was evaluated."""
-    metrics = {(run.metric, run.higher_is_better) for run in runs if run.metric is not None}
+    metrics = {(run.evals[0].metric, run.evals[0].higher_is_better) for run in runs if run.evals}
     if len(metrics) > 1:
         raise ValueError(f"the runs measure different quality metrics: {sorted(m for m, _ in metrics)}")
     return metrics.pop() if metrics else None
@@ -125,7 +126,7 @@ def summarize(runs: Sequence[Run], tolerance: float | None = None,
     baseline = find_run(runs, BASELINE)
     base_ttt = baseline.time_to_target(goal.value) if baseline is not None and goal is not None else None
     rows = []
-    for label, run in zip(labels(runs), runs):
+    for label, run in zip(labels(runs), runs, strict=True):
         ttt = run.time_to_target(goal.value) if goal is not None else None
         rows.append(Row(
             label=label, run=run, final_quality=run.final_quality, best_quality=run.best_quality,
@@ -219,7 +220,7 @@ def _time_table(rows: Sequence[Row]) -> list[str]:
     if any(r.run.info.get("copy_s") for r in rows):
         noop = next((r.run for r in rows if r.run.name == UPPER_BOUND), None)
         header += ["copy", "compress (copies)", "step over `noop` (copies)"]
-        for line, r in zip(body, rows):
+        for line, r in zip(body, rows, strict=True):
             copy_s = r.run.info.get("copy_s")
             if not copy_s:
                 line += ["n/a"] * 3
@@ -380,7 +381,7 @@ def _bytes(n: float) -> str:
 # -------------------------------------------------------------------------------------------------
 # Plots (matplotlib's object API on the Agg canvas: no pyplot, no global backend change)
 # -------------------------------------------------------------------------------------------------
-def _figure() -> tuple[Figure, object]:
+def _figure() -> tuple[Figure, Axes]:
     from matplotlib.figure import Figure  # (matplotlib: a second to import, for the plots only)
 
     fig = Figure(figsize=(7.5, 4.5), layout="constrained")
@@ -392,13 +393,13 @@ def _color(index: int) -> str:
     return f"C{index % 10}"
 
 
-def _target_line(ax: object, goal: Target | None) -> None:
+def _target_line(ax: Axes, goal: Target | None) -> None:
     if goal is not None:
         ax.axhline(goal.value, color="gray", linestyle=":",
                    label=f"target {_quality(goal.value, goal.metric)}")
 
 
-def _quality_axes(ax: object, rows: Sequence[Row], goal: Target | None) -> None:
+def _quality_axes(ax: Axes, rows: Sequence[Row], goal: Target | None) -> None:
     metric = next((r.run.metric for r in rows if r.run.metric), "quality")
     ax.set_ylabel(metric + ("" if goal is None or goal.higher_is_better else " (lower is better)"))
     _target_line(ax, goal)
@@ -443,7 +444,7 @@ def plot_quality_vs_bytes(rows: Sequence[Row], goal: Target | None, path: Path) 
     for i, row in enumerate(rows):
         points = [(e.bytes_total, e.value) for e in row.run.evals if e.bytes_total > 0]
         if points:
-            ax.plot(*zip(*points), marker="o", markersize=3, color=_color(i), label=row.label)
+            ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=_color(i), label=row.label)
             ax.set_xscale("log")
     ax.set_xlabel("bytes sent by one worker (log scale)")
     ax.set_title("Quality vs data volume")

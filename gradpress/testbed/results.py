@@ -178,7 +178,7 @@ class Run:
                 raise ValueError(f"Run.steps[{i}] is a {type(step).__name__}, not a Step")
         if self.steps[0].wall_s <= 0:
             raise ValueError("Run.steps[0].wall_s must be positive: a step takes time")
-        for i, (a, b) in enumerate(zip(self.steps, self.steps[1:]), start=1):
+        for i, (a, b) in enumerate(zip(self.steps, self.steps[1:], strict=False), start=1):
             if b.step <= a.step or b.wall_s <= a.wall_s or b.epoch < a.epoch:
                 raise ValueError(f"Run.steps[{i}]: step numbers and wall_s must increase and epochs must not "
                                  f"decrease; got step {a.step}->{b.step}, wall_s {a.wall_s}->{b.wall_s}, "
@@ -194,7 +194,7 @@ class Run:
             if ev.metric != self.evals[0].metric:
                 raise ValueError(f"Run.evals[{i}]: metric {ev.metric!r} differs from "
                                  f"{self.evals[0].metric!r}")
-        for i, (a, b) in enumerate(zip(self.evals, self.evals[1:]), start=1):
+        for i, (a, b) in enumerate(zip(self.evals, self.evals[1:], strict=False), start=1):
             if b.step < a.step or b.wall_s < a.wall_s or b.bytes_total < a.bytes_total:
                 raise ValueError(f"Run.evals[{i}]: step, wall_s and bytes_total must not decrease")
 
@@ -318,7 +318,7 @@ class Run:
     # JSON
     # ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        out = {"schema": SCHEMA}
+        out: dict[str, Any] = {"schema": SCHEMA}
         out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("steps", "evals")})
         out["steps"] = [asdict(s) for s in self.steps]
         out["evals"] = [asdict(e) for e in self.evals]

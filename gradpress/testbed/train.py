@@ -38,9 +38,8 @@ from typing import Any, Callable
 
 import torch
 
-from gradpress import cli
 from gradpress.auto import is_auto
-from gradpress.testbed import netem
+from gradpress.testbed import arguments, netem
 from gradpress.testbed.results import REFERENCES, Eval, Run, Step
 
 PORT = 29511
@@ -193,10 +192,10 @@ def _wait(processes: list[subprocess.Popen], deadline: float, result: Path | Non
             for p in processes:
                 if p.poll() is None:
                     p.terminate()
-            tail = ""
-            if processes[rank].stderr is not None:
-                tail = processes[rank].stderr.read().decode(errors="replace")[-3000:]
-            why = reasons[rank][1] if reasons.get(rank) else ""
+            tail, stderr = "", processes[rank].stderr
+            if stderr is not None:
+                tail = stderr.read().decode(errors="replace")[-3000:]
+            why = found[1] if (found := reasons.get(rank)) else ""
             raise TrainFailed(f"worker {rank} exited with status {code}" + (f": {why}" if why else "")
                               + (f"\n{tail}" if tail else ""))
         if all(code == 0 for code in codes):
@@ -213,7 +212,7 @@ def _failure_path(result: Path, rank: int) -> Path:
 def _record_failure(result: Path, rank: int, error: BaseException) -> None:
     """Leave ``error`` beside the result for the launcher (:func:`_wait` puts it in TrainFailed)."""
     try:
-        _failure_path(result, rank).write_text(cli.one_line(f"{type(error).__name__}: {error}")[:1000])
+        _failure_path(result, rank).write_text(arguments.one_line(f"{type(error).__name__}: {error}")[:1000])
     except OSError:
         pass
 
@@ -662,40 +661,40 @@ def _powersgd_bytes(state: Any, bucket: Any) -> int:
 # -- command line -----------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``gradpress train`` and ``compare``, each checked as it is parsed
-    (:mod:`gradpress.cli`)."""
+    (:mod:`gradpress.testbed.arguments`, and :func:`model_spec`, :func:`runtime_option` below)."""
     from gradpress.testbed.data import dataset_names
 
-    parser.add_argument("--model", type=cli.model, default="mlp",
+    parser.add_argument("--model", type=model_spec, default="mlp",
                         help="model spec (gradpress.testbed.models), e.g. mlp-wide:width=8192")
     parser.add_argument("--data", default="fashion-mnist", choices=dataset_names(), help="dataset")
-    parser.add_argument("--workers", type=cli.positive_int, default=2,
+    parser.add_argument("--workers", type=arguments.positive_int, default=2,
                         help="local worker processes per node: the run has --nodes × --workers ranks")
-    parser.add_argument("--nodes", type=cli.positive_int, default=1,
+    parser.add_argument("--nodes", type=arguments.positive_int, default=1,
                         help="emulated nodes, each of --workers processes with torchrun's variables "
                              "(LOCAL_WORLD_SIZE, LOCAL_RANK, GROUP_RANK, ...), so that --option "
                              "hierarchy=node makes a node of each")
-    parser.add_argument("--bandwidth", type=cli.rate,
+    parser.add_argument("--bandwidth", type=arguments.rate,
                         help="emulate a star network with this rate per link (e.g. 100mbit, 1gbit; root): "
                              "with one node, a link per worker; with --nodes, a link per node, its workers "
                              "talking to each other inside it, unlimited")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=cli.positive_int)
-    length.add_argument("--steps", type=cli.positive_int)
-    parser.add_argument("--seconds", type=cli.positive_float,
+    length.add_argument("--epochs", type=arguments.positive_int)
+    length.add_argument("--steps", type=arguments.positive_int)
+    parser.add_argument("--seconds", type=arguments.positive_float,
                         help="train for this much wall-clock (evaluation excluded), ending at the first "
                              "evaluation past it; with --steps or --epochs, whichever ends first")
-    parser.add_argument("--batch-size", type=cli.positive_int,
+    parser.add_argument("--batch-size", type=arguments.positive_int,
                         help="per-worker batch size (default: the model's)")
-    parser.add_argument("--lr", type=cli.positive_float, help="learning rate (default: the model's)")
-    parser.add_argument("--seed", type=cli.seed, default=0)
-    parser.add_argument("--eval-every", type=cli.positive_int,
+    parser.add_argument("--lr", type=arguments.positive_float, help="learning rate (default: the model's)")
+    parser.add_argument("--seed", type=arguments.seed, default=0)
+    parser.add_argument("--eval-every", type=arguments.positive_int,
                         help="evaluate every this many steps (default: each epoch)")
-    parser.add_argument("--option", type=cli.option, action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--option", type=runtime_option, action="append", default=[], metavar="KEY=VALUE",
                         help="gradpress runtime option (feedback, min_numel, warmup_steps, mode, master, "
                              "...), each key once; the seed and timeout are --seed and --timeout")
-    parser.add_argument("--timeout", type=cli.positive_float, default=300.0,
+    parser.add_argument("--timeout", type=arguments.positive_float, default=300.0,
                         help="seconds before a stuck collective raises")
-    parser.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads per worker")
+    parser.add_argument("--threads", type=arguments.positive_int, default=1, help="torch threads per worker")
 
 
 def config_from_args(args: argparse.Namespace, compressor: str) -> TrainConfig:
@@ -805,6 +804,29 @@ def check_model(spec: str, dataset: Any = None) -> Any:
     return settings
 
 
+# -- argument types of the testbed's own values, as those of gradpress.testbed.arguments --------------------
+def model_spec(text: str) -> str:
+    """A testbed model spec (``mlp-wide:width=8192``): known name and keys, values the model accepts
+    (:func:`check_model`)."""
+    try:
+        check_model(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(arguments.one_line(error)) from None
+    return text
+
+
+def runtime_option(text: str) -> str:
+    """``KEY=VALUE``: a runtime option (:class:`gradpress.exchange.pipeline.Options`) with a value of its
+    type (:func:`parse_options`, :func:`check_options`)."""
+    if "=" not in text or not text.partition("=")[0].strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        check_options(parse_options([text]))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(arguments.one_line(error)) from None
+    return text
+
+
 def check_exchange(config: TrainConfig) -> None:
     """Raise ValueError unless ``config``'s compressor, options and number of workers fit together: the
     runtime's own checks, run in this process by :class:`gradpress.Simulator` (no worker starts)."""
@@ -831,36 +853,36 @@ def check_exchange(config: TrainConfig) -> None:
 
 def check_launch(config: TrainConfig) -> Any:
     """What ``gradpress train`` and ``compare`` check before any worker starts, beyond each argument
-    (:mod:`gradpress.cli`): the data (fetched, as :func:`train` does, and loaded), the model for it, a
+    (:mod:`gradpress.testbed.arguments`): the data (fetched, as :func:`train` does, and loaded), the model for it, a
     batch that a worker's shard holds, the emulated network's needs. Raises
-    :class:`~gradpress.cli.UsageError`; returns the loaded dataset."""
+    :class:`~gradpress.testbed.arguments.UsageError`; returns the loaded dataset."""
     from gradpress.testbed import data
 
     try:
         data.fetch(config.data)
         dataset = data.load(config.data)
     except (data.DataUnavailable, ValueError) as error:
-        raise cli.UsageError(f"--data {config.data}: {error}") from None
+        raise arguments.UsageError(f"--data {config.data}: {error}") from None
     try:
         settings = check_model(config.model, dataset)
     except ValueError as error:
-        raise cli.UsageError(f"--model {config.model}: {error}") from None
+        raise arguments.UsageError(f"--model {config.model}: {error}") from None
     batch_size = config.batch_size or settings.batch_size
     shard = len(dataset.train) // config.world_size
     if shard < batch_size:
-        raise cli.UsageError(f"--batch-size {batch_size}: a worker's shard of {config.data} holds {shard} "
-                             f"samples ({len(dataset.train)} over {config.world_size} workers), "
-                             "not one batch")
+        raise arguments.UsageError(f"--batch-size {batch_size}: a worker's shard of {config.data} holds {shard} "
+                                   f"samples ({len(dataset.train)} over {config.world_size} workers), "
+                                   "not one batch")
     if config.bandwidth is not None:
         links = config.nodes if config.nodes > 1 else config.workers
         if links > netem.MAX_NODES:
             what = "nodes" if config.nodes > 1 else "workers"
-            raise cli.UsageError(f"--bandwidth {config.bandwidth}: the emulated network holds at most "
-                                 f"{netem.MAX_NODES} {what}, got {links}")
+            raise arguments.UsageError(f"--bandwidth {config.bandwidth}: the emulated network holds at most "
+                                       f"{netem.MAX_NODES} {what}, got {links}")
         try:
             netem.check_available()
         except netem.NetworkUnavailable as error:
-            raise cli.UsageError(f"--bandwidth {config.bandwidth}: {error}") from None
+            raise arguments.UsageError(f"--bandwidth {config.bandwidth}: {error}") from None
     return dataset
 
 
@@ -871,11 +893,11 @@ def checked_config(args: argparse.Namespace, compressor: str) -> TrainConfig:
     try:
         config = config_from_args(args, compressor)
     except ValueError as error:
-        raise cli.UsageError(str(error)) from None
+        raise arguments.UsageError(str(error)) from None
     try:  # the options alone (with a compressor: check_exchange)
         Options.of(**{"seed": config.seed, **config.options})
     except ValueError as error:
-        raise cli.UsageError(f"--option: {error}") from None
+        raise arguments.UsageError(f"--option: {error}") from None
     check_launch(config)
     return config
 
@@ -884,9 +906,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train a model on local workers with a compressor",
                                    description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    parser.add_argument("--compressor", type=cli.compressor_or_reference, default="none",
+    parser.add_argument("--compressor", type=arguments.compressor_or_reference(REFERENCES), default="none",
                         help=f"gradpress spec or a reference: {', '.join(REFERENCES)}")
-    parser.add_argument("--json", type=cli.output_file, help="write the run's record here")
+    parser.add_argument("--json", type=arguments.output_file, help="write the run's record here")
     parser.set_defaults(func=_main)
 
 
@@ -895,11 +917,11 @@ def _main(args: argparse.Namespace) -> int:
     try:
         check_exchange(config)
     except ValueError as error:
-        raise cli.UsageError(f"--compressor {config.compressor}: {error}") from None
+        raise arguments.UsageError(f"--compressor {config.compressor}: {error}") from None
     try:
         run = train(config, args.json)
     except TrainFailed as error:
-        print(f"{cli.PREFIX}{error}", file=sys.stderr)
+        print(f"{arguments.PREFIX}{error}", file=sys.stderr)
         return 1
     final = run.final_quality
     link = run.link_bytes_per_step
@@ -932,7 +954,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(TrainConfig(**json.loads(payload)), int(rank_text), address_text, int(port_text),
                Path(result_text))
     except KeyboardInterrupt:  # Ctrl-C reaches the workers too: the launcher says "interrupted", once
-        _exit(cli.INTERRUPTED)
+        _exit(arguments.INTERRUPTED)
     except Exception as error:
         _record_failure(Path(result_text), int(rank_text), error)  # the launcher's TrainFailed says why
         traceback.print_exc()

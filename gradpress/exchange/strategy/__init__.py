@@ -45,8 +45,8 @@ import torch
 
 from gradpress.core.compressor import Compressor, Preliminary
 from gradpress.core.packet import Packet
-from gradpress.exchange.protocol import Protocol
 from gradpress.core.rng import Context
+from gradpress.exchange.protocol import Protocol
 from gradpress.exchange.strategy import allgather, allreduce, server
 from gradpress.exchange.strategy.preliminary import combine
 

@@ -19,4 +19,5 @@ def exchange(s: Strategy, packets, outputs, timer, faulty) -> Protocol:
     raise_flagged(flagged)
     outs = outputs if outputs is not None else [None] * len(packets)
     with timer():
-        return [s.compressor.aggregate(item, out=out) for item, out in zip(per_item(s, packets, rows), outs)]
+        return [s.compressor.aggregate(item, out=out)
+                for item, out in zip(per_item(s, packets, rows), outs, strict=True)]

@@ -7,13 +7,21 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from gradpress.core.packet import concat
-from gradpress.exchange.protocol import (Protocol, ReduceScatter, flag_slots, flagged_ranks, parallel,
-                                         raise_flagged, reduce_tensor, single)
+from gradpress.exchange.protocol import (
+    Protocol,
+    ReduceScatter,
+    flag_slots,
+    flagged_ranks,
+    parallel,
+    raise_flagged,
+    reduce_tensor,
+    single,
+)
 from gradpress.exchange.strategy.common import by_dtype, unflatten
 
 if TYPE_CHECKING:
@@ -48,7 +56,7 @@ def exchange(s: Strategy, packets, outputs, writable, timer, faulty) -> Protocol
     with timer():
         return [s.compressor.decode_sum(p, summed, s.world_size, out) if out is not None
                 else s.compressor.decode_sum(p, summed, s.world_size)
-                for p, summed, out in zip(packets, per_item, outputs)]
+                for p, summed, out in zip(packets, per_item, outputs, strict=True)]
 
 
 def _raise_flagged(sums: list[torch.Tensor], faulty: bool | None, carrier: int | None, n: int) -> None:
@@ -91,15 +99,15 @@ def reduce_scatter(s: Strategy, packets, timer, faulty) -> Protocol:
     _raise_flagged(sums, faulty, carrier, n)
     per_item = unflatten(sums, members, own)
     with timer():
-        return [s.compressor.decode_sum(p, summed, n) for p, summed in zip(mine, per_item)]
+        return [s.compressor.decode_sum(p, summed, n) for p, summed in zip(mine, per_item, strict=True)]
 
 
 @functools.cache
-def _takes_out(method: type) -> bool:
-    return "out" in inspect.signature(method.decode_sum).parameters
+def _takes_out(decode_sum: Callable[..., object]) -> bool:
+    return "out" in inspect.signature(decode_sum).parameters
 
 
 def takes_out(compressor: Compressor) -> bool:
     """Whether ``compressor``'s :meth:`~gradpress.core.compressor.Compressor.decode_sum` takes an ``out`` (a
     method written before it had one may not)."""
-    return _takes_out(type(compressor))
+    return _takes_out(type(compressor).decode_sum)

@@ -46,8 +46,8 @@ def unflatten(sums, members, summands) -> list[list[torch.Tensor]]:
     if len(summands) == 1 and len(summands[0]) == 1:  # one tensor (a bucket exchanged as one)
         return [[sums[0].view(summands[0][0].shape)]]
     per_item: list[list[torch.Tensor]] = [[None] * len(s) for s in summands]  # type: ignore[list-item]
-    for summed, group in zip(sums, members):
-        for (i, j), part in zip(group, split(summed, [summands[i][j] for i, j in group])):
+    for summed, group in zip(sums, members, strict=True):
+        for (i, j), part in zip(group, split(summed, [summands[i][j] for i, j in group]), strict=True):
             per_item[i][j] = part
     return per_item
 
@@ -115,7 +115,7 @@ def per_item(s: Strategy, packets: Sequence[Packet], rows: list[list[torch.Tenso
     """For each item, its packet from every rank in rank order (this rank's own packet as it is)."""
     counts = [sum(1 for _ in p.wire()) for p in packets]
     return [[packet if j == s.rank else packet.with_wire(part) for j, part in enumerate(parts)]
-            for packet, parts in zip(packets, by_item(rows, counts))]
+            for packet, parts in zip(packets, by_item(rows, counts), strict=True)]
 
 
 def by_item(rows: list[list[torch.Tensor]], counts: Sequence[int]) -> list[list[list[torch.Tensor]]]:

@@ -8,8 +8,16 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from gradpress.core.compressor import Preliminary
-from gradpress.exchange.protocol import (Broadcast, Protocol, flag_slots, flagged_ranks, parallel, raise_flagged,
-                                reduce_tensor, single)
+from gradpress.exchange.protocol import (
+    Broadcast,
+    Protocol,
+    flag_slots,
+    flagged_ranks,
+    parallel,
+    raise_flagged,
+    reduce_tensor,
+    single,
+)
 from gradpress.exchange.strategy.common import flattened, split
 
 if TYPE_CHECKING:
@@ -48,8 +56,8 @@ def combine(s: Strategy, prelims: Sequence[Preliminary | None], faulty: bool = F
         raise_flagged(flagged_ranks(flags, list(groups)[carrier][0]))
         combined[carrier] = combined[carrier][:-s.world_size]
     out: list[torch.Tensor | None] = [None] * len(prelims)
-    for members, values_flat in zip(groups.values(), combined):
+    for members, values_flat in zip(groups.values(), combined, strict=True):
         shapes = [prelims[i].values for i in members]  # type: ignore[union-attr]
-        for i, values in zip(members, split(values_flat, shapes)):
+        for i, values in zip(members, split(values_flat, shapes), strict=True):
             out[i] = values
     return out, carrier is not None

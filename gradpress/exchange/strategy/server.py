@@ -10,8 +10,25 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from gradpress.core.packet import Packet, pack, packed_sizes, received_layout, unpack
-from gradpress.exchange.protocol import Broadcast, Gather, Protocol, Round, flagged_ranks, fold_sum, raise_flagged
-from gradpress.exchange.strategy.common import by_dtype, by_item, collect, device_of, flattened, per_item, unflatten, wire
+from gradpress.exchange.protocol import (
+    Broadcast,
+    Gather,
+    Protocol,
+    Round,
+    flagged_ranks,
+    fold_sum,
+    raise_flagged,
+)
+from gradpress.exchange.strategy.common import (
+    by_dtype,
+    by_item,
+    collect,
+    device_of,
+    flattened,
+    per_item,
+    unflatten,
+    wire,
+)
 
 if TYPE_CHECKING:
     from gradpress.exchange.strategy import Strategy
@@ -35,27 +52,29 @@ def sum_at_server(s: Strategy, packets, ctxs, timer, faulty) -> Protocol:
     arrivals = [s.arrivals(ctx) for ctx in ctxs]
     totals = None
     if rows is not None:
-        counts = [sum(1 for _ in p.wire()) if upload_packets else len(mine) for p, mine in zip(packets, own)]
+        counts = [sum(1 for _ in p.wire()) if upload_packets else len(mine)
+                  for p, mine in zip(packets, own, strict=True)]
         with timer():
             totals = [add(s, p, mine, parts, arrived, upload_packets) for p, mine, parts, arrived
-                      in zip(packets, own, by_item(rows, counts), arrivals)]
+                      in zip(packets, own, by_item(rows, counts), arrivals, strict=True)]
     if s.master is not None:
         if s.compressor.stateful_decode:  # every rank decodes the sums, to keep its state alike
             sums = yield from broadcast_sums(s, totals, own, False, flagged, faulty is not None)
             with timer():
                 decoded = [s.compressor.decode_sum(p, summed, len(a))
-                           for p, summed, a in zip(packets, sums, arrivals)]
+                           for p, summed, a in zip(packets, sums, arrivals, strict=True)]
             means = decoded if totals is not None else None
         else:
             means = None
             if totals is not None:
                 with timer():
                     means = [s.compressor.decode_sum(p, summed, len(a))
-                             for p, summed, a in zip(packets, totals, arrivals)]
+                             for p, summed, a in zip(packets, totals, arrivals, strict=True)]
         return (yield from master_broadcast(s, means, packets, ctxs, timer, flagged, faulty is not None))
     sums = yield from broadcast_sums(s, totals, own, True, flagged, faulty is not None)
     with timer():
-        return [s.compressor.decode_sum(p, summed, len(a)) for p, summed, a in zip(packets, sums, arrivals)]
+        return [s.compressor.decode_sum(p, summed, len(a))
+                for p, summed, a in zip(packets, sums, arrivals, strict=True)]
 
 
 def broadcast_sums(s: Strategy, totals: list[list[torch.Tensor]] | None, own: list[list[torch.Tensor]],
@@ -100,9 +119,10 @@ def uploads_packets(s: Strategy, packets: Sequence[Packet], own: Sequence[Sequen
     size only, so every rank decides alike."""
     c = s.compressor
     sizes = [c.expected_nbytes(p.numel, p.dtype) for p in packets]
-    if any(size is None for size in sizes):
+    known = [size for size in sizes if size is not None]
+    if len(known) < len(sizes):
         return False
-    return sum(sizes) < sum(t.numel() * t.element_size() for mine in own for t in mine)
+    return sum(known) < sum(t.numel() * t.element_size() for mine in own for t in mine)
 
 
 def add(s: Strategy, packet: Packet, mine: list[torch.Tensor], parts: list[list[torch.Tensor]],
@@ -128,7 +148,7 @@ def gather_at_server(s: Strategy, packets, ctxs, timer, faulty) -> Protocol:
         arrivals = [s.arrivals(ctx) for ctx in ctxs]
         with timer():
             means = [s.compressor.aggregate([item[j] for j in arrived])
-                     for item, arrived in zip(per_item(s, packets, rows), arrivals)]
+                     for item, arrived in zip(per_item(s, packets, rows), arrivals, strict=True)]
     if s.master is not None:
         return (yield from master_broadcast(s, means, packets, ctxs, timer, flagged, faulty is not None))
     groups: dict[tuple, list[int]] = {}
@@ -147,7 +167,7 @@ def gather_at_server(s: Strategy, packets, ctxs, timer, faulty) -> Protocol:
     if carry:
         received[0] = received_flags(s, received[0])
     out: list[torch.Tensor] = [None] * len(packets)  # type: ignore[list-item]
-    for items, sums in zip(groups.values(), received):
+    for items, sums in zip(groups.values(), received, strict=True):
         offset = 0
         for i in items:
             out[i] = sums[offset:offset + packets[i].numel].view(packets[i].shape)
@@ -166,7 +186,7 @@ def master_broadcast(s: Strategy, means, packets, ctxs, timer, flagged, carry) -
     device = device_of(packets)
     contexts = [ctx.with_key(ctx.key + "/master") for ctx in ctxs]
     sources = means if means is not None else [torch.zeros(p.shape, dtype=p.dtype, device=device) for p in packets]
-    mpackets = [master.compress(x, ctx) for x, ctx in zip(sources, contexts)]
+    mpackets = [master.compress(x, ctx) for x, ctx in zip(sources, contexts, strict=True)]
     local = [t for p in mpackets for t in p.wire()]
     header = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
     (header,) = yield Round([Broadcast(forward_flags(s, header, flagged) if carry else header, s.root)])
@@ -179,7 +199,7 @@ def master_broadcast(s: Strategy, means, packets, ctxs, timer, flagged, carry) -
     tensors = iter(unpack(buffer, layout))
     with timer():
         out = []
-        for mp, p in zip(mpackets, packets):
+        for mp, p in zip(mpackets, packets, strict=True):
             received = mp.with_wire([next(tensors) for _ in mp.wire()])
             out.append(master.decompress(received).to(p.dtype).view(p.shape))
         return out

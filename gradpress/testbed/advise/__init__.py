@@ -80,26 +80,87 @@ JSON, plot), :mod:`~gradpress.testbed.advise.check` (``--check``) and
 """
 from __future__ import annotations
 
-from gradpress.testbed.advise.advice import (DEMO, RATIO_VARIANTS, Advice, Progress, advise, candidates,
-                                             default_candidates)
-from gradpress.testbed.advise.check import (Checked, RunsLink, check_against, link_from_runs, render_checks,
-                                           runs_link, scaled, scaled_cost)
+from gradpress.costmodel import (
+    BASELINE,
+    FIRST_BUCKET_BYTES,
+    Bucket,
+    BucketCost,
+    ComputeProfile,
+    LocalStep,
+    MethodCost,
+    Transfer,
+    assign_buckets,
+    baseline_cost,
+    calibrated,
+    link_phases,
+    measure_method,
+    predict,
+    transfers_of,
+)
+from gradpress.testbed.advise.advice import (
+    DEMO,
+    RATIO_VARIANTS,
+    Advice,
+    Progress,
+    advise,
+    candidates,
+    default_candidates,
+)
+from gradpress.testbed.advise.check import (
+    Checked,
+    RunsLink,
+    check_against,
+    link_from_runs,
+    render_checks,
+    runs_link,
+    scaled,
+    scaled_cost,
+)
 from gradpress.testbed.advise.command import DEFAULT_BANDWIDTHS, add_parser
-from gradpress.costmodel import (BASELINE, BucketCost, LocalStep, MethodCost, Transfer, baseline_cost,
-                                            link_phases, measure_method, transfers_of)
 from gradpress.testbed.advise.local import measure_local_steps
-from gradpress.testbed.advise.output import (NEAR, PLOT_RANGE, PLOTTED, describe_profile, plot, render,
-                                             summary_lines, to_json)
-from gradpress.costmodel import FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets, calibrated, predict
+from gradpress.testbed.advise.output import (
+    NEAR,
+    PLOTTED,
+    PLOT_RANGE,
+    describe_profile,
+    plot,
+    render,
+    summary_lines,
+    to_json,
+)
 from gradpress.testbed.advise.profile import profile_compute
-from gradpress.testbed.advise.quality import (QUALITY_REFERENCE, QualityCurve, checkpoints, default_tolerance,
-                                              quality_curve, quality_target, steps_to_reach)
-from gradpress.testbed.advise.ranking import CROSSING_RANGE, Ranked, crossover, rank, register_line, speedup_at
-from gradpress.testbed.advise.workload import (Workload, factory_workload, is_factory, load_object,
-                                               testbed_workload)
+from gradpress.testbed.advise.quality import (
+    QUALITY_REFERENCE,
+    QualityCurve,
+    checkpoints,
+    default_tolerance,
+    quality_curve,
+    quality_target,
+    steps_to_reach,
+)
+from gradpress.testbed.advise.ranking import (
+    CROSSING_RANGE,
+    Ranked,
+    crossover,
+    rank,
+    register_line,
+    speedup_at,
+)
+from gradpress.testbed.advise.workload import (
+    Workload,
+    factory_workload,
+    is_factory,
+    load_object,
+    testbed_workload,
+)
 
-__all__ = ["Advice", "Bucket", "BucketCost", "Checked", "ComputeProfile", "LocalStep", "MethodCost",
-           "QualityCurve", "Ranked", "RunsLink", "Transfer", "Workload", "add_parser", "advise", "assign_buckets",
-           "baseline_cost", "calibrated", "check_against", "crossover", "factory_workload", "link_from_runs",
-           "link_phases", "measure_local_steps", "measure_method", "predict", "profile_compute", "quality_curve",
-           "rank", "register_line", "runs_link", "steps_to_reach", "testbed_workload", "transfers_of"]
+__all__ = ["Advice", "BASELINE", "Bucket", "BucketCost", "CROSSING_RANGE", "Checked", "ComputeProfile",
+           "DEFAULT_BANDWIDTHS", "DEMO", "FIRST_BUCKET_BYTES", "LocalStep", "MethodCost", "NEAR", "PLOTTED",
+           "PLOT_RANGE", "Progress", "QUALITY_REFERENCE", "QualityCurve", "RATIO_VARIANTS", "Ranked",
+           "RunsLink", "Transfer", "Workload", "add_parser", "advise", "assign_buckets", "baseline_cost",
+           "calibrated", "candidates", "check_against", "checkpoints", "crossover", "default_candidates",
+           "default_tolerance", "describe_profile", "factory_workload", "is_factory", "link_from_runs",
+           "link_phases", "load_object", "measure_local_steps", "measure_method", "plot", "predict",
+           "profile_compute", "quality_curve", "quality_target", "rank", "register_line", "render",
+           "render_checks", "runs_link", "scaled", "scaled_cost", "speedup_at", "steps_to_reach",
+           "summary_lines", "testbed_workload", "to_json", "transfers_of"]

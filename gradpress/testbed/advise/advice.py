@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from gradpress import cli
 from gradpress import costmodel
 from gradpress.costmodel.method import BASELINE, LocalStep, MethodCost, baseline_cost, measure_method
+from gradpress.testbed import arguments
 from gradpress.testbed.advise.profile import ComputeProfile, profile_compute
-from gradpress.testbed.advise.quality import (QUALITY_REFERENCE, QualityCurve, quality_curve, quality_target,
-                                              steps_to_reach)
+from gradpress.testbed.advise.quality import (
+    QUALITY_REFERENCE,
+    QualityCurve,
+    quality_curve,
+    quality_target,
+    steps_to_reach,
+)
 from gradpress.testbed.advise.ranking import Ranked, crossover, rank
 from gradpress.testbed.advise.workload import Workload
 
@@ -90,7 +95,7 @@ class Advice:
         """The same measurements priced through other links (α ``latency``, a token bucket of ``burst``
         bytes, ``efficiency`` per strategy): the rankings at every bandwidth and where each method stops
         paying, anew (a pure function of what was measured)."""
-        link = {"latency": latency, "burst": burst, "efficiency": dict(efficiency or {})}
+        link: dict[str, Any] = {"latency": latency, "burst": burst, "efficiency": dict(efficiency or {})}
         rankings = {bw: rank(self.profile, self.costs, n=self.workers, bandwidth=bw,
                              steps_to_target=self.steps_to_target, baseline=self.reference, **link)
                     for bw in self.bandwidths}
@@ -124,7 +129,7 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
         try:
             costs.append(measure_method(spec, profile, grads, repeats=max(1, repeats - 2), seed=seed))
         except Exception as error:  # noqa: BLE001 - one method that fails is reported, the others ranked
-            skipped[spec] = f"{type(error).__name__}: {cli.one_line(error)}"[:300]
+            skipped[spec] = f"{type(error).__name__}: {arguments.one_line(error)}"[:300]
     curves, target, to_target, note = [], None, None, None
     if quality_steps:
         if workload.quality_unavailable is not None or workload.evaluate is None:
@@ -162,5 +167,5 @@ def _quality_runs(workload: Workload, measured: Sequence[str], steps: int, worke
         except Exception as error:  # noqa: BLE001 - e.g. NonFiniteError: the run diverged
             if spec == QUALITY_REFERENCE:
                 raise
-            skipped[spec] = f"quality run failed: {type(error).__name__}: {cli.one_line(error)}"[:300]
+            skipped[spec] = f"quality run failed: {type(error).__name__}: {arguments.one_line(error)}"[:300]
     return curves

@@ -2,13 +2,14 @@
 link rate (see :mod:`gradpress.testbed.advise`)."""
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from gradpress import costmodel
-from gradpress.testbed.advise.advice import Advice
 from gradpress.costmodel.method import BASELINE, MethodCost
+from gradpress.testbed.advise.advice import Advice
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.ranking import predict
 
@@ -102,16 +103,17 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
             local = advice.local_noop
             predicted, with_noop = (advice.profile.compute_s if local is None else local.step_s), None
         else:
-            others = [(r, cost_of(r.compressor)) for r in runs
+            others = [(r, theirs) for r in runs
                       if r.compressor != spec and (r.workers, r.bandwidth) == (workers, bandwidth)
-                      and cost_of(r.compressor) is not None]
+                      and (theirs := cost_of(r.compressor)) is not None]
             fitted = link_from_runs(advice.profile, others, burst=burst) if fit_link else None
             if fitted is not None:
                 latency, rates = fitted
             rates.update(advice.efficiency)
-            common = {"n": workers, "bandwidth": bandwidth, "latency": latency, "burst": burst,
-                      "efficiency": rates}
+            common: dict[str, Any] = {"n": workers, "bandwidth": bandwidth, "latency": latency,
+                                      "burst": burst, "efficiency": rates}
             cost = cost_of(spec)
+            assert cost is not None  # (a method is checked where it was priced)
             predicted = predict(advice.profile, cost, **common).total
             with_noop = None if compute is None else predict(*_at_noops_speed(advice, cost, compute), **common).total
         overhead = None if spec == "noop" else statistics.median(r.mean_step_s - r.mean_compute_s for r in repeats)
@@ -120,7 +122,9 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     ranked = [r for r in rows if r[0][0] != "noop"]
     by_prediction = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[1]), start=1)}
     by_measurement = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[2]), start=1)}
-    by_overhead = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[10]), start=1)}
+    # (only noop's overhead is None)
+    by_overhead = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[10] if r[10] is not None
+                                                        else math.inf), start=1)}
     return [Checked(*key, predicted, measured, by_prediction.get(key), by_measurement.get(key), with_noop, burst,
                     rates, latency, count, low, high, overhead, by_overhead.get(key))
             for key, predicted, measured, with_noop, burst, rates, latency, count, low, high, overhead in rows]

@@ -11,9 +11,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gradpress import cli
-from gradpress.testbed import netem
 from gradpress import costmodel
+from gradpress.testbed import arguments, netem
 from gradpress.testbed.advise.advice import DEMO, KEYWORDS, Advice, advise, candidates
 from gradpress.testbed.advise.check import Checked, check_against, render_checks, runs_link
 from gradpress.testbed.advise.local import measure_local_steps
@@ -22,6 +21,7 @@ from gradpress.testbed.advise.quality import QUALITY_REFERENCE
 from gradpress.testbed.advise.workload import Workload, is_factory, load_object, workload_of
 from gradpress.testbed.sim.common import wide_console
 from gradpress.testbed.sim.cost import load_results
+from gradpress.testbed.train import model_spec
 
 DEFAULT_BANDWIDTHS = "100mbit,1gbit,10gbit"
 
@@ -32,9 +32,9 @@ def _model(text: str) -> str:
         try:
             load_object(text)
         except ValueError as error:
-            raise argparse.ArgumentTypeError(cli.one_line(error)) from None
+            raise argparse.ArgumentTypeError(arguments.one_line(error)) from None
         return text
-    return cli.model(text)
+    return model_spec(text)
 
 
 def _reference(text: str) -> str:
@@ -42,13 +42,13 @@ def _reference(text: str) -> str:
     try:
         load_object(text)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(cli.one_line(error)) from None
+        raise argparse.ArgumentTypeError(arguments.one_line(error)) from None
     return text
 
 
 def _shape(text: str) -> tuple[int, ...]:
     """A per-sample input shape: comma-separated positive integers (``3,32,32``)."""
-    return tuple(cli.int_list(1)(text))
+    return tuple(arguments.int_list(1)(text))
 
 
 def _rates(text: str) -> list[str]:
@@ -57,7 +57,7 @@ def _rates(text: str) -> list[str]:
     if not all(rates):
         raise argparse.ArgumentTypeError(f"expected comma-separated link rates (e.g. 100mbit,1gbit), "
                                          f"got {text!r}")
-    return [cli.rate(rate) for rate in rates]
+    return [arguments.rate(rate) for rate in rates]
 
 
 def _burst(text: str) -> float:
@@ -88,7 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("advise", help="which compressor pays off for a model on a network: profile, "
                                              "then the α–β model",
-                              description=cli.package_summary(__package__))
+                              description=arguments.package_summary(__package__))
     p.add_argument("--model", type=_model, default="mlp-wide",
                    help="a testbed model spec (mlp-wide, resnet:width=32, …) or package.module:factory "
                         "returning an nn.Module (default mlp-wide)")
@@ -96,11 +96,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a factory model's input shape per sample, e.g. 3,32,32 (random inputs, timing only)")
     p.add_argument("--batch", type=_reference, metavar="PACKAGE.MODULE:FUNCTION",
                    help="a factory model's batches: FUNCTION(batch_size) returns (inputs, targets)")
-    p.add_argument("--batch-size", type=cli.positive_int, help="per-worker batch (default: the model's; 32)")
-    p.add_argument("--workers", type=cli.integer(1, 1024), default=2, help="workers n to price (1..1024)")
+    p.add_argument("--batch-size", type=arguments.positive_int,
+                   help="per-worker batch (default: the model's; 32)")
+    p.add_argument("--workers", type=arguments.integer(1, 1024), default=2,
+                   help="workers n to price (1..1024)")
     p.add_argument("--bandwidth", type=_rates, default=DEFAULT_BANDWIDTHS,
                    help=f"link rates per worker, comma-separated (default {DEFAULT_BANDWIDTHS})")
-    p.add_argument("--latency", type=cli.non_negative_float, metavar="SECONDS",
+    p.add_argument("--latency", type=arguments.non_negative_float, metavar="SECONDS",
                    help=f"per-message latency α in seconds (default {costmodel.DEFAULT_LATENCY:g}; with "
                         "--check, fitted from the runs)")
     p.add_argument("--burst", type=_burst, metavar="SIZE",
@@ -110,34 +112,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--efficiency", type=_efficiency, metavar="STRATEGY=F[,...]",
                    help="a collective's rate beyond the bucket as a fraction of the link's, e.g. "
                         "allgather=0.65 (default 1; --check fits it from the other runs)")
-    p.add_argument("--compressors", type=cli.compressor_list(keywords=KEYWORDS), default="default",
+    p.add_argument("--compressors", type=arguments.compressor_list(keywords=KEYWORDS), default="default",
                    help="comma-separated specs; 'default': every registered method at its defaults and "
                         "top-k/random-k at ratios 0.1 and 0.001; 'demo': " + ",".join(DEMO))
-    p.add_argument("--quality-steps", type=cli.positive_int, metavar="K",
+    p.add_argument("--quality-steps", type=arguments.positive_int, metavar="K",
                    help="also train K steps per method (simulated workers) and rank by time to the "
                         "uncompressed quality")
-    p.add_argument("--quality-workers", type=cli.integer(1, 1024),
+    p.add_argument("--quality-workers", type=arguments.integer(1, 1024),
                    help="simulated workers of the quality runs (default min(n, 4))")
     p.add_argument("--data", choices=dataset_names(), help="a testbed model's dataset (default: the model's)")
-    p.add_argument("--tolerance", type=cli.non_negative_float,
+    p.add_argument("--tolerance", type=arguments.non_negative_float,
                    help="target = uncompressed best − tolerance (default: compare's, per metric)")
-    p.add_argument("--lr", type=cli.positive_float, help="learning rate (default: the model's; 0.01)")
-    p.add_argument("--repeats", type=cli.positive_int, default=5,
+    p.add_argument("--lr", type=arguments.positive_float, help="learning rate (default: the model's; 0.01)")
+    p.add_argument("--repeats", type=arguments.positive_int, default=5,
                    help="timed steps of the profile (medians); each method: repeats − 2, at least 1")
-    p.add_argument("--threads", type=cli.positive_int, default=1,
+    p.add_argument("--threads", type=arguments.positive_int, default=1,
                    help="torch threads (default 1, as each testbed worker)")
-    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0, help="DDP's bucket_cap_mb")
-    p.add_argument("--local-workers", type=cli.integer(1, 64), default=1, metavar="K",
+    p.add_argument("--bucket-cap-mb", type=arguments.positive_float, default=25.0, help="DDP's bucket_cap_mb")
+    p.add_argument("--local-workers", type=arguments.integer(1, 64), default=1, metavar="K",
                    help="workers that will share this machine's cores and memory, as compare's do: each "
                         "method's real DDP step is also measured among K processes over loopback and "
                         "prices the host's part of its step, the link modelled (default 1: one worker per "
                         "machine, the profile alone)")
-    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--seed", type=arguments.seed, default=0)
     p.add_argument("--check", nargs="+", metavar="PATH",
                    help="compare output directories or results.json: their runs' measured steps beside the "
                         "prediction at their n and link rate (a method run several times: the median of its runs)")
-    p.add_argument("--json", type=cli.output_file, help="write the profile, costs and rankings here")
-    p.add_argument("--plot", type=cli.output_file, help="write the speed-up against link speed here (PNG)")
+    p.add_argument("--json", type=arguments.output_file, help="write the profile, costs and rankings here")
+    p.add_argument("--plot", type=arguments.output_file,
+                   help="write the speed-up against link speed here (PNG)")
     p.set_defaults(func=_main)
 
 
@@ -160,7 +163,7 @@ def _main(args: argparse.Namespace) -> int:
         record = to_json(shown, setting)
         record["checks"] = [{**asdict(c), "relative_error": c.relative_error,
                              "with_noop_error": c.with_noop_error} for c in checks]
-        cli.writable_parent(args.json).write_text(json.dumps(record, indent=1, default=str) + "\n")
+        arguments.writable_parent(args.json).write_text(json.dumps(record, indent=1, default=str) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {plot(shown, args.plot)}")
@@ -194,7 +197,7 @@ def _runs_to_check(paths: list[str] | None) -> list[Any]:
     try:
         return load_results(*paths)
     except ValueError as error:
-        raise cli.UsageError(f"--check: {cli.one_line(error)}") from None
+        raise arguments.UsageError(f"--check: {arguments.one_line(error)}") from None
 
 
 def _check_specs(specs: list[str], workers: int) -> None:
@@ -205,14 +208,15 @@ def _check_specs(specs: list[str], workers: int) -> None:
         try:
             gradpress.Simulator(spec, min(2, workers))
         except ValueError as error:
-            raise cli.UsageError(f"--compressors {spec}: {cli.one_line(error)}") from None
+            raise arguments.UsageError(f"--compressors {spec}: {arguments.one_line(error)}") from None
 
 
 def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> Advice:
     """:func:`~gradpress.testbed.advise.advise` with ``--threads`` torch threads and a progress bar on
     stderr (one step per profile, measured method and quality run)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
 
     quality = bool(args.quality_steps) and workload.quality_unavailable is None
     total = 1 + len(specs) + (len(specs) + 1 if quality else 0) + (args.local_workers > 1)
@@ -255,9 +259,9 @@ def _local_steps(args: argparse.Namespace) -> Callable[[Sequence[str]], Any]:
         try:
             return measure_local_steps(settings, specs, args.local_workers, steps=max(20, 2 * args.repeats))
         except RuntimeError as error:  # a process died (its traceback is above): say so in one line
-            raise cli.UsageError(f"--local-workers {args.local_workers}: the local DDP run failed "
-                                 f"({cli.one_line(error)}); without --local-workers advise prices from the "
-                                 "profile alone") from None
+            raise arguments.UsageError(f"--local-workers {args.local_workers}: the local DDP run failed "
+                                       f"({arguments.one_line(error)}); without --local-workers advise "
+                                       "prices from the profile alone") from None
 
     return measure
 
@@ -302,7 +306,8 @@ def _print_checks(console: Any, checks: list[Checked]) -> None:
         runs = f" (the median of {top[0].runs} runs)" if top[0].runs > 1 else ""
         console.print(f"top pick {top[0].spec}: measured rank {top[0].measured_rank} by samples/s{runs}; "
                       f"rank {top[0].overhead_rank} by the measured step less its own compute")
-    scaled = sorted((c for c in checks if c.with_noop_s is not None), key=lambda c: c.with_noop_s)
+    scaled = sorted((c for c in checks if c.with_noop_s is not None),
+                    key=lambda c: c.with_noop_s if c.with_noop_s is not None else math.inf)
     if scaled:
         console.print(f"top pick with noop's compute {scaled[0].spec}: measured rank "
                       f"{scaled[0].measured_rank} by samples/s")

@@ -24,9 +24,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from gradpress import cli
 from gradpress.costmodel.method import LocalStep
+from gradpress.testbed import arguments
 from gradpress.testbed.advise.workload import workload_of
+
 
 def measure_local_steps(settings: Mapping[str, Any], specs: Sequence[str], workers: int, *, steps: int = 20,
                         warmup: int = 8, timeout: float = 600.0) -> tuple[dict[str, LocalStep], dict[str, str]]:
@@ -60,7 +61,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> tuple[dict[str, dict
             measured[spec] = _medians(trainer.run(args["steps"]))
             del trainer
         except Exception as error:  # noqa: BLE001 - every rank meets it at the same step; the rest stay unmeasured
-            failed[spec] = f"{type(error).__name__}: {cli.one_line(error)}"[:300]
+            failed[spec] = f"{type(error).__name__}: {arguments.one_line(error)}"[:300]
             for rest in args["specs"][index + 1:]:
                 failed[rest] = f"not measured: {spec}'s local run failed before it"
             break
@@ -69,7 +70,8 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> tuple[dict[str, dict
     if "noop" not in args["specs"]:
         steps.pop("noop")
     fields = ("step_s", "compute_s", "compression_s", "communication_s")
-    return {spec: {"workers": world, **dict(zip(fields, times))} for spec, times in steps.items()}, failed
+    return {spec: {"workers": world, **dict(zip(fields, times, strict=True))}
+            for spec, times in steps.items()}, failed
 
 
 def at_typical_speed(measured: Mapping[str, Sequence[float]],
@@ -83,7 +85,8 @@ def at_typical_speed(measured: Mapping[str, Sequence[float]],
     typical = statistics.median(n[0] for n in noops)
     steps = {spec: tuple(t * typical / ((noops[i][0] + noops[i + 1][0]) / 2) for t in times)
              for i, (spec, times) in enumerate(measured.items())}
-    steps["noop"] = tuple(min(noops, key=lambda n: abs(n[0] - typical)))
+    nearest: Sequence[float] = min(noops, key=lambda n: abs(n[0] - typical))
+    steps["noop"] = tuple(nearest)
     return steps
 
 

@@ -8,8 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
 
-from gradpress.testbed.advise.advice import Advice
 from gradpress.costmodel.method import BASELINE
+from gradpress.testbed.advise.advice import Advice
 from gradpress.testbed.advise.ranking import Ranked, register_line, speedup_at
 
 #: the plot's link speeds, bits/s: 10 Mbit/s to 400 Gbit/s
@@ -169,7 +169,7 @@ def plot(advice: Advice, path: str | Path, limit: int = PLOTTED) -> Path:
 
     profile, n = advice.profile, advice.workers
     base = advice.reference
-    best = {}
+    best: dict[str, float] = {}
     for rows in advice.rankings.values():
         for r in rows:
             best[r.spec] = max(best.get(r.spec, 0.0), r.speedup)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from gradpress import cli
 from gradpress.costmodel.profile import FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets
+from gradpress.testbed import arguments
 from gradpress.testbed.advise.workload import Workload, _optimizer
+
 
 class _NoDDP(RuntimeError):
     pass
@@ -71,7 +72,8 @@ def _one_process_group() -> Iterator[None]:
     try:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     except Exception as error:  # noqa: BLE001 - any failure to make the group: replicate the layout
-        raise _NoDDP(f"no one-process Gloo group ({type(error).__name__}: {cli.one_line(error)})") from None
+        raise _NoDDP(f"no one-process Gloo group ({type(error).__name__}: "
+                     f"{arguments.one_line(error)})") from None
     try:
         yield
     finally:
@@ -85,7 +87,8 @@ def _ddp_profile(model, generator, workload, repeats, warmup, workers, cap_mb,  
         try:
             ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
         except Exception as error:  # noqa: BLE001 - DDP refuses the model: replicate the layout
-            raise _NoDDP(f"DDP refused the model ({type(error).__name__}: {cli.one_line(error)})") from None
+            raise _NoDDP(f"DDP refused the model ({type(error).__name__}: "
+                         f"{arguments.one_line(error)})") from None
         calls: list[tuple[float, int, tuple[str, ...], int, int]] = []
 
         def record(state, bucket):  # noqa: ANN001, ANN202 - DDP checks hook annotations literally
@@ -112,7 +115,7 @@ def _ddp_profile(model, generator, workload, repeats, warmup, workers, cap_mb,  
                 if step >= warmup and len(grads) < workers:
                     grads.append(_gradients(params, names))
         except RuntimeError as error:  # e.g. unused parameters: DDP's reducer refuses the second step
-            raise _NoDDP(f"DDP could not train the model ({cli.one_line(error)})") from None
+            raise _NoDDP(f"DDP could not train the model ({arguments.one_line(error)})") from None
     while len(grads) < workers:
         grads.append(grads[len(grads) % max(1, len(grads))])
     last = ready[-1]

@@ -4,14 +4,14 @@ stops paying."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from gradpress import costmodel
+from gradpress.costmodel import Breakdown
 from gradpress.costmodel.method import BASELINE, MethodCost, baseline_cost
-from gradpress.costmodel.predict import calibrated, predict
+from gradpress.costmodel.predict import predict
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.quality import QUALITY_REFERENCE
-from gradpress.costmodel import Breakdown
 
 #: where crossings are searched (bits/s)
 CROSSING_RANGE = (1e6, 1e12)
@@ -48,7 +48,8 @@ def rank(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, bandwi
     from the profile, :func:`~gradpress.costmodel.method.baseline_cost`)."""
     base = baseline or baseline_cost(profile)
     methods = [base, *[c for c in costs if c.spec != BASELINE]]
-    link = {"n": n, "bandwidth": bandwidth, "latency": latency, "burst": burst, "efficiency": efficiency}
+    link: dict[str, Any] = {"n": n, "bandwidth": bandwidth, "latency": latency, "burst": burst,
+                            "efficiency": efficiency}
     base_s = predict(profile, base, **link).total
     steps = dict(steps_to_target or {})
     if steps_to_target is not None and BASELINE not in steps:
@@ -77,7 +78,8 @@ def speedup_at(profile: ComputeProfile, cost: MethodCost, bandwidth: float | str
                burst: float = 0.0, efficiency: Mapping[str, float] | None = None) -> float:
     """Predicted samples/s of ``cost`` over ``torch-allreduce``'s at ``bandwidth``."""
     base = baseline or baseline_cost(profile)
-    common = {"n": n, "bandwidth": bandwidth, "latency": latency, "burst": burst, "efficiency": efficiency}
+    common: dict[str, Any] = {"n": n, "bandwidth": bandwidth, "latency": latency, "burst": burst,
+                              "efficiency": efficiency}
     return predict(profile, base, **common).total / predict(profile, cost, **common).total
 
 
@@ -88,7 +90,7 @@ def crossover(profile: ComputeProfile, cost: MethodCost, *, n: int,
     ``torch-allreduce``'s (:func:`~gradpress.costmodel.bandwidth_crossing` in
     :data:`CROSSING_RANGE`; inf: it pays at every speed there, 0: at none)."""
     base = baseline or baseline_cost(profile)
-    link = {"n": n, "latency": latency, "burst": burst, "efficiency": efficiency}
+    link: dict[str, Any] = {"n": n, "latency": latency, "burst": burst, "efficiency": efficiency}
     return costmodel.bandwidth_crossing(
         lambda bw: predict(profile, cost, bandwidth=bw, **link).total,
         lambda bw: predict(profile, base, bandwidth=bw, **link).total,

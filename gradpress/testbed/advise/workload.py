@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from gradpress import cli
+from gradpress.testbed import arguments
 
 
 @dataclass
@@ -102,11 +102,12 @@ def testbed_workload(spec: str, batch_size: int | None = None, data_name: str | 
         dataset = datasets.load(name)
         why = None
     except datasets.DataUnavailable as error:
-        dataset, why = None, f"{name} is not available: {cli.one_line(error)}"
+        dataset, why = None, f"{name} is not available: {arguments.one_line(error)}"
     settings = model_config(spec, dataset)
     settings.build()  # bad sizes fail here
     batch = batch_size or settings.batch_size
     task = cls.task
+    sample: Callable[[torch.Generator], tuple[Any, Any]]
     if dataset is not None:
         train = dataset.training_set(torch.Generator().manual_seed(0))
 
@@ -225,22 +226,24 @@ def _optimizer(name: str, parameters: Any, lr: float) -> torch.optim.Optimizer:
 
 
 def workload_of(args: argparse.Namespace) -> Workload:
-    """The workload the arguments name; :class:`~gradpress.cli.UsageError` for what does not hold together."""
+    """The workload the arguments name; :class:`~gradpress.testbed.arguments.UsageError` for what does not
+    hold together."""
     factory = is_factory(args.model)
     if not factory:
         if args.input_shape is not None or args.batch is not None:
-            raise cli.UsageError(f"--input-shape and --batch are for a package.module:factory model; "
-                                 f"{args.model} is a testbed model and knows its inputs")
+            raise arguments.UsageError(f"--input-shape and --batch are for a package.module:factory model; "
+                                       f"{args.model} is a testbed model and knows its inputs")
         try:
             workload = testbed_workload(args.model, args.batch_size, args.data, args.lr)
         except ValueError as error:
-            raise cli.UsageError(f"--model {args.model}: {cli.one_line(error)}") from None
+            raise arguments.UsageError(f"--model {args.model}: {arguments.one_line(error)}") from None
     else:
         if args.data is not None:
-            raise cli.UsageError("--data is for a testbed model; a factory model's batches come from --batch")
+            raise arguments.UsageError("--data is for a testbed model; a factory model's batches come from "
+                                       "--batch")
         if args.input_shape is None and args.batch is None:
-            raise cli.UsageError(f"--model {args.model}: a factory model needs --input-shape (random inputs) "
-                                 "or --batch (a function returning (inputs, targets))")
+            raise arguments.UsageError(f"--model {args.model}: a factory model needs --input-shape (random "
+                                       "inputs) or --batch (a function returning (inputs, targets))")
         try:
             workload = factory_workload(args.model, args.input_shape, args.batch, args.batch_size, args.lr)
             with torch.random.fork_rng(devices=[]):
@@ -249,13 +252,13 @@ def workload_of(args: argparse.Namespace) -> Workload:
             x, y = workload.sample(torch.Generator().manual_seed(0))
             workload.loss(model(x), y).backward()
         except (ValueError, TypeError, RuntimeError) as error:
-            raise cli.UsageError(f"--model {args.model}: {type(error).__name__}: "
-                                 f"{cli.one_line(error)}") from None
+            raise arguments.UsageError(f"--model {args.model}: {type(error).__name__}: "
+                                       f"{arguments.one_line(error)}") from None
     if args.quality_steps and workload.shard_size is not None:
         q_workers = args.quality_workers or min(args.workers, 4)
         if workload.shard_size(q_workers) < workload.batch_size:
-            raise cli.UsageError(f"--batch-size {workload.batch_size}: a shard for {q_workers} quality "
-                                 f"workers holds {workload.shard_size(q_workers)} samples, not one batch")
+            raise arguments.UsageError(f"--batch-size {workload.batch_size}: a shard for {q_workers} quality "
+                                       f"workers holds {workload.shard_size(q_workers)} samples, not one batch")
     if args.quality_steps and workload.quality_unavailable is not None and factory:
-        raise cli.UsageError(f"--quality-steps: {workload.quality_unavailable}")
+        raise arguments.UsageError(f"--quality-steps: {workload.quality_unavailable}")
     return workload

@@ -32,19 +32,69 @@ name is importable from the package.
 from __future__ import annotations
 
 from gradpress.testbed.data.command import add_parser
-from gradpress.testbed.data.dataset import (CACHE_ENV, DataUnavailable, Dataset, Say, Split, cache_dir,
-                                            shard_indices)
+from gradpress.testbed.data.dataset import (
+    CACHE_ENV,
+    DataUnavailable,
+    Dataset,
+    Say,
+    Split,
+    cache_dir,
+    shard_indices,
+)
 from gradpress.testbed.data.fetching import ensure_debian_package, sha256
 from gradpress.testbed.data.idx import parse_idx, read_idx_bytes
-from gradpress.testbed.data.images import (FASHION_MNIST_CLASSES, FASHION_MNIST_DIR, FASHION_MNIST_PACKAGE,
-                                           FASHION_MNIST_SHA256, ImageData, fetch_fashion_mnist,
-                                           load_fashion_mnist)
-from gradpress.testbed.data.recommendation import (ML100K_MEMBER, ML100K_SHA256, RECBOLE_REQUIREMENT,
-                                                   RECBOLE_WHEEL, Interactions, RecData, _read_member,
-                                                   fetch_movielens, leave_last_out, load_movielens,
-                                                   parse_inter, recbole_wheel, sample_unobserved)
+from gradpress.testbed.data.images import (
+    FASHION_MNIST_CLASSES,
+    FASHION_MNIST_DIR,
+    FASHION_MNIST_PACKAGE,
+    FASHION_MNIST_SHA256,
+    ImageData,
+    fetch_fashion_mnist,
+    load_fashion_mnist,
+)
+from gradpress.testbed.data.recommendation import (
+    ML100K_MEMBER,
+    ML100K_SHA256,
+    RECBOLE_REQUIREMENT,
+    RECBOLE_WHEEL,
+    Interactions,
+    RecData,
+    fetch_movielens,
+    leave_last_out,
+    load_movielens,
+    parse_inter,
+    recbole_wheel,
+    sample_unobserved,
+)
 from gradpress.testbed.data.registry import DATASETS, Source, dataset_names, fetch, load
-from gradpress.testbed.data.text import (EOS, FORTUNES_DIR, FORTUNES_MARKER, FORTUNES_PACKAGE, SPECIALS, UNK,
-                                         TextData, bptt_windows, build_vocab, encode, fetch_fortunes,
-                                         fortune_files, is_test_entry, load_fortunes, read_fortunes,
-                                         strip_overstrike, text_dataset, tokenize)
+from gradpress.testbed.data.text import (
+    EOS,
+    FORTUNES_DIR,
+    FORTUNES_MARKER,
+    FORTUNES_PACKAGE,
+    SPECIALS,
+    UNK,
+    TextData,
+    bptt_windows,
+    build_vocab,
+    encode,
+    fetch_fortunes,
+    fortune_files,
+    is_test_entry,
+    load_fortunes,
+    read_fortunes,
+    strip_overstrike,
+    text_dataset,
+    tokenize,
+)
+
+__all__ = ["CACHE_ENV", "DATASETS", "DataUnavailable", "Dataset", "EOS", "FASHION_MNIST_CLASSES",
+           "FASHION_MNIST_DIR", "FASHION_MNIST_PACKAGE", "FASHION_MNIST_SHA256", "FORTUNES_DIR",
+           "FORTUNES_MARKER", "FORTUNES_PACKAGE", "ImageData", "Interactions", "ML100K_MEMBER",
+           "ML100K_SHA256", "RECBOLE_REQUIREMENT", "RECBOLE_WHEEL", "RecData", "SPECIALS", "Say", "Source",
+           "Split", "TextData", "UNK", "add_parser", "bptt_windows", "build_vocab", "cache_dir",
+           "dataset_names", "encode", "ensure_debian_package", "fetch", "fetch_fashion_mnist",
+           "fetch_fortunes", "fetch_movielens", "fortune_files", "is_test_entry", "leave_last_out", "load",
+           "load_fashion_mnist", "load_fortunes", "load_movielens", "parse_idx", "parse_inter",
+           "read_fortunes", "read_idx_bytes", "recbole_wheel", "sample_unobserved", "sha256", "shard_indices",
+           "strip_overstrike", "text_dataset", "tokenize"]

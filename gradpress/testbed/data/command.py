@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import argparse
 
+from gradpress.testbed import arguments
 from gradpress.testbed.data.dataset import CACHE_ENV, DataUnavailable, cache_dir
 from gradpress.testbed.data.registry import DATASETS, dataset_names, fetch, load
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from gradpress.cli import package_summary
-
     parser = subparsers.add_parser("data", help="fetch and check the testbed's datasets (offline sources)",
-                                   description=package_summary(__package__))
+                                   description=arguments.package_summary(__package__))
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"datasets (default: all of {', '.join(DATASETS)})")
     parser.add_argument("--no-install", action="store_true", help="only check: never run apt-get or pip")
@@ -19,14 +18,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gradpress.cli import UsageError
-
     names = args.names or dataset_names()
     unknown = [name for name in names if name not in DATASETS]
     if unknown:
         from gradpress.core.registry import did_you_mean
 
-        raise UsageError(f"unknown dataset {unknown[0]!r}{did_you_mean(unknown[0], DATASETS)}; "
+        raise arguments.UsageError(f"unknown dataset {unknown[0]!r}{did_you_mean(unknown[0], DATASETS)}; "
                          f"known: {', '.join(DATASETS)}")
     print(f"cache: {cache_dir()}  (${CACHE_ENV})")
     failed = 0

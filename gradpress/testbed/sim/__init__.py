@@ -84,14 +84,51 @@ shared pieces in :mod:`~gradpress.testbed.sim.common`, and the command line in
 """
 from __future__ import annotations
 
-from gradpress.testbed.sim.aggregate import (DEFAULT_WORKERS, DISTRIBUTIONS, ROUNDING, NMSEPoint, exact_mean,
-                                             loglog_slope, nmse, nmse_vs_workers, plot_nmse, render_nmse,
-                                             worker_vectors)
+from gradpress.testbed.sim.aggregate import (
+    DEFAULT_WORKERS,
+    DISTRIBUTIONS,
+    ROUNDING,
+    NMSEPoint,
+    exact_mean,
+    loglog_slope,
+    nmse,
+    nmse_vs_workers,
+    plot_nmse,
+    render_nmse,
+    worker_vectors,
+)
 from gradpress.testbed.sim.command import add_parser
 from gradpress.testbed.sim.common import Progress
-from gradpress.testbed.sim.cost import (REFERENCE_STRATEGIES, Check, Crossover, Prediction, burst_of,
-                                        check_runs, compute_time, cross_checks, crossovers, fit_run_latency,
-                                        link_phases, load_results, predict, render_checks, render_crossovers,
-                                        render_what_if, strategy_of, what_if)
-from gradpress.testbed.sim.quality import (QualityPoint, _endless_batches, _worker_gradients, plot_quality,
-                                           render_quality, train_simulated)
+from gradpress.testbed.sim.cost import (
+    REFERENCE_STRATEGIES,
+    Check,
+    Crossover,
+    Prediction,
+    burst_of,
+    check_runs,
+    compute_time,
+    cross_checks,
+    crossovers,
+    fit_run_latency,
+    link_phases,
+    load_results,
+    predict,
+    render_checks,
+    render_crossovers,
+    render_what_if,
+    strategy_of,
+    what_if,
+)
+from gradpress.testbed.sim.quality import (
+    QualityPoint,
+    plot_quality,
+    render_quality,
+    train_simulated,
+)
+
+__all__ = ["Check", "Crossover", "DEFAULT_WORKERS", "DISTRIBUTIONS", "NMSEPoint", "Prediction", "Progress",
+           "QualityPoint", "REFERENCE_STRATEGIES", "ROUNDING", "add_parser", "burst_of", "check_runs",
+           "compute_time", "cross_checks", "crossovers", "exact_mean", "fit_run_latency", "link_phases",
+           "load_results", "loglog_slope", "nmse", "nmse_vs_workers", "plot_nmse", "plot_quality", "predict",
+           "render_checks", "render_crossovers", "render_nmse", "render_quality", "render_what_if",
+           "strategy_of", "train_simulated", "what_if", "worker_vectors"]

@@ -122,13 +122,13 @@ def render_nmse(points: Sequence[NMSEPoint], title: str) -> Any:
 
 def plot_nmse(points: Sequence[NMSEPoint], path: str | Path, title: str) -> Path:
     """NMSE against n, log-log, one line per compressor, with a dotted 1/n guide."""
-    series = {}
+    series: dict[str, list[tuple[float, float]]] = {}
     for spec, mine in _by_spec(points).items():
         label = spec + (" (fp32 rounding)" if _rounding_only(mine) else "")
         series[label] = [(p.workers, p.nmse) for p in mine if p.nmse > 0]
     unbiased = [mine for mine in _by_spec(points).values() if mine[0].unbiased and mine[0].nmse > ROUNDING]
     guide = unbiased[0] if unbiased else None
-    extra = None
+    extra: tuple[str, list[tuple[float, float]]] | None = None
     if guide:
         n0, e0 = guide[0].workers, guide[0].nmse
         extra = ("∝ 1/n", [(p.workers, e0 * n0 / p.workers) for p in guide])

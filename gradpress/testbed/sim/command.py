@@ -11,16 +11,32 @@ from dataclasses import asdict
 from typing import Any
 
 import gradpress
-from gradpress import cli
 from gradpress import costmodel
+from gradpress.testbed import arguments
 from gradpress.testbed.data import Dataset
-from gradpress.testbed.sim.aggregate import (DEFAULT_WORKERS, DISTRIBUTIONS, nmse_vs_workers, plot_nmse,
-                                             render_nmse)
+from gradpress.testbed.sim.aggregate import (
+    DEFAULT_WORKERS,
+    DISTRIBUTIONS,
+    nmse_vs_workers,
+    plot_nmse,
+    render_nmse,
+)
 from gradpress.testbed.sim.common import wide_console
-from gradpress.testbed.sim.cost import (Check, Prediction, check_runs, cross_checks, crossovers,
-                                        fit_run_latency, load_results, render_checks, render_crossovers,
-                                        render_what_if, what_if)
+from gradpress.testbed.sim.cost import (
+    Check,
+    Prediction,
+    check_runs,
+    cross_checks,
+    crossovers,
+    fit_run_latency,
+    load_results,
+    render_checks,
+    render_crossovers,
+    render_what_if,
+    what_if,
+)
 from gradpress.testbed.sim.quality import plot_quality, render_quality, train_simulated
+from gradpress.testbed.train import model_spec, runtime_option
 
 
 def _ints(text: str) -> list[int]:
@@ -60,40 +76,44 @@ def _latency(text: str) -> float | str:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     sim = subparsers.add_parser("sim", help="many simulated workers in one process; the α–β cost model",
-                                description=cli.package_summary(__package__))
+                                description=arguments.package_summary(__package__))
     modes = sim.add_subparsers(dest="sim", required=True)
 
     p = modes.add_parser("nmse", help="NMSE of the aggregate against the number of workers (THC §8.4)")
-    p.add_argument("--compressors", type=cli.compressor_list(), default="none,topk:ratio=0.01,qsgd,natural",
+    p.add_argument("--compressors", type=arguments.compressor_list(),
+                   default="none,topk:ratio=0.01,qsgd,natural",
                    help="comma-separated compressor specs")
     p.add_argument("--workers", type=_ints, default=list(DEFAULT_WORKERS), help="numbers of workers: 4,16,64")
-    p.add_argument("--numel", type=cli.size, default=1 << 14, help="elements per worker vector (2^14 allowed)")
+    p.add_argument("--numel", type=arguments.size, default=1 << 14, help="elements per worker vector (2^14 allowed)")
     p.add_argument("--dist", choices=DISTRIBUTIONS, default="normal", help="the shared signal's distribution")
-    p.add_argument("--spread", type=cli.non_negative_float, default=1.0,
+    p.add_argument("--spread", type=arguments.non_negative_float, default=1.0,
                    help="scale σ of each worker's private N(0,1) noise")
-    p.add_argument("--trials", type=cli.positive_int, default=3)
-    p.add_argument("--seed", type=cli.seed, default=0)
-    p.add_argument("--json", type=cli.output_file, help="write the points here")
-    p.add_argument("--plot", type=cli.output_file, help="write a log-log plot of NMSE against n here (PNG)")
+    p.add_argument("--trials", type=arguments.positive_int, default=3)
+    p.add_argument("--seed", type=arguments.seed, default=0)
+    p.add_argument("--json", type=arguments.output_file, help="write the points here")
+    p.add_argument("--plot", type=arguments.output_file,
+                   help="write a log-log plot of NMSE against n here (PNG)")
     p.set_defaults(func=_reporting_errors(_main_nmse))
 
     from gradpress.testbed.data import dataset_names
 
     p = modes.add_parser("quality", help="train with n simulated workers; quality against n")
-    p.add_argument("--model", type=cli.model, default="mlp", help="model spec (gradpress.testbed.models)")
+    p.add_argument("--model", type=model_spec, default="mlp", help="model spec (gradpress.testbed.models)")
     p.add_argument("--data", choices=dataset_names(), help="dataset (default: the model's)")
     p.add_argument("--workers", type=_ints, default=[1, 4, 16], help="numbers of workers, e.g. 1,4,16")
-    p.add_argument("--compressor", "--compressors", dest="compressors", type=cli.compressor_list(),
+    p.add_argument("--compressor", "--compressors", dest="compressors", type=arguments.compressor_list(),
                    default="none", help="compressor spec(s), comma-separated")
-    p.add_argument("--steps", type=cli.positive_int, default=100)
-    p.add_argument("--batch-size", type=cli.positive_int, help="per-worker batch size (default: the model's)")
-    p.add_argument("--lr", type=cli.positive_float, help="learning rate (default: the model's)")
-    p.add_argument("--seed", type=cli.seed, default=0)
-    p.add_argument("--option", type=cli.option, action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--steps", type=arguments.positive_int, default=100)
+    p.add_argument("--batch-size", type=arguments.positive_int,
+                   help="per-worker batch size (default: the model's)")
+    p.add_argument("--lr", type=arguments.positive_float, help="learning rate (default: the model's)")
+    p.add_argument("--seed", type=arguments.seed, default=0)
+    p.add_argument("--option", type=runtime_option, action="append", default=[], metavar="KEY=VALUE",
                    help="gradpress runtime option (feedback, min_numel, warmup_steps, ...), each key once; "
                         "the seed is --seed")
-    p.add_argument("--json", type=cli.output_file, help="write the runs here")
-    p.add_argument("--plot", type=cli.output_file, help="write a plot of final quality against n here (PNG)")
+    p.add_argument("--json", type=arguments.output_file, help="write the runs here")
+    p.add_argument("--plot", type=arguments.output_file,
+                   help="write a plot of final quality against n here (PNG)")
     p.set_defaults(func=_reporting_errors(_main_quality))
 
     p = modes.add_parser("cost", help="α–β step-time model checked against measured runs; what-if")
@@ -106,19 +126,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"(default {costmodel.DEFAULT_LATENCY:g})")
     p.add_argument("--strategy", default="auto", choices=["auto", *costmodel.STRATEGIES],
                    help="price what-if predictions with this strategy (default: each run's own)")
-    p.add_argument("--json", type=cli.output_file, help="write the checks and predictions here")
+    p.add_argument("--json", type=arguments.output_file, help="write the checks and predictions here")
     p.set_defaults(func=_reporting_errors(_main_cost))
 
 
 def _reporting_errors(main: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """``main`` with bad input found while it runs (ValueError: unusable results, a too small shard)
-    reported as a :class:`~gradpress.cli.UsageError` (``gradpress: error: sim MODE: …``, exit status 2)
-    instead of a traceback."""
+    reported as a :class:`~gradpress.testbed.arguments.UsageError` (``gradpress: error: sim MODE: …``,
+    exit status 2) instead of a traceback."""
     def run(args: argparse.Namespace) -> int:
         try:
             return main(args)
         except ValueError as error:
-            raise cli.UsageError(f"sim {args.sim}: {error}") from None
+            raise arguments.UsageError(f"sim {args.sim}: {error}") from None
 
     return run
 
@@ -127,7 +147,7 @@ def _main_nmse(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     most = max(args.workers)  # n + 1 float32 vectors (the signal and each worker's) and the float64 mean
-    cli.check_memory(f"--numel {args.numel} with {most} workers", ((most + 1) * 4 + 8) * args.numel)
+    arguments.check_memory(f"--numel {args.numel} with {most} workers", ((most + 1) * 4 + 8) * args.numel)
     specs = args.compressors
     with Console(stderr=True).status("simulating") as status:
         points = nmse_vs_workers(specs, args.workers, args.numel, args.dist, args.trials, args.seed,
@@ -139,7 +159,7 @@ def _main_nmse(args: argparse.Namespace) -> int:
         setting = {"numel": args.numel, "dist": args.dist, "spread": args.spread, "trials": args.trials,
                    "seed": args.seed}
         record = {**setting, "points": [asdict(p) for p in points]}
-        cli.writable_parent(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        arguments.writable_parent(args.json).write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {plot_nmse(points, args.plot, f'{args.dist} signal, d = {args.numel}')}")
@@ -155,12 +175,12 @@ def _main_quality(args: argparse.Namespace) -> int:
     try:
         options = parse_options(args.option, dedicated={"seed": "--seed"})
     except ValueError as error:
-        raise cli.UsageError(str(error)) from None
+        raise arguments.UsageError(str(error)) from None
     name = args.data or models.get(parse_spec(args.model)[0]).dataset
     try:
         dataset = datasets.load(name)
     except datasets.DataUnavailable as error:
-        raise cli.UsageError(f"--data {name} is not available: {error}") from None
+        raise arguments.UsageError(f"--data {name} is not available: {error}") from None
     _check_quality(args, dataset, options)
     points = []
     from rich.console import Console
@@ -173,7 +193,8 @@ def _main_quality(args: argparse.Namespace) -> int:
                                               args.lr, args.seed, options))
     wide_console().print(render_quality(points))
     if args.json:
-        cli.writable_parent(args.json).write_text(json.dumps([asdict(p) for p in points], indent=1) + "\n")
+        record = json.dumps([asdict(p) for p in points], indent=1) + "\n"
+        arguments.writable_parent(args.json).write_text(record)
         print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {plot_quality(points, args.plot)}")
@@ -189,21 +210,21 @@ def _check_quality(args: argparse.Namespace, dataset: Dataset, options: dict[str
     try:  # the options alone (with each compressor: below)
         Options.of(**{"seed": args.seed, **options})
     except ValueError as error:
-        raise cli.UsageError(f"--option: {error}") from None
+        raise arguments.UsageError(f"--option: {error}") from None
     try:
         settings = check_model(args.model, dataset)
     except ValueError as error:
-        raise cli.UsageError(f"--model {args.model}: {error}") from None
+        raise arguments.UsageError(f"--model {args.model}: {error}") from None
     batch_size, most = args.batch_size or settings.batch_size, max(args.workers)
     if len(dataset.train) // most < batch_size:
-        raise cli.UsageError(f"--batch-size {batch_size}: a shard of {dataset.name} for {most} workers holds "
-                             f"{len(dataset.train) // most} samples, not one batch")
+        raise arguments.UsageError(f"--batch-size {batch_size}: a shard of {dataset.name} for {most} workers "
+                                   f"holds {len(dataset.train) // most} samples, not one batch")
     for spec in args.compressors:
         for n in sorted(set(args.workers)):
             try:
                 gradpress.Simulator(spec, n, **{"seed": args.seed, **options})
             except ValueError as error:
-                raise cli.UsageError(f"--compressors {spec} with {n} worker{'s' if n > 1 else ''}: {error}") from None
+                raise arguments.UsageError(f"--compressors {spec} with {n} worker{'s' if n > 1 else ''}: {error}") from None
 
 
 def _main_cost(args: argparse.Namespace) -> int:
@@ -241,7 +262,7 @@ def _main_cost(args: argparse.Namespace) -> int:
                "cross_checks": [_check_dict(c) for c in crossed],
                "what_if": [_prediction_dict(p) for p in predictions],
                "crossovers": [asdict(c) for c in paying]}
-        cli.writable_parent(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        arguments.writable_parent(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 

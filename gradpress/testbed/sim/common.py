@@ -36,9 +36,9 @@ def plot_lines(series: dict[str, list[tuple[float, float]]], path: str | Path, x
     axis = figure.subplots()
     for label, points in series.items():
         if points:
-            axis.plot(*zip(*points), marker="o", label=label)
+            axis.plot(*zip(*points, strict=True), marker="o", label=label)
     if guide is not None:
-        axis.plot(*zip(*guide[1]), linestyle=":", color="gray", label=guide[0])
+        axis.plot(*zip(*guide[1], strict=True), linestyle=":", color="gray", label=guide[0])
     axis.set_xscale("log", base=2)
     if logy:
         axis.set_yscale("log")

@@ -4,7 +4,7 @@ paying (see :mod:`gradpress.testbed.sim`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,7 +122,8 @@ def predict(run: Run, runs: Sequence[Run], workers: int, bandwidth: str, latency
     strategy = strategy_of(run) if strategy == "auto" else strategy
     base, source = compute_time(run, runs)
     phases = link_phases(run, strategy, run.bytes_per_step, workers)
-    common = {"n": workers, "bandwidth": bandwidth, "latency": latency, "burst": burst_of(run)}
+    common: dict[str, Any] = {"n": workers, "bandwidth": bandwidth, "latency": latency,
+                              "burst": burst_of(run)}
     per_worker = run.steps[-1].samples / run.workers
     return Prediction(run.compressor, workers, bandwidth, strategy, source, run.bytes_per_step, latency,
                       costmodel.predict_step_time(base, run.mean_compress_s, phases, overlap=False, **common),
@@ -241,15 +242,20 @@ def crossovers(runs: Sequence[Run], latency: float) -> list[Crossover]:
             compute, _ = compute_time(run, runs)
             common = {"n": run.workers, "latency": latency, "burst": burst}
             speed = costmodel.bandwidth_crossing(
-                lambda bw: costmodel.predict_step_time(compute, run.mean_compress_s, phases, bandwidth=bw,
-                                                       **common).total,
-                lambda bw: costmodel.predict_step_time(compute, base.mean_compress_s, base_phases,
-                                                       bandwidth=bw, **common).total)
+                _step_time(compute, run.mean_compress_s, phases, common),
+                _step_time(compute, base.mean_compress_s, base_phases, common))
         else:
             speed = costmodel.crossover_bandwidth(run.mean_compress_s, phases, base.mean_compress_s,
                                                   base_phases, n=run.workers, latency=latency)
         out.append(Crossover(run.compressor, run.workers, run.mean_compress_s, run.bytes_per_step, speed))
     return out
+
+
+def _step_time(compute: float, compress_s: float, phases: Any,
+               common: dict[str, Any]) -> Callable[[float], float]:
+    """The step time as a function of the link's bandwidth (bits/s), the rest fixed."""
+    return lambda bandwidth: costmodel.predict_step_time(compute, compress_s, phases, bandwidth=bandwidth,
+                                                         **common).total
 
 
 def render_crossovers(found: Sequence[Crossover]) -> Any:

@@ -106,7 +106,7 @@ def _worker_gradients(net: torch.nn.Module, batches: list[Iterator[tuple]],
     grads: list[dict[str, torch.Tensor]] = [{} for _ in batches]
     losses = []
     for rank in [*range(1, len(batches)), 0]:
-        for buffer, value in zip(net.buffers(), saved):
+        for buffer, value in zip(net.buffers(), saved, strict=True):
             buffer.copy_(value)
         x, y = next(batches[rank])
         net.zero_grad(set_to_none=True)
