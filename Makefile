@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradpress-installed
 
-.PHONY: test demo clean wheel-check lint
+.PHONY: test demo clean lint wheel-check lint
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ test: $(STAMP)
 	# core); the tests then load them from the disk cache, in two processes (pytest-xdist), a file each
 	$(PY) -m gradpress compile all --jobs 2 --dtypes float32
 	$(PY) -m pytest -q -n 2 --dist loadfile
-	$(MAKE) --no-print-directory wheel-check
+	$(MAKE) --no-print-directory lint wheel-check
 
 # the checks of the code: pyflakes, bugbear and import order (ruff), types (mypy; configured in pyproject.toml)
 lint: $(STAMP)

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import importlib
 import importlib.util
+import os
 import re
 import signal
 import sys
@@ -226,21 +227,20 @@ def main(argv: list[str] | None = None) -> int:
 @contextlib.contextmanager
 def _ctrl_c_outside_finalizers() -> Iterator[None]:
     """Python raises Ctrl-C's KeyboardInterrupt in whatever code the main thread runs when the signal
-    arrives; if that is an object's finalizer (``__del__``, run by the garbage collector at any
-    allocation), the interpreter reports the exception as "ignored" and drops it, and the command goes on
-    as if Ctrl-C had not been pressed. While the command runs, an interrupt that finds a finalizer on the
-    stack is delivered again a moment later, outside it."""
+    arrives. Where that is an object's finalizer (``__del__``, run by the garbage collector at any
+    allocation) or a ctypes callback (llvmlite's, while numba compiles a kernel at set-up), the
+    interpreter reports the exception as "ignored" and drops it, and the command would go on as if Ctrl-C
+    had not been pressed. While the command runs, an interrupt that finds itself there is delivered again
+    a moment later, outside it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.getsignal(signal.SIGINT)
 
     def on_ctrl_c(signum: int, frame: types.FrameType | None) -> None:
-        while frame is not None:
-            if frame.f_code.co_name == "__del__":
-                threading.Timer(0.05, _thread.interrupt_main).start()
-                return
-            frame = frame.f_back
+        if _dropped_there(frame):
+            threading.Timer(0.05, _thread.interrupt_main).start()
+            return
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_ctrl_c)
@@ -248,6 +248,18 @@ def _ctrl_c_outside_finalizers() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _dropped_there(frame: types.FrameType | None) -> bool:
+    """Whether an exception raised in ``frame`` is dropped: a finalizer is on the stack, or ``frame`` is
+    llvmlite's (whose functions in Python are called back by LLVM through ctypes)."""
+    if frame is not None and f"{os.sep}llvmlite{os.sep}" in frame.f_code.co_filename:
+        return True
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 __all__ = ["HelpFormatter", "Parser", "build_parser", "interrupted", "main", "plain", "run"]

@@ -377,6 +377,38 @@ def test_ctrl_c_during_a_finalizer_still_interrupts(tmp_path):
     assert "Exception ignored" not in done.stderr, done.stderr
 
 
+CTRL_C_IN_A_CTYPES_CALLBACK = """
+import ctypes, ctypes.util, os, signal, sys, time
+from gradpress import cli
+
+# a function of llvmlite's that LLVM calls back through ctypes, as numba compiles a kernel
+source = "def notify(a, b):\\n    os.kill(os.getpid(), signal.SIGINT)\\n    time.sleep(0.01)\\n    return 0\\n"
+space = {"os": os, "signal": signal, "time": time}
+exec(compile(source, os.path.join("site-packages", "llvmlite", "binding", "executionengine.py"), "exec"), space)
+compare = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(space["notify"])
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+values = (ctypes.c_int * 2)(2, 1)
+with cli._ctrl_c_outside_finalizers():
+    try:
+        libc.qsort(values, 2, ctypes.sizeof(ctypes.c_int), compare)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("not interrupted")
+    except KeyboardInterrupt:
+        print("interrupted")
+"""
+
+
+def test_ctrl_c_during_a_ctypes_callback_of_the_compiler_still_interrupts(tmp_path):
+    """ctypes drops an exception raised in a callback ("Exception ignored on calling ctypes callback
+    function"): a Ctrl-C while LLVM calls back into llvmlite would be lost. The CLI delivers it again."""
+    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_A_CTYPES_CALLBACK], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout == "interrupted\n", (done.stdout, done.stderr)
+    assert "Exception ignored" not in done.stderr, done.stderr
+
+
 def test_ctrl_c_is_one_line_even_when_it_left_an_object_half_built(tmp_path):
     """An interrupt that lands inside a constructor (numba compiling at set-up) leaves an object whose
     finalizer fails at exit; the user still sees the one line ``interrupted``, no "Exception ignored"
