@@ -21,8 +21,8 @@ for index, block in enumerate(blocks):
 
 import gradpress  # noqa: E402  (after the blocks: they import it themselves)
 
-checkout = Path(sys.argv[1]).resolve().parent
-assert checkout not in Path(gradpress.__file__).resolve().parents, f"imported from the checkout: {gradpress.__file__}"
+sources = Path(sys.argv[1]).resolve().parent / "gradpress"  # (the virtualenv itself may lie in the checkout)
+assert sources not in Path(gradpress.__file__).resolve().parents, f"imported from the checkout: {gradpress.__file__}"
 assert Path(sys.prefix) in Path(gradpress.__file__).resolve().parents, gradpress.__file__
 for library in ("matplotlib", "rich", "tqdm"):
     assert importlib.util.find_spec(library) is None, f"{library} was installed without the [testbed] extra"
