@@ -300,4 +300,11 @@ def test_runs_of_several_nodes_name_their_hierarchy_and_traffic(tmp_path, accura
     assert table_row(markdown, "topk:ratio=0.01@node")[4:7] == ["40 B", "8.00 kB", "400 B"]
     assert table_row(markdown, "topk:ratio=0.01")[4:7] == ["40 B", "0 B", "800 B"]
     assert "intra-node bytes/step" in markdown and "link bytes/step" in markdown
+    assert "`@node`: the two-level exchange" in markdown and "node 0 over its emulated link" in markdown
     assert "link bytes/step" not in R.write_report(accuracy_runs, tmp_path, tolerance=0.04).read_text()
+    # one level over the emulated network: the link column, and no word of nodes or of `@node`
+    one_level = [replace(run, steps=tuple(replace(s, link_bytes=900) for s in run.steps))
+                 for run in accuracy_runs]
+    markdown = R.write_report(one_level, tmp_path, tolerance=0.04).read_text()
+    assert "link bytes/step: what left rank 0's namespace" in markdown
+    assert "@node" not in markdown and "intra-node" not in markdown and "between nodes" not in markdown

@@ -195,7 +195,7 @@ def render_markdown(runs: Sequence[Run], goal: Target | None, rows: Sequence[Row
         align="l" + "r" * (7 + len(traffic)))
     lines += ["", _NOTES.format(warmup=f"{WARMUP_FRACTION:.0%}", base=BASELINE, noop=UPPER_BOUND)]
     if traffic:
-        lines += ["", _TRAFFIC_NOTES]
+        lines += ["", _traffic_notes(rows, traffic)]
     lines += ["", "## Plots", ""]
     lines += [f"![{title}]({name})" for name, title in PLOTS.items()]
     lines += ["", "## Where the time goes", "",
@@ -299,14 +299,31 @@ _NOTES = (
 )
 
 
-_TRAFFIC_NOTES = (
+_TWO_LEVELS_NOTE = (
     "`@node`: the two-level exchange (`hierarchy=node`): a node's ranks sum their gradients inside the "
     "node, uncompressed, and each exchanges a compressed 1/k of the sum with the other nodes; its "
-    "bytes/step are those of that share. intra-node bytes/step: what one worker sends inside its node "
-    "(0 in one level). link bytes/step: what left node 0 over its emulated link per step, as the kernel "
-    "counted it (all its workers, headers and the collectives' own traffic included): the traffic "
-    "between nodes, for every run alike."
+    "bytes/step are those of that share."
 )
+_INTRA_NODE_NOTE = "intra-node bytes/step: what one worker sends inside its node (0 in one level)."
+_LINK_NOTE = (
+    "link bytes/step: what left {who} over its emulated link per step, as the kernel counted it "
+    "({what}headers and the collectives' own traffic included){between}."
+)
+
+
+def _traffic_notes(rows: Sequence[Row], columns: dict[str, Callable[[Run], str]]) -> str:
+    """What the traffic columns of the table hold, and ``@node`` where a run used two levels: only the
+    sentences about what the runs show."""
+    notes = [_TWO_LEVELS_NOTE] if any(r.run.hierarchy == "node" for r in rows) else []
+    if "intra-node bytes/step" in columns:
+        notes.append(_INTRA_NODE_NOTE)
+    if "link bytes/step" in columns:
+        nodes = any(r.run.nodes > 1 for r in rows)
+        notes.append(_LINK_NOTE.format(who="node 0" if nodes else "rank 0's namespace",
+                                       what="all its workers, " if nodes else "",
+                                       between=": the traffic between nodes, for every run alike" if nodes
+                                       else ""))
+    return " ".join(notes)
 
 
 def _traffic_columns(rows: Sequence[Row]) -> dict[str, Callable[[Run], str]]:
