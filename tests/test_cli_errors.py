@@ -14,6 +14,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -347,66 +348,54 @@ sys.exit(cli.interrupted())
 """
 
 
-CTRL_C_IN_A_FINALIZER = """
-import os, signal, sys, time
-from gradpress import cli
-
-class Finalized:
-    def __del__(self):  # Ctrl-C arrives while the garbage collector runs this
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)
-
-with cli._ctrl_c_outside_finalizers():
-    try:
-        Finalized()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
-        print("not interrupted")
-    except KeyboardInterrupt:
-        print("interrupted")
-"""
+def _interrupted(tmp_path, where: str, trigger: str) -> None:
+    """Run ``where`` (definitions), then ``trigger`` (which sends this process SIGINT from inside it) under
+    the CLI's Ctrl-C handling in a fresh interpreter: the interrupt must reach the code that follows, and
+    no "Exception ignored" report be printed."""
+    script = "\n".join([
+        "import ctypes, ctypes.util, os, signal, sys, time",
+        "from gradpress import cli",
+        where,
+        "with cli._ctrl_c_outside_finalizers():",
+        "    try:",
+        textwrap.indent(trigger, "        "),
+        "        deadline = time.monotonic() + 30",
+        "        while time.monotonic() < deadline:",
+        "            time.sleep(0.01)",
+        "        print('not interrupted')",
+        "    except KeyboardInterrupt:",
+        "        print('interrupted')",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout == "interrupted\n", (done.stdout, done.stderr)
+    assert "Exception ignored" not in done.stderr, done.stderr
 
 
 def test_ctrl_c_during_a_finalizer_still_interrupts(tmp_path):
     """Python drops a KeyboardInterrupt raised inside ``__del__`` ("Exception ignored"): the command
     would run on after Ctrl-C. The CLI delivers it again outside the finalizer."""
-    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_A_FINALIZER], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
-    assert done.stdout == "interrupted\n", (done.stdout, done.stderr)
-    assert "Exception ignored" not in done.stderr, done.stderr
-
-
-CTRL_C_IN_A_CTYPES_CALLBACK = """
-import ctypes, ctypes.util, os, signal, sys, time
-from gradpress import cli
-
-# a function of llvmlite's that LLVM calls back through ctypes, as numba compiles a kernel
-source = "def notify(a, b):\\n    os.kill(os.getpid(), signal.SIGINT)\\n    time.sleep(0.01)\\n    return 0\\n"
-space = {"os": os, "signal": signal, "time": time}
-exec(compile(source, os.path.join("site-packages", "llvmlite", "binding", "executionengine.py"), "exec"), space)
-compare = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(space["notify"])
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-values = (ctypes.c_int * 2)(2, 1)
-with cli._ctrl_c_outside_finalizers():
-    try:
-        libc.qsort(values, 2, ctypes.sizeof(ctypes.c_int), compare)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
-        print("not interrupted")
-    except KeyboardInterrupt:
-        print("interrupted")
-"""
+    _interrupted(tmp_path, textwrap.dedent("""
+        class Finalized:
+            def __del__(self):  # Ctrl-C arrives while the garbage collector runs this
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)
+        """), "Finalized()")
 
 
 def test_ctrl_c_during_a_ctypes_callback_of_the_compiler_still_interrupts(tmp_path):
     """ctypes drops an exception raised in a callback ("Exception ignored on calling ctypes callback
     function"): a Ctrl-C while LLVM calls back into llvmlite would be lost. The CLI delivers it again."""
-    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_A_CTYPES_CALLBACK], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
-    assert done.stdout == "interrupted\n", (done.stdout, done.stderr)
-    assert "Exception ignored" not in done.stderr, done.stderr
+    _interrupted(tmp_path, textwrap.dedent("""
+        # a function of llvmlite's that LLVM calls back through ctypes, as numba compiles a kernel
+        source = "def notify(a, b):\\n    os.kill(os.getpid(), signal.SIGINT)\\n    time.sleep(0.01)\\n    return 0\\n"
+        space = {"os": os, "signal": signal, "time": time}
+        exec(compile(source, os.path.join("site-packages", "llvmlite", "binding", "executionengine.py"),
+                     "exec"), space)
+        compare = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(space["notify"])
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        values = (ctypes.c_int * 2)(2, 1)
+        """), "libc.qsort(values, 2, ctypes.sizeof(ctypes.c_int), compare)")
 
 
 def test_ctrl_c_is_one_line_even_when_it_left_an_object_half_built(tmp_path):

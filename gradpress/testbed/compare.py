@@ -70,8 +70,8 @@ def run_config(base: TrainConfig, item: str) -> TrainConfig:
 
 
 def run_list(text: str) -> arguments.Specs:
-    """The ``--compressors`` converter: :func:`gradpress.testbed.arguments.compressor_list`'s list (references and the
-    ``demo`` keyword included), where a spec may end in ``@node`` (:func:`split_run`)."""
+    """The ``--compressors`` converter: :func:`gradpress.testbed.arguments.compressor_list`'s list
+    (references and the ``demo`` keyword included), where a spec may end in ``@node`` (:func:`split_run`)."""
     from gradpress.core.registry import split_specs
 
     plain = arguments.compressor_list(references=REFERENCES, keywords={"demo": demo_set})
