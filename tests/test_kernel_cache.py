@@ -23,9 +23,12 @@ from gradpress.compressors.sign import _decode_signs
 from gradpress.kernels.jit import dependencies, sources_digest
 
 #: run in a child process against the copy of the package: decode 4096 packed signs with the sign
-#: decoder's kernel, report its cache statistics and whether the result is right
+#: decoder's kernel, report its cache statistics and whether the result is right; with an argument,
+#: also cast to fp16 with a kernel that a factory made (a closure over another kernel) and report its
+#: statistics
 _CHILD = textwrap.dedent("""
     import json
+    import sys
     import numpy as np
     from gradpress.compressors.sign import _decode_signs
     packed = np.arange(512, dtype=np.uint8)
@@ -33,8 +36,17 @@ _CHILD = textwrap.dedent("""
     _decode_signs(packed, -1.0, 1.0, out)
     expected = np.where(np.unpackbits(packed, bitorder="little").astype(bool), 1.0, -1.0)
     stats = _decode_signs.stats
-    print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
-                      "right": bool((out == expected).all())}))
+    report = {"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
+              "right": bool((out == expected).all())}
+    if sys.argv[1:]:
+        from gradpress.compressors.identity import _to_f16
+        x = np.linspace(-3, 3, 5000, dtype=np.float32)
+        bits = np.empty(5000, np.int16)
+        _to_f16(x, bits)
+        stats = _to_f16.stats
+        report["closure"] = {"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
+                             "right": bool((bits.view(np.float16) == x.astype(np.float16)).all())}
+    print(json.dumps(report))
 """)
 
 
@@ -44,12 +56,12 @@ def _copy(tmp_path: Path) -> Path:
     return copy
 
 
-def _decode_in_a_process(root: Path, **env: str) -> dict:
+def _decode_in_a_process(root: Path, *argv: str, **env: str) -> dict:
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("NUMBA_CACHE_DIR", "GRADPRESS_CACHE", "XDG_CACHE_HOME")}
     environment.update({"PYTHONPATH": str(root), "GRADPRESS_NUMBA": "1", "XDG_CACHE_HOME": str(root / "xdg"),
                         **env})
-    done = subprocess.run([sys.executable, "-c", _CHILD], cwd=root, env=environment, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _CHILD, *argv], cwd=root, env=environment, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -64,9 +76,12 @@ MISS, HIT = {"hits": 0, "misses": 1, "right": True}, {"hits": 1, "misses": 0, "r
 
 def test_a_change_to_a_module_the_kernel_depends_on_compiles_it_again(tmp_path):
     copy = _copy(tmp_path)
-    assert _decode_in_a_process(tmp_path) == MISS
+    assert _decode_in_a_process(tmp_path, "closure") == {**MISS, "closure": MISS}
     assert list((copy / "compressors" / "__pycache__").glob("sign._decode_signs-*.nbc")), "nothing cached"
-    assert _decode_in_a_process(tmp_path) == HIT
+    # a kernel made by a factory is kept too (numba keyed it by a process-random id of the kernel it
+    # closes over: compiled in every process, one more entry on disk each time)
+    assert _decode_in_a_process(tmp_path, "closure") == {**HIT, "closure": HIT}
+    assert len(list((copy / "compressors" / "__pycache__").glob("identity._blocked_cast*.nbc"))) == 1
     # modules the kernel's module does not import: no effect
     for other in ("cli.py", "testbed/report.py", "ddp.py", "exchange/pipeline.py"):
         _touch(copy / other)

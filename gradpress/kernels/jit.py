@@ -20,6 +20,7 @@ import functools
 import hashlib
 import inspect
 import os
+import pickle
 import sys
 import tempfile
 from pathlib import Path
@@ -220,6 +221,21 @@ class KernelCache(FunctionCache):
                                            locator.get_source_stamp())
                         for locator in impl.readable if locator.get_cache_path() != self._cache_path]
 
+    def _index_key(self, sig: Any, codegen: Any) -> Any:
+        """numba's key of a compiled specialization, with a kernel's closure read by name.
+
+        numba keys a closure (a kernel a factory made, e.g. one per element operation it inlines) by the
+        pickled contents of its cells; a kernel among them pickles with a process-random id, so the key
+        never matched again: every process compiled such kernels anew and added one more entry to their
+        index on disk. A kernel, function or module in a cell is named instead (its module and
+        qualified name; their sources are part of the stamp, :func:`sources_digest`)."""
+        closure = self._py_func.__closure__
+        if closure is None:
+            return super()._index_key(sig, codegen)
+        named = tuple(_by_name(cell.cell_contents) for cell in closure)
+        signature, magic, (code, _) = super()._index_key(sig, codegen)
+        return signature, magic, (code, hashlib.sha256(pickle.dumps(named)).hexdigest())
+
     def _load_overload(self, sig: Any, target_context: Any) -> Any:
         if not self._enabled:
             return None
@@ -236,6 +252,18 @@ class KernelCache(FunctionCache):
     def _save_overload(self, sig: Any, data: Any) -> None:
         if self._impl.writable:
             super()._save_overload(sig, data)
+
+
+def _by_name(value: Any) -> Any:
+    """A closure cell's contents as :meth:`KernelCache._index_key` keys them: a kernel (numba
+    dispatcher) or function by its module and qualified name, a module by its name, anything else as
+    it is."""
+    function = getattr(value, "py_func", value)
+    if inspect.isfunction(function):
+        return (function.__module__, function.__qualname__)
+    if inspect.ismodule(function):
+        return (function.__name__,)
+    return value
 
 
 #: every dispatcher :func:`kernel` made, for :func:`compile_counts`
