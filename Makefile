@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $(STAMP)
 
+# the kernels compiled for the suite are kept in one folder that the wheel check's virtualenv reads too
+# (installs of one version share a GRADPRESS_CACHE); set it to keep them elsewhere
+test wheel-check: export GRADPRESS_CACHE ?= $(CURDIR)/build/cache
+
 test: $(STAMP)
 	# the offline datasets (apt-get as root; tests that need one skip with the reason when it is missing)
 	-$(PY) -m gradpress data fashion-mnist fortunes movielens-100k

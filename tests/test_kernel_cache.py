@@ -126,7 +126,8 @@ def test_the_digest_follows_the_kernels_dependencies_and_nothing_else(tmp_path):
 
 def test_where_kernels_are_kept(tmp_path):
     """Beside the module when that is writable; in ``$GRADPRESS_CACHE/numba`` when set (a kernel
-    compiled beside the module before is still read from there); in ``$XDG_CACHE_HOME/gradpress/numba``
+    compiled beside the module before is still read from there), shared by copies of the same sources at
+    other places; in ``$XDG_CACHE_HOME/gradpress/numba``
     when the module's folder cannot hold a ``__pycache__``."""
     copy = _copy(tmp_path)
     beside = copy / "compressors" / "__pycache__"
@@ -137,12 +138,15 @@ def test_where_kernels_are_kept(tmp_path):
     assert not list(chosen.rglob("*.nbc")) and not list(xdg.rglob("*.nbc"))
     shutil.rmtree(beside)
     assert _decode_in_a_process(tmp_path, GRADPRESS_CACHE=str(chosen)) == MISS
-    assert list((chosen / "numba").glob("compressors_*/sign._decode_signs-*.nbc"))
+    assert list((chosen / "numba").glob(f"gradpress-{gradpress.__version__}/compressors/sign._decode_signs-*.nbc"))
     assert not list(beside.glob("*.nbc"))
-    assert _decode_in_a_process(tmp_path, GRADPRESS_CACHE=str(chosen)) == HIT
+    elsewhere = tmp_path / "elsewhere"  # the same sources at another place (a virtualenv, say): shared
+    _copy(elsewhere)
+    assert _decode_in_a_process(elsewhere, GRADPRESS_CACHE=str(chosen)) == HIT
     beside.write_bytes(b"")  # a file where the folder would be: nothing can be written beside the module
     assert _decode_in_a_process(tmp_path) == MISS
-    assert list((xdg / "gradpress" / "numba").glob("compressors_*/sign._decode_signs-*.nbc"))
+    assert list((xdg / "gradpress" / "numba").glob(f"gradpress-{gradpress.__version__}/compressors/"
+                                                   "sign._decode_signs-*.nbc"))
     assert _decode_in_a_process(tmp_path) == HIT
 
 

@@ -12,6 +12,9 @@ variable is set (else under numba's ``NUMBA_CACHE_DIR`` when that one is), else 
 modules (``__pycache__``) where that is writable, else in the user's cache
 (``$XDG_CACHE_HOME/gradpress/numba``, by default ``~/.cache/gradpress/numba``). A kernel compiled beside
 the modules before (by ``gradpress compile`` when an image was built, say) is read from there in any case.
+Installs of one version at different places share the kernels of a shared folder (``GRADPRESS_CACHE``, the
+user's cache): a virtualenv finds those that a checkout or another virtualenv compiled from the same
+sources.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from numba.core import cgutils, config
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, IndexDataCacheFile, _CacheLocator
 from numba.extending import intrinsic
 
+from gradpress._version import __version__
 from gradpress.kernels import simd as V
 from gradpress.kernels.dispatch import as_numpy, numba_disabled, use_numba  # noqa: F401 (re-export)
 
@@ -146,14 +150,27 @@ def cache_folders(py_file: str) -> list[str]:
     """The folders a kernel of module ``py_file`` is looked up in, in order: the one set
     (:func:`chosen_cache`) and then beside the module (``__pycache__``: a kernel compiled there before);
     with none set, beside the module and then the user's folder (:func:`user_cache`). A new kernel is
-    written to the first of them that is writable; every folder holds one subfolder per source folder
-    (numba's names)."""
-    subpath = _CacheLocator.get_suitable_cache_subpath(py_file)  # the folder's name and a hash of its path
+    written to the first of them that is writable; the shared ones hold a subfolder per source folder
+    (:func:`_subfolder`)."""
+    subpath = _subfolder(py_file)
     beside = os.path.join(os.path.dirname(py_file), "__pycache__")
     chosen = chosen_cache()
     if chosen is not None:
         return [str(chosen / subpath), beside]
     return [beside, str(user_cache() / subpath)]
+
+
+def _subfolder(py_file: str) -> str:
+    """The subfolder of a shared cache folder that holds the kernels of module ``py_file``: its folder
+    within gradpress, under the version (``gradpress-0.2.0/compressors``), so that every install of a
+    version — a checkout, a virtualenv, a container image — finds the kernels another one compiled (the
+    stamp, :func:`sources_digest`, still tells different sources apart: a kernel of other sources is
+    compiled again, never used); numba's own (the folder's name and a hash of its path) for a module
+    outside the package."""
+    folder = Path(py_file).resolve().parent
+    if folder.is_relative_to(PACKAGE):
+        return str(Path(f"gradpress-{__version__}") / folder.relative_to(PACKAGE))
+    return _CacheLocator.get_suitable_cache_subpath(py_file)
 
 
 def describe_cache() -> str:

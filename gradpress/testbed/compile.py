@@ -12,8 +12,9 @@ shares the specs out among N processes (every method: ``all``), which write the 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
-import subprocess
+import signal
 import sys
 
 from gradpress.testbed import arguments
@@ -84,24 +85,55 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+#: methods whose kernels take the longest to compile, handed out first so that no process is left with one
+#: of them at the end (THC's two-level table lookups and its Hadamard transform: a minute or more each)
+SLOWEST_FIRST = ("thc", "thc_uniform", "sketch", "natural", "dither", "powersgd")
+
+
 def _in_processes(args: argparse.Namespace, specs: list[str]) -> int:
-    """Compile ``specs`` in ``args.jobs`` child processes (``gradpress compile`` each, with the same
-    settings), every job-th spec to one; each prints its own lines. Status 1 if any of them failed."""
-    shares = [specs[job::args.jobs] for job in range(min(args.jobs, len(specs)))]
-    settings = ["--dtypes", ",".join(args.dtypes), "--workers", str(args.workers)]
-    for option in args.option:  # (KEY=VALUE as given)
-        settings += ["--option", option]
-    children = [subprocess.Popen([sys.executable, "-m", "gradpress", "compile", *share, *settings])
-                for share in shares]
+    """Compile ``specs`` in ``args.jobs`` processes that each take the next spec when done with one (the
+    slowest to compile first, :data:`SLOWEST_FIRST`); each logs its own line per spec. Status 1 if any
+    spec failed."""
+    import multiprocessing
+
+    ordered = sorted(specs, key=lambda spec: (SLOWEST_FIRST + (spec,)).index(spec.split(":")[0]))
+    compile_one = functools.partial(_compile_one, dtypes=args.dtypes, workers=args.workers,
+                                    options=args.option)
+    pool = multiprocessing.get_context("spawn").Pool(min(args.jobs, len(specs)), initializer=_child)
     try:
-        codes = [child.wait() for child in children]
+        failed = [f"{spec}: {error}" for spec, error in pool.imap_unordered(compile_one, ordered) if error]
+        pool.close()
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-    failed = [" ".join(share) for share, code in zip(shares, codes, strict=True) if code != 0]
+        pool.terminate()  # (at once on an error or Ctrl-C; the children ignore SIGINT)
+        pool.join()
     if failed:
-        print(f"gradpress: error: compiling {'; '.join(failed)} failed", file=sys.stderr)
+        print(f"gradpress: error: compiling {'; '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _child() -> None:
+    """A compiling process: its lines on stdout, Ctrl-C left to the parent (which ends it)."""
+    from gradpress.log import logger
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def _compile_one(spec: str, dtypes: list[str], workers: int, options: list[str]) -> tuple[str, str | None]:
+    """Warm ``spec`` up in this process: ``(spec, None)``, or ``(spec, the error)`` for one the method
+    refuses."""
+    import torch
+
+    import gradpress
+    from gradpress.testbed.train import parse_options
+
+    try:
+        gradpress.warm_up(spec, dtypes=[getattr(torch, name) for name in dtypes], workers=workers,
+                          **parse_options(options))
+    except ValueError as error:
+        return spec, arguments.one_line(error)
+    return spec, None
