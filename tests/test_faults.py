@@ -39,9 +39,10 @@ def _gradients(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 
 def _applicable(spec: str, options: dict) -> bool:
-    """Whether ``spec`` runs under ``options`` at all (a switch adds integers only)."""
+    """Whether ``spec`` runs under ``options`` at all (a switch adds integers only). (Without the kernels'
+    warm-up: this runs at import, also in every spawned rank.)"""
     try:
-        gradpress.simulate(spec, _gradients(2), **options)
+        gradpress.Simulator(spec, 2, warm_up=False, **options).step(_gradients(2))
     except ValueError as error:
         if "switch" in str(error):
             return False
