@@ -85,18 +85,27 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-#: methods whose kernels take the longest to compile, handed out first so that no process is left with one
-#: of them at the end (THC's two-level table lookups and its Hadamard transform: a minute or more each)
-SLOWEST_FIRST = ("thc", "thc_uniform", "sketch", "natural", "dither", "powersgd")
+#: methods whose kernels take the longest to compile (measured on a 2-core machine, slowest first), handed
+#: out first so that no process is left with one of them at the end
+SLOWEST_FIRST = ("thc", "blocktopk", "inceptionn", "eightbit", "sketch", "powersgd", "dither", "natural")
+#: methods that run kernels of another one (THC's): handed out last, when they load them from the disk
+#: cache instead of compiling them a second time at the same moment in another process
+SHARING_LAST = ("thc_uniform",)
 
 
 def _in_processes(args: argparse.Namespace, specs: list[str]) -> int:
     """Compile ``specs`` in ``args.jobs`` processes that each take the next spec when done with one (the
-    slowest to compile first, :data:`SLOWEST_FIRST`); each logs its own line per spec. Status 1 if any
-    spec failed."""
+    slowest to compile first, :data:`SLOWEST_FIRST`, and those that share another's kernels last); each
+    logs its own line per spec. Status 1 if any spec failed."""
     import multiprocessing
 
-    ordered = sorted(specs, key=lambda spec: (SLOWEST_FIRST + (spec,)).index(spec.split(":")[0]))
+    def order(spec: str) -> int:
+        name = spec.partition(":")[0]
+        if name in SHARING_LAST:
+            return len(SLOWEST_FIRST) + 2
+        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST) + 1
+
+    ordered = sorted(specs, key=order)
     compile_one = functools.partial(_compile_one, dtypes=args.dtypes, workers=args.workers,
                                     options=args.option)
     pool = multiprocessing.get_context("spawn").Pool(min(args.jobs, len(specs)), initializer=_child)
