@@ -166,7 +166,7 @@ DOCS = doc_blocks()
 
 
 def test_integrations_doc_has_runnable_examples():
-    assert len(DOCS) >= 3  # Hugging Face Trainer, Fabric, logging
+    assert len(DOCS) >= 5  # Lightning Trainer, Accelerate, Hugging Face Trainer, Fabric, logging
 
 
 @pytest.mark.parametrize("index", range(len(DOCS)))
