@@ -202,3 +202,22 @@ def test_range_reading():
     assert Range.parse("[1, 1024]").outside(integer=True) == [0, 1025]
     assert Range.parse("[0, inf)").describe(integer=True) == "an integer >= 0"
     assert float("nan") not in Range.parse("(-inf, inf)")
+
+
+def test_the_facts_of_a_method_are_one_list_in_the_docs_the_code_and_the_class():
+    """docs/methods.md's checklist, ``FACTS`` and ``Compressor`` name the same class-level facts, and the
+    class's docstring explains each."""
+    from pathlib import Path
+
+    from gradpress.core.compressor import FACTS, Compressor
+
+    checklist = (Path(__file__).resolve().parents[1] / "docs" / "methods.md").read_text()
+    item = checklist[checklist.index("3. The facts the runtime relies on"):]
+    item = item[:item.index("(`gradpress.core.compressor.FACTS`")]
+    listed = re.findall(r"`(\w+)`", item[item.index("refuses them):"):])
+    assert sorted(listed) == sorted(FACTS) and len(set(FACTS)) == len(FACTS)
+    declared = {name for name, kind in Compressor.__annotations__.items() if "ClassVar" in str(kind)}
+    assert declared - {"name"} <= set(FACTS), declared - set(FACTS)
+    for fact in FACTS:
+        assert hasattr(Compressor, fact), fact
+        assert f"``{fact}``" in Compressor.__doc__ or f":attr:`{fact}`" in Compressor.__doc__, fact

@@ -109,6 +109,8 @@ class Compressor:
       randomness or state (no compression, a cast): the packet of a concatenation is the
       concatenation of the packets. The runtime then exchanges tensors that lie back to back in one
       storage (a DDP bucket's gradients) as one tensor, with the same result bit for bit.
+    * ``fuses_residual``: :meth:`compress` can form the residual x − decompress(packet) while it
+      compresses (its ``residual`` argument), which the runtime then uses for the error-feedback memory.
 
     Runtime hooks (all optional, with defaults that fit single-round methods; see :mod:`gradpress.exchange.strategy`):
 
@@ -440,7 +442,8 @@ registry: Registry[Compressor] = Registry("compressor")
 #: The class-level facts a method may declare (each documented in :class:`Compressor`): plain class
 #: attributes (``examples = ("topk:ratio=0.1",)``), never annotated fields, which would be spec keys.
 FACTS = ("unbiased", "summable", "kept", "examples", "default_feedback", "checks_finite", "max_summand",
-         "linear", "propagates_nonfinite", "elementwise", "stateful_decode", "saturates")
+         "linear", "propagates_nonfinite", "elementwise", "stateful_decode", "saturates", "divides_first",
+         "fuses_residual")
 
 
 def register(name: str) -> Callable[[type[Compressor]], type[Compressor]]:
