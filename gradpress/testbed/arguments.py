@@ -250,12 +250,15 @@ class Specs(list):
 
 
 def compressor_list(references: Collection[str] = (),
-                    keywords: dict[str, Callable[[], list[str]]] | None = None) -> Callable[[str], Specs]:
+                    keywords: dict[str, Callable[[], list[str]]] | None = None,
+                    suffix: Callable[[str], tuple[str, str]] | None = None) -> Callable[[str], Specs]:
     """A converter of a comma-separated list of specs, the one rule of every command's lists: spaces
     around the commas do not matter (``"topk, qsgd"`` is ``"topk,qsgd"``), a spec's own parameters
     continue it (:func:`gradpress.core.registry.split_specs`), and a keyword (``demo``, ``all``) stands
     for its specs, alone or beside others (``demo,topk:ratio=0.1``). Each spec is checked (the names in
-    ``references`` pass as they are); returns the :class:`Specs`."""
+    ``references`` pass as they are); ``suffix`` splits an item into its spec and an ending kept on it
+    (``compare``'s ``topk@node``; ValueError for a wrong one), which a keyword does not take. Returns
+    the :class:`Specs`."""
     keywords = keywords or {}
 
     def convert(text: str) -> Specs:
@@ -268,14 +271,20 @@ def compressor_list(references: Collection[str] = (),
         specs: list[str] = []
         expanded: set[str] = set()
         for piece in pieces:
-            if piece in keywords:
-                members = keywords[piece]()
-                expanded.update(spec for spec in members if spec not in specs)
+            try:
+                spec, ending = suffix(piece) if suffix is not None else (piece, "")
+            except ValueError as error:
+                raise argparse.ArgumentTypeError(str(error)) from None
+            if spec in keywords:
+                if ending:
+                    raise argparse.ArgumentTypeError(f"{piece}: {ending} follows a spec, not a keyword")
+                members = keywords[spec]()
+                expanded.update(member for member in members if member not in specs)
             else:
-                _check_spec(piece, references)
-                expanded.discard(piece)
-                members = [piece]
-            specs += [spec for spec in members if spec not in specs]
+                _check_spec(spec, references)
+                expanded.discard(spec + ending)
+                members = [spec + ending]
+            specs += [member for member in members if member not in specs]
         if not specs:
             raise argparse.ArgumentTypeError(f"expected at least one compressor spec, got {text!r}")
         return Specs(specs, expanded)

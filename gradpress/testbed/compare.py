@@ -72,34 +72,11 @@ def run_config(base: TrainConfig, item: str) -> TrainConfig:
 def run_list(text: str) -> arguments.Specs:
     """The ``--compressors`` converter: :func:`gradpress.testbed.arguments.compressor_list`'s list
     (references and the ``demo`` keyword included), where a spec may end in ``@node`` (:func:`split_run`)."""
-    from gradpress.core.registry import split_specs
+    def ending(item: str) -> tuple[str, str]:
+        spec, options = split_run(item)
+        return spec, HIERARCHICAL if options else ""
 
-    plain = arguments.compressor_list(references=REFERENCES, keywords={"demo": demo_set})
-    try:
-        pieces = split_specs(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    items: list[str] = []
-    expanded: set[str] = set()
-    for piece in pieces:
-        try:
-            spec, options = split_run(piece)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-        members = plain(spec)
-        if options and members.expanded:
-            raise argparse.ArgumentTypeError(f"{piece}: {HIERARCHICAL} follows a spec, not a keyword")
-        suffix = HIERARCHICAL if options else ""
-        for member in members:
-            item = member + suffix
-            if member in members.expanded:
-                if item not in items:
-                    expanded.add(item)
-            else:
-                expanded.discard(item)
-            if item not in items:
-                items.append(item)
-    return arguments.Specs(items, expanded)
+    return arguments.compressor_list(references=REFERENCES, keywords={"demo": demo_set}, suffix=ending)(text)
 
 
 def check_out(out_dir: str | Path, overwrite: bool = False) -> Path:
