@@ -6,12 +6,17 @@ STAMP  := $(VENV)/.gradpress-installed
 
 .PHONY: test demo clean lint wheel-check lint
 
+# pip byte-compiles what it installs on one core, most of the time torch's install takes; compileall does it
+# on every core (the few files it cannot compile, e.g. a package's Python 2 test data, are never imported)
+byte_compile = $(1) -m compileall -q -j 0 "$$($(1) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# the CPU build of torch that lies on this kind of machine; a plain `pip install torch` pulls CUDA (GBs)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
 	# the extras (lightning, accelerate) must not replace that torch: pin the installed one
-	$(PY) -m pip install -q -e ".[test]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(PY) -m pip install -q --no-compile -e ".[test]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(call byte_compile,$(PY))
 	touch $(STAMP)
 
 # the kernels compiled for the suite are kept in one folder that the wheel check's virtualenv reads too
@@ -22,10 +27,12 @@ test: $(STAMP)
 	# the offline datasets (apt-get as root; tests that need one skip with the reason when it is missing)
 	-$(PY) -m gradpress data fashion-mnist fortunes movielens-100k
 	# every method's kernels compiled once for the suite, two processes at a time (numba compiles on one
-	# core); the tests then load them from the disk cache, in two processes (pytest-xdist), a file each
+	# core); the tests then load them from the disk cache, in two processes (pytest-xdist), a file each,
+	# the longest files first (tests/conftest.py; xdist's own order is by number of tests)
 	$(PY) -m gradpress compile all --jobs 2 --dtypes float32
-	$(PY) -m pytest -q -n 2 --dist loadfile
-	$(MAKE) --no-print-directory lint wheel-check
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	# the lint (one core) beside the wheel check (mostly one core)
+	$(MAKE) --no-print-directory -j 2 --output-sync=target lint wheel-check
 
 # the checks of the code: pyflakes, bugbear and import order (ruff), types (mypy; configured in pyproject.toml)
 lint: $(STAMP)
@@ -39,8 +46,9 @@ wheel-check: $(STAMP)
 	rm -rf $(WHEEL_CHECK) && mkdir -p $(WHEEL_CHECK)
 	$(PY) -m build --wheel --outdir $(WHEEL_CHECK)/dist . > $(WHEEL_CHECK)/build.log 2>&1 || (cat $(WHEEL_CHECK)/build.log; exit 1)
 	$(PYTHON) -m venv $(WHEEL_CHECK)/venv
-	$(WHEEL_CHECK)/venv/bin/python -m pip install -q torch==2.13.0
-	$(WHEEL_CHECK)/venv/bin/python -m pip install -q $(WHEEL_CHECK)/dist/*.whl
+	$(WHEEL_CHECK)/venv/bin/python -m pip install -q --no-compile torch==2.13.0
+	$(WHEEL_CHECK)/venv/bin/python -m pip install -q --no-compile $(WHEEL_CHECK)/dist/*.whl
+	$(call byte_compile,$(WHEEL_CHECK)/venv/bin/python)
 	cd $(WHEEL_CHECK) && venv/bin/python $(CURDIR)/tests/installed_quickstart.py $(CURDIR)/README.md
 
 # an emulated 100 Mbit/s star when root (network namespaces need it), loopback otherwise

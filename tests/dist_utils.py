@@ -1,8 +1,9 @@
 """Spawn Gloo process groups on the CPU for multi-process tests.
 
-``run_workers(fn, world_size, *args)`` starts ``world_size`` fresh processes (``spawn``), joins them in
-one Gloo group through a FileStore (no port to race for), calls ``fn(rank, world_size, *args)`` in each
-and returns the per-rank results. ``fn`` must be a module-level function of an importable module.
+``run_workers(fn, world_size, *args)`` starts ``world_size`` fresh processes (forked from a forkserver
+that has imported torch and gradpress once, :data:`PRELOAD`, each with the caller's environment), joins
+them in one Gloo group through a FileStore (no port to race for), calls ``fn(rank, world_size, *args)``
+in each and returns the per-rank results. ``fn`` must be a module-level function of an importable module.
 Every run has a deadline: processes still alive after ``timeout`` seconds are killed (only those this
 call started) and the call raises, so a hang fails the test instead of blocking the suite.
 """
@@ -25,7 +26,9 @@ class WorkerFailed(AssertionError):
 
 
 def _entry(fn: Callable, rank: int, world_size: int, store: str, out: str, args: tuple, group_timeout: float,
-           backend: str = "gloo") -> None:
+           backend: str, environment: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment now, not the forkserver's when it started
+    os.environ.update(environment)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -46,6 +49,18 @@ def _entry(fn: Callable, rank: int, world_size: int, store: str, out: str, args:
         pass
 
 
+#: what every worker imports before its test's function runs: the forkserver imports them once and forks
+#: each worker from itself (a fresh process of its own, without the ~5 s of imports each spawn pays);
+#: ``torch._dynamo`` is what DistributedDataParallel's constructor imports
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numba", "gradpress"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 90.0, group_timeout: float = 60.0,
                 may_exit: frozenset[int] = frozenset(), backend: str = "gloo") -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; the list of their return values.
@@ -53,12 +68,13 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 90.0
     Ranks in ``may_exit`` may end without a result (a test that kills a worker); theirs is None.
     ``backend="nccl"``: NCCL instead, rank r on GPU r (the GPU tests).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
         outs = [str(Path(tmp) / f"rank{r}.pt") for r in range(world_size)]
         procs = [ctx.Process(target=_entry,
-                             args=(fn, r, world_size, store, outs[r], args, group_timeout, backend))
+                             args=(fn, r, world_size, store, outs[r], args, group_timeout, backend,
+                                   dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()

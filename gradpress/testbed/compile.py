@@ -68,11 +68,8 @@ def _main(args: argparse.Namespace) -> int:
                                for name in (arguments.all_methods() if spec == "all" else [spec])))
     if args.jobs > 1 and len(specs) > 1:
         return _in_processes(args, specs)
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    handler = _log_to_stdout()
     try:
         gradpress.warm_up(*specs, dtypes=[getattr(torch, name) for name in args.dtypes],
                           workers=args.workers, **parse_options(args.option))
@@ -123,13 +120,19 @@ def _in_processes(args: argparse.Namespace, specs: list[str]) -> int:
 
 def _child() -> None:
     """A compiling process: its lines on stdout, Ctrl-C left to the parent (which ends it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _log_to_stdout()
+
+
+def _log_to_stdout() -> logging.Handler:
+    """gradpress's INFO lines (a spec's kernels ready) printed on stdout as they are; the handler added."""
     from gradpress.log import logger
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    return handler
 
 
 def _compile_one(spec: str, dtypes: list[str], workers: int, options: list[str]) -> tuple[str, str | None]:
