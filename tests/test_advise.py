@@ -334,6 +334,41 @@ def measured_run(compressor: str, step_s: float, bandwidth: str | None = "100mbi
                {"batch_size": 32, "network": {"burst_bytes": burst}})
 
 
+def test_on_nodes_each_method_is_ranked_flat_and_in_two_levels():
+    """4 nodes of 8 ranks, a 1 Gbit/s link each: every method flat and as SPEC@node (PyTorch's all-reduce
+    flat only), the bytes through a node's link; one rank a node is the star of links, bit for bit."""
+    prof = profile()
+    costs = [method("tiny", prof, 0.001, 8 * MS), method("half", prof, 0.5, 1 * MS, exchange="allreduce")]
+    topology = C.Topology(4, 8)
+    rows = {r.spec: r for r in A.rank(prof, costs, n=32, bandwidth="1gbit", topology=topology)}
+    assert set(rows) == {A.BASELINE, "tiny", "tiny@node", "half", "half@node"}
+    assert [r.rank for r in sorted(rows.values(), key=lambda r: r.rank)] == [1, 2, 3, 4, 5]
+    assert rows["tiny@node"].hierarchy == "node" and rows["tiny"].hierarchy is None
+    assert rows[A.BASELINE].hierarchy is None and rows[A.BASELINE].speedup == 1.0
+    # the all-gather method: 31 packets through a node's link flat, 3 nodes' × 8 shards of 1/8 in two levels
+    tiny = costs[0].packet_bytes
+    assert rows["tiny"].wire_bytes == pytest.approx(31 * tiny)
+    assert rows["tiny@node"].wire_bytes == pytest.approx(3 * tiny)
+    assert rows["tiny@node"].packet_bytes == pytest.approx(tiny / 8)
+    assert rows["tiny@node"].predicted.total == pytest.approx(
+        C.predict(prof, costs[0], n=32, bandwidth="1gbit", topology=topology.two_level()).total)
+    # a rank a node: the flat rows are the star's
+    star = {r.spec: r for r in A.rank(prof, costs, n=8, bandwidth="1gbit")}
+    single = {r.spec: r for r in A.rank(prof, costs, n=8, bandwidth="1gbit", topology=C.Topology(8))}
+    for spec, r in star.items():
+        assert (single[spec].predicted, single[spec].speedup, single[spec].wire_bytes) == \
+            (r.predicted, r.speedup, r.wire_bytes)
+    advice = A.Advice("m", "random", 32, 1e-4, ["1gbit"], prof, costs, {}, {}, topology=topology).relinked(
+        latency=1e-4)
+    assert set(advice.crossovers) == {"tiny", "tiny@node", "half", "half@node"}
+    assert A.register_line("tiny@node") == 'gradpress.register(model, "tiny", hierarchy="node")'
+    record = A.to_json(advice)
+    assert record["nodes"] == {"nodes": 4, "local_size": 8, "intra_bandwidth": "100gbit"}
+    tiny_json = next(m for m in record["methods"] if m["spec"] == "tiny")
+    assert tiny_json["node_link_bytes_per_step"] / tiny_json["two_level"]["node_link_bytes_per_step"] == \
+        pytest.approx(31 / 3)
+
+
 def test_checked_against_measured_runs():
     prof = profile()
     costs = [method("tiny", prof, 0.001, 8 * MS), method("half", prof, 0.5, 1 * MS, exchange="allreduce")]
@@ -361,6 +396,30 @@ def test_checked_against_measured_runs():
     ranked = [c for c in checks.values() if c.spec != "noop"]
     assert [c.spec for c in sorted(ranked, key=lambda c: c.predicted_rank)] == ["tiny", "half", A.BASELINE]
     assert [c.measured_rank for c in sorted(ranked, key=lambda c: c.measured_s)] == [1, 2, 3]
+
+
+def test_runs_on_several_nodes_are_checked_on_their_nodes():
+    """compare --nodes 2 --workers 2 with topk and topk@node: two rows, each predicted on 2 nodes of 2 ranks,
+    flat or in two levels as it ran (the advice's α: the link fit prices runs on one node only)."""
+    prof = profile()
+    costs = [method("tiny", prof, 0.001, 8 * MS)]
+    advice = A.Advice("m", "random", 2, 1e-4, ["100mbit"], prof, costs, {}, {})
+
+    def on_two_nodes(run, hierarchy=None):
+        info = {**run.info, **({"options": {"hierarchy": hierarchy}} if hierarchy else {})}
+        return dataclasses.replace(run, nodes=2, info=info)
+
+    runs = [on_two_nodes(measured_run("tiny", 0.1, workers=4, comm_s=0.01)),
+            on_two_nodes(measured_run("tiny", 0.09, workers=4, comm_s=0.01), "node"),
+            on_two_nodes(measured_run(A.BASELINE, 0.2, workers=4, comm_s=0.1))]
+    checks = {c.spec: c for c in A.check_against(advice, runs)}
+    assert set(checks) == {"tiny", "tiny@node", A.BASELINE}
+    topology = C.Topology(2, 2)
+    for spec, where in (("tiny", topology), ("tiny@node", topology.two_level()), (A.BASELINE, topology)):
+        cost = costs[0] if spec != A.BASELINE else A.baseline_cost(prof)
+        assert checks[spec].nodes == 2 and checks[spec].latency == 1e-4
+        assert checks[spec].predicted_s == pytest.approx(
+            A.predict(prof, cost, n=4, bandwidth="100mbit", latency=1e-4, topology=where).total)
 
 
 def test_repeated_runs_of_a_method_are_checked_as_their_median():
@@ -513,6 +572,26 @@ def test_advise_with_local_workers_prices_each_method_with_its_real_local_step(t
     assert multiprocessing.active_children() == []  # the measuring processes are gone
 
 
+def test_advise_on_nodes(tmp_path, capsys):
+    """--nodes N --local-size k: N·k ranks, each method flat and in two levels (up to 1024 nodes)."""
+    out = tmp_path / "advice.json"
+    assert main(["advise", "--model", "test_advise:tiny_model", "--input-shape", "6", "--compressors",
+                 "topk:ratio=0.1", "--bandwidth", "1gbit", "--batch-size", "8", "--repeats", "1",
+                 "--nodes", "1024", "--local-size", "2", "--intra-bandwidth", "50gbit", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "1024 nodes × 2 ranks (2048 workers, a link per node, 50gbit inside" in text
+    assert "topk:ratio=0.1@node" in text and "node link" in text
+    advice = json.loads(out.read_text())
+    assert advice["workers"] == 2048 and advice["setting"]["workers"] == 2048
+    assert advice["nodes"] == {"nodes": 1024, "local_size": 2, "intra_bandwidth": "50gbit"}
+    ranked = {r["spec"]: r for r in advice["rankings"]["1gbit"]}
+    assert set(ranked) == {A.BASELINE, "topk:ratio=0.1", "topk:ratio=0.1@node"}
+    assert ranked["topk:ratio=0.1@node"]["hierarchy"] == "node"
+    # the all-gather's packets: (n−1) through a node's link flat, (N−1) in two levels (headers aside)
+    ratio = ranked["topk:ratio=0.1"]["wire_bytes"] / ranked["topk:ratio=0.1@node"]["wire_bytes"]
+    assert ratio == pytest.approx(2047 / 1023, rel=0.05)
+
+
 def test_a_local_run_that_fails_is_one_clear_line(tmp_path, capsys):
     import multiprocessing
 
@@ -607,6 +686,12 @@ class Started(Exception):
     (["--burst", "lots"], "tc size"),
     (["--efficiency", "allgather=1.5"], "F in (0, 1]"),
     (["--efficiency", "ring=0.5"], "STRATEGY one of"),
+    (["--nodes", "1025"], "expected an integer in 1..1024"),
+    (["--nodes", "0"], "expected an integer in 1..1024"),
+    (["--local-size", "2"], "--local-size 2: the ranks of a node and the rate between them are for --nodes N"),
+    (["--intra-bandwidth", "10gbit"], "are for --nodes N"),
+    (["--nodes", "4", "--workers", "6"], "not the same number of ranks on every node"),
+    (["--nodes", "2", "--local-size", "2", "--workers", "8"], "--workers 8 contradicts --nodes 2 × --local-size 2"),
 ])
 def test_bad_arguments_are_one_line_and_measure_nothing(argv, expected, monkeypatch, capsys):
     # advise() looks profile_compute up in its own module, gradpress.testbed.advise.advice

@@ -135,6 +135,7 @@ BAD = [
     ("compare --compressors demo@node", "argument --compressors: demo@node: @node follows a spec, not a"),
     ("compare --compressors topk:ratio=2@node", _SPEC_OUT_OF_RANGE),
     ("advise --local-workers 0", "argument --local-workers"),
+    ("advise --nodes 1025", "argument --nodes: expected an integer in 1..1024, got '1025'"),
     # bench
     ("bench ops --compressors bogus", "argument --compressors: bogus: unknown compressor"),
     ("bench ops --sizes abc", "argument --sizes: 'abc': expected a positive integer (2^k allowed)"),
@@ -161,6 +162,7 @@ BAD = [
     ("sim quality --steps 0", "argument --steps"),
     ("sim quality --option nokey", "argument --option: expected KEY=VALUE"),
     ("sim cost --results . --latency -1", "argument --latency"),
+    ("sim cost --results . --nodes 1025", "argument --nodes: '1025': expected numbers of nodes in 1..1024"),
     # the rest
     ("bogus", "argument command: invalid choice: 'bogus'"),
     ("", "the following arguments are required: command"),
@@ -179,6 +181,8 @@ BAD_TOGETHER = [
     ("bench powersgd --start 10 --steps 5", "--start 10: no compressed step in --steps 5"),
     ("bench powersgd --dataset synthetic --model ncf", "--model ncf: model 'ncf' is for recommendation data"),
     ("sim cost --results nonexistent", "sim cost: nonexistent: no such file or directory"),
+    ("sim cost --results . --workers 4 --nodes 2", "give --workers n (a link per worker) or --nodes N"),
+    ("advise --nodes 2 --local-size 2 --workers 8", "--workers 8 contradicts --nodes 2 × --local-size 2 = 4 ranks"),
     ("data no-such-data", "unknown dataset 'no-such-data'; known: fashion-mnist"),
     # sizes no machine holds: refused before anything is allocated
     ("sim nmse --numel 2^40", "--numel 1099511627776 with 1024 workers: needs at least 4.0 PiB of memory; "),

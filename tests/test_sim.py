@@ -3,6 +3,7 @@ checked against runs, and the command line."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -296,3 +297,129 @@ def test_cli_rejects_bad_lists(capsys):
     with pytest.raises(SystemExit):
         main(["sim", "cost", "--results", ".", "--bandwidth", "fast"])
     assert "expected a number and a unit" in capsys.readouterr().err
+
+
+# -- several nodes -----------------------------------------------------------------------------------------
+def on_nodes(r: Run, nodes: int, hierarchy: str | None = None, intra: int = 0) -> Run:
+    """``r`` on ``nodes`` nodes (its workers shared among them), ``hierarchy="node"`` where given, each step
+    having sent ``intra`` bytes inside the node."""
+    import dataclasses
+
+    steps = tuple(dataclasses.replace(s, intra_node_bytes=intra) for s in r.steps)
+    info = {**r.info, **({"options": {"hierarchy": hierarchy}} if hierarchy else {})}
+    return dataclasses.replace(r, nodes=nodes, steps=steps, info=info)
+
+
+def test_what_if_on_nodes_flat_and_in_two_levels():
+    """N nodes of k ranks, a 1 Gbit/s link each, 100 Gbit/s inside: every run flat and, for a gradpress
+    method, in two levels (PyTorch's hooks and noop flat only), with the bytes through a node's link."""
+    predictions = S.what_if(RUNS, None, ["1gbit"], latency=0.0, nodes=[2, 1024], local_size=4)
+    p = {(x.label, x.nodes): x for x in predictions}
+    assert sorted(p) == sorted((label, nodes) for nodes in (2, 1024) for label in
+                               ("torch-allreduce", "topk:ratio=0.01", "topk:ratio=0.01@node", "noop"))
+    flat, two = p["topk:ratio=0.01", 2], p["topk:ratio=0.01@node", 2]
+    assert (flat.workers, flat.local_size, flat.hierarchical, two.hierarchical) == (8, 4, False, True)
+    # flat: a ring all-gather of 20 kB among 8, node 0's link carries one hop: 7 · 20 kB
+    assert flat.link_bytes == pytest.approx(7 * 20_000)
+    assert flat.sequential.communication == pytest.approx(8 * 7 * 20_000 / 1e9)
+    assert flat.sequential.total == pytest.approx(0.05 + 0.01 + 8 * 7 * 20_000 / 1e9)
+    # two levels: a shard of 1/4 (packet 5 kB, compression 2.5 ms); the torch-allreduce run's 1 MB
+    # reduce-scattered and all-gathered inside the node, 4 shards' all-gathers between the 2 nodes
+    assert (two.nbytes, two.raw_bytes, two.raw_source) == (5_000, 1_000_000, "torch-allreduce")
+    assert two.link_bytes == pytest.approx(4 * 5_000)
+    assert flat.link_bytes / two.link_bytes == pytest.approx((2 * 4 - 1) / (2 - 1))
+    inside = 8 * 3 / 4 * 1e6 / 1e11
+    assert two.sequential.communication == pytest.approx(2 * inside + 8 * 4 * 5_000 / 1e9)
+    assert two.sequential.compression == pytest.approx(0.01 / 4)
+    # 1024 nodes: priced, the all-gather method's link (n−1)/(N−1) ≈ k times the two-level one's
+    big, big_two = p["topk:ratio=0.01", 1024], p["topk:ratio=0.01@node", 1024]
+    assert big.workers == 4096 and big.link_bytes / big_two.link_bytes == pytest.approx(4095 / 1023)
+    assert math.isfinite(big_two.sequential.total) and big_two.sequential.total < big.sequential.total
+    # k defaults to the run's own ranks a node (1 for a run on one node)
+    assert {x.local_size for x in S.what_if(RUNS, None, ["1gbit"], 0.0, nodes=[4])} == {1}
+    four = on_nodes(run("topk:ratio=0.01", 0.07, compress_s=0.01, nbytes=20_000, workers=4), 2)
+    mine = S.what_if([four, ALLREDUCE], None, ["1gbit"], 0.0, nodes=[8])
+    assert {(x.label, x.nodes, x.local_size) for x in mine} == {
+        ("topk:ratio=0.01", 8, 2), ("topk:ratio=0.01@node", 8, 2), ("torch-allreduce", 8, 1)}
+
+
+def test_a_run_on_several_nodes_is_checked_on_its_nodes():
+    """A run of 2 nodes × 2 (100 Mbit/s between them) is priced on its nodes, flat or in two levels as it
+    ran; the two-level run's bytes and compression are a shard's as measured."""
+    noop = on_nodes(run("noop", 0.05, workers=4), 2)
+    allreduce = on_nodes(run("torch-allreduce", 0.2, nbytes=1_000_000, workers=4), 2)
+    flat = on_nodes(run("topk:ratio=0.01", 0.07, compress_s=0.01, nbytes=20_000, workers=4), 2)
+    two = on_nodes(run("topk:ratio=0.01", 0.06, compress_s=0.005, nbytes=10_000, workers=4), 2, "node",
+                   intra=1_000_000)
+    checks = {c.prediction.label: c.prediction for c in S.check_runs([noop, allreduce, flat, two], 0.0)}
+    assert set(checks) == {"noop", "torch-allreduce", "topk:ratio=0.01", "topk:ratio=0.01@node"}
+    p, q = checks["topk:ratio=0.01"], checks["topk:ratio=0.01@node"]
+    assert (p.nodes, p.local_size, p.hierarchical, q.hierarchical) == (2, 2, False, True)
+    # flat: a ring all-gather among 4, node 0's link one hop of 3 · 20 kB
+    assert p.sequential.communication == pytest.approx(8 * 3 * 20_000 / 1e8)
+    # two levels: the 1 MB (the torch-allreduce run's) half each way inside at 100 Gbit/s, the 2 shards'
+    # all-gathers of 10 kB between the 2 nodes through the link; the compression as measured
+    assert q.sequential.communication == pytest.approx(2 * 8 * 0.5e6 / 1e11 + 8 * 2 * 10_000 / 1e8)
+    assert q.sequential.total == pytest.approx(0.05 + 0.005 + q.sequential.communication)
+    # the ring all-reduce of the reference: 2·3/4 MB through the link
+    assert checks["torch-allreduce"].sequential.communication == pytest.approx(8 * 1.5e6 / 1e8)
+    # without a torch-allreduce or none run, B_raw from the run's own bytes inside the node:
+    # 2(k−1)/k · B_raw = 1 MB with k = 2
+    assert S.raw_bytes(two, [two]) == (1_000_000, "intra-node bytes")
+    assert S.raw_bytes(flat, [flat]) == (None, "")
+    alone = S.check_runs([noop, two], 0.0, intra_bandwidth="10gbit")[1].prediction
+    assert alone.raw_source == "intra-node bytes" and alone.intra_bandwidth == "10gbit"
+    assert alone.sequential.communication == pytest.approx(2 * 8 * 0.5e6 / 1e10 + 8 * 2 * 10_000 / 1e8)
+    # what if: each method from its own run, the other kind only where none was measured that way
+    rows = S.what_if([noop, allreduce, flat, two], None, None, 0.0, nodes=[4])
+    assert sorted(x.label for x in rows) == ["noop", "topk:ratio=0.01", "topk:ratio=0.01@node", "torch-allreduce"]
+    by = {x.label: x for x in rows}
+    assert by["topk:ratio=0.01"].nbytes == 20_000 and by["topk:ratio=0.01@node"].nbytes == 10_000
+    assert S.kinds(flat, [flat]) == [False, True] and S.kinds(allreduce, [allreduce]) == [False]
+    # the runs on several nodes stay out of the latency fit (it prices a star)
+    with pytest.raises(ValueError, match="on one node"):
+        S.fit_run_latency([noop, allreduce, flat, two])
+    # a run on one node carried to the same ranks on 2 nodes, and back
+    star = run("topk:ratio=0.01", 0.065, compress_s=0.01, nbytes=20_000, workers=4)
+    crossed = {c.basis: c.prediction for c in S.cross_checks([noop, allreduce, flat, star], 0.0)
+               if c.prediction.label == "topk:ratio=0.01"}
+    assert set(crossed) == {"n=4, 100mbit", "2 nodes × 2, 100mbit"}
+    assert (crossed["n=4, 100mbit"].nodes, crossed["n=4, 100mbit"].local_size) == (2, 2)
+    assert crossed["n=4, 100mbit"].sequential.communication == pytest.approx(p.sequential.communication)
+    assert crossed["2 nodes × 2, 100mbit"].intra_bandwidth is None  # the star of a link per worker
+    # where each stops paying against the torch-allreduce run of the same nodes, on those nodes
+    paying = {c.label: c.bandwidth for c in S.crossovers([noop, allreduce, flat, two], 0.0)}
+    assert set(paying) == {"topk:ratio=0.01", "topk:ratio=0.01@node"}
+    assert all(speed > 1e8 for speed in paying.values())
+
+
+def test_a_two_level_row_needs_the_gradients_bytes():
+    skipped: list[str] = []
+    rows = S.what_if([TOPK, NOOP], None, ["1gbit"], 0.0, nodes=[2], local_size=2, skipped=skipped)
+    assert [x.label for x in rows] == ["topk:ratio=0.01", "noop"]
+    assert len(skipped) == 1 and "add a torch-allreduce or none run of mlp-wide" in skipped[0]
+    # one rank a node needs none: nothing crosses inside a node
+    assert len(S.what_if([TOPK, NOOP], None, ["1gbit"], 0.0, nodes=[2], local_size=1)) == 3
+
+
+def test_cli_cost_on_nodes(tmp_path, capsys):
+    save_runs(RUNS, tmp_path / "results.json")
+    out = tmp_path / "cost.json"
+    assert main(["sim", "cost", "--results", str(tmp_path), "--nodes", "2,1024", "--local-size", "4",
+                 "--bandwidth", "1gbit", "--latency", "0", "--intra-bandwidth", "50gbit", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "topk:ratio=0.01@node" in text and "1024×4" in text and "node link bytes" in text
+    rows = json.loads(out.read_text())["what_if"]
+    assert len(rows) == 8
+    two = [r for r in rows if r["label"] == "topk:ratio=0.01@node"]
+    assert [(r["nodes"], r["local_size"], r["hierarchical"], r["intra_bandwidth"]) for r in two] == \
+        [(2, 4, True, "50gbit"), (1024, 4, True, "50gbit")]
+    flat = next(r for r in rows if r["label"] == "topk:ratio=0.01" and r["nodes"] == 2)
+    assert flat["link_bytes"] / two[0]["link_bytes"] == pytest.approx(7)
+    with pytest.raises(SystemExit):
+        main(["sim", "cost", "--results", str(tmp_path), "--nodes", "1025"])
+    assert "argument --nodes: '1025': expected numbers of nodes in 1..1024" in capsys.readouterr().err
+    assert main(["sim", "cost", "--results", str(tmp_path), "--nodes", "2", "--workers", "4"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["sim", "cost", "--results", str(tmp_path), "--local-size", "4"]) == 2
+    assert "needs --nodes" in capsys.readouterr().err

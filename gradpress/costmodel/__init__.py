@@ -3,7 +3,8 @@
 :mod:`~gradpress.costmodel.network` prices collectives on a link (Hockney's α–β model, the strategies'
 costs, token buckets, fits of α and β to measured exchanges); :mod:`~gradpress.costmodel.profile` holds a
 step's compute and DDP's buckets; :mod:`~gradpress.costmodel.method` a method's measured compression and
-wire costs per bucket; :mod:`~gradpress.costmodel.predict` puts them together into a predicted step.
+wire costs per bucket; :mod:`~gradpress.costmodel.nodes` prices an exchange on N nodes of k ranks, flat or
+in two levels; :mod:`~gradpress.costmodel.predict` puts them together into a predicted step.
 Every name is importable from the package.
 """
 from gradpress.costmodel.method import (
@@ -41,14 +42,29 @@ from gradpress.costmodel.network import (
     steady_tokens,
     transfer_seconds,
 )
+from gradpress.costmodel.nodes import (
+    DEFAULT_INTRA_BANDWIDTH,
+    FLAT,
+    LevelCost,
+    NodeExchange,
+    Topology,
+    flat_cost,
+    level_costs,
+    node_exchange,
+    node_link_bytes,
+    node_transfer_seconds,
+    shard_phases,
+)
 from gradpress.costmodel.predict import calibrated, predict
 from gradpress.costmodel.profile import FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets
 
 __all__ = [
-    "BASELINE", "DEFAULT_LATENCY", "FIRST_BUCKET_BYTES", "STRATEGIES", "TWO_WAY", "Breakdown", "Bucket",
-    "BucketCost", "BucketStep", "ComputeProfile", "Cost", "LocalStep", "MethodCost", "Observation", "Phase",
-    "Transfer", "assign_buckets", "bandwidth_crossing", "baseline_cost", "calibrated", "communication_cost",
+    "BASELINE", "DEFAULT_INTRA_BANDWIDTH", "DEFAULT_LATENCY", "FIRST_BUCKET_BYTES", "FLAT", "STRATEGIES",
+    "TWO_WAY", "Breakdown", "Bucket", "BucketCost", "BucketStep", "ComputeProfile", "Cost", "LevelCost",
+    "LocalStep", "MethodCost", "NodeExchange", "Observation", "Phase", "Topology", "Transfer",
+    "assign_buckets", "bandwidth_crossing", "baseline_cost", "calibrated", "communication_cost",
     "communication_time", "crossover_bandwidth", "fit_alpha_beta", "fit_efficiency", "fit_latency", "fit_link",
-    "link_phases", "measure_method", "predict", "predict_bucketed_step", "predict_step_time",
-    "rate_bits_per_second", "refill", "steady_tokens", "transfer_seconds", "transfers_of",
+    "flat_cost", "level_costs", "link_phases", "measure_method", "node_exchange", "node_link_bytes",
+    "node_transfer_seconds", "predict", "predict_bucketed_step", "predict_step_time", "rate_bits_per_second",
+    "refill", "shard_phases", "steady_tokens", "transfer_seconds", "transfers_of",
 ]

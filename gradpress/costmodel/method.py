@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import statistics
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -15,6 +15,9 @@ from gradpress.costmodel import network as costmodel
 from gradpress.costmodel.network import BucketStep, Phase
 from gradpress.costmodel.profile import ComputeProfile
 from gradpress.simulation import Simulator
+
+if TYPE_CHECKING:
+    from gradpress.costmodel.nodes import Topology
 
 #: the row every speed-up is relative to: DDP's built-in all-reduce of the fp32 buckets
 BASELINE = "torch-allreduce"
@@ -134,6 +137,41 @@ class MethodCost:
         """Bytes through each worker's link per step among ``n`` workers (the collectives' critical path)."""
         return sum(costmodel.communication_cost([t.phase(n) for t in c.transfers], n).nbytes
                    for c in self.buckets)
+
+    def node_phases(self, bucket: BucketCost, topology: Topology) -> tuple[Phase, ...]:
+        """The collectives that carry ``bucket`` on ``topology``: flat, among its N·k ranks; in two levels,
+        those of a rank's 1/k shard among the N nodes (:mod:`~gradpress.costmodel.nodes`): its bytes
+        divided by k (a method's packets in proportion to what it compresses), integer sums widened
+        for the N nodes' sums (each node's mean is summed across nodes)."""
+        if not topology.hierarchical:
+            return tuple(t.phase(topology.workers) for t in bucket.transfers)
+        k = topology.local_size
+        return tuple(replace(t, nbytes=t.nbytes / k).phase(topology.nodes) for t in bucket.transfers)
+
+    def node_steps(self, profile: ComputeProfile, topology: Topology) -> list[BucketStep]:
+        """The buckets as the cost model takes them on ``topology`` (:mod:`~gradpress.costmodel.nodes`):
+        flat, :meth:`steps` among its N·k ranks; in two levels, each rank compresses and decodes its 1/k
+        shard of every bucket, priced in proportion (compression ÷ k; decoding ÷ k, and an all-gather's
+        grown with the N packets it decodes), exchanges it among the N nodes (:meth:`node_phases`), and
+        the bucket's bytes cross inside the node (``BucketStep.nbytes``)."""
+        if len(self.buckets) != len(profile.buckets):
+            raise ValueError(f"{self.spec}: costs of {len(self.buckets)} buckets for a profile of "
+                             f"{len(profile.buckets)}")
+        if not topology.hierarchical:
+            return [replace(step, nbytes=float(b.nbytes))
+                    for step, b in zip(self.steps(profile, topology.workers), profile.buckets, strict=True)]
+        k = topology.local_size
+        return [BucketStep(b.ready_s, c.compress_s / k, self.node_phases(c, topology),
+                           self.decompress_at(c, topology.nodes) / k, float(b.nbytes))
+                for b, c in zip(profile.buckets, self.buckets, strict=True)]
+
+    def link_bytes(self, topology: Topology) -> float:
+        """Bytes per step through a node's link on ``topology`` (the busiest node's, on the collectives'
+        critical path: :func:`~gradpress.costmodel.nodes.node_link_bytes`); with one rank a node and flat,
+        :meth:`wire_bytes`."""
+        from gradpress.costmodel.nodes import node_link_bytes
+
+        return sum(node_link_bytes(self.node_phases(c, topology), topology) for c in self.buckets)
 
 
 def baseline_cost(profile: ComputeProfile, local: LocalStep | None = None) -> MethodCost:

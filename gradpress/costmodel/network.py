@@ -47,6 +47,11 @@ the end of the backward pass. Buckets ready earlier can break that: where the al
 bucket already hides under the backward pass while the method's, started later behind its compression,
 does not, a faster link still shortens the method's step and no longer the all-reduce's.
 
+**Several nodes**: the star above has a link per worker. :mod:`~gradpress.costmodel.nodes` prices N
+nodes of k ranks, a link per node and a faster rate inside a node, with the exchange flat among the N·k
+ranks or in two levels (``hierarchy="node"``); :func:`predict_step_time` and
+:func:`predict_bucketed_step` take such a ``topology`` (default None: the star, as above).
+
 **Two properties of real links** beyond Hockney's α + m/β, both off by default (a plain link):
 
 - **A token bucket** (``burst`` bytes). The testbed's links are Linux ``tc … tbf rate R burst S`` queues
@@ -79,9 +84,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gradpress.costmodel.nodes import Topology
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)$", re.I)
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
@@ -217,6 +225,26 @@ def transfer_seconds(phases: Phase | Sequence[Phase], n: int, bandwidth: float |
     return seconds, tokens
 
 
+#: (phases, bandwidth, latency, tokens, efficiency, B_raw) -> (seconds, tokens left) of one exchange
+_Exchange = Callable[[Phase | Sequence[Phase], float | str, float, float, Mapping[str, float] | None, float],
+                    tuple[float, float]]
+
+
+def _transfer(n: int, topology: Topology | None) -> _Exchange:
+    """How an exchange among ``n`` ranks is priced: :func:`transfer_seconds` on a star of n links, or
+    :func:`~gradpress.costmodel.nodes.node_transfer_seconds` on ``topology`` (whose ranks must be n)."""
+    if topology is None:
+        return lambda phases, bandwidth, latency, tokens, efficiency, nbytes: transfer_seconds(
+            phases, n, bandwidth, latency, tokens, efficiency)
+    from gradpress.costmodel.nodes import node_transfer_seconds
+
+    if n != topology.workers:
+        raise ValueError(f"n = {n} ranks, but the topology has {topology.nodes} nodes of {topology.local_size}: "
+                         f"{topology.workers} ranks")
+    return lambda phases, bandwidth, latency, tokens, efficiency, nbytes: node_transfer_seconds(
+        phases, topology, bandwidth, latency, tokens, efficiency, nbytes)
+
+
 def refill(tokens: float, idle_s: float, bandwidth: float | str, burst: float) -> float:
     """The tokens of a bucket of ``burst`` bytes after ``idle_s`` seconds idle at ``bandwidth`` bits/s:
     min(burst, tokens + R/8 · idle) (tc-tbf(8): tokens accrue at the rate, up to the bucket size)."""
@@ -263,7 +291,8 @@ class Breakdown:
 def predict_step_time(compute_s: float, compress_s: float, phases: Phase | Sequence[Phase], *, n: int,
                       bandwidth: float | str, latency: float = DEFAULT_LATENCY,
                       overlap: bool = False, burst: float = 0.0,
-                      efficiency: Mapping[str, float] | None = None) -> Breakdown:
+                      efficiency: Mapping[str, float] | None = None, topology: Topology | None = None,
+                      nbytes: float = 0.0) -> Breakdown:
     """Predicted step time from measured compute and compression times and the α–β exchange cost.
 
     ``overlap=False``: compute, compression and communication run one after the other (sum).
@@ -274,18 +303,24 @@ def predict_step_time(compute_s: float, compress_s: float, phases: Phase | Seque
     With a ``burst`` (module doc) the exchange draws on the bucket in its steady state: sequentially the
     link idles through compute and compression before the exchange; overlapped, it idles for the rest of
     the step after it.
+
+    ``topology``: the n ranks on N nodes of k (:class:`~gradpress.costmodel.nodes.Topology`, its
+    ``workers`` = ``n``), the exchange flat or in two levels on it (:mod:`~gradpress.costmodel.nodes`:
+    ``phases`` are then a shard's, ``nbytes`` the uncompressed bytes B_raw each rank reduce-scatters
+    inside its node); None: a star of n links (the module doc).
     """
     for name, value in (("compute_s", compute_s), ("compress_s", compress_s)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number of seconds ≥ 0, got {value}")
+    transfer = _transfer(n, topology)
 
     def step(tokens: float) -> tuple[Breakdown, float]:
         if overlap:
-            comm, left = transfer_seconds(phases, n, bandwidth, latency, tokens, efficiency)
+            comm, left = transfer(phases, bandwidth, latency, tokens, efficiency, nbytes)
             total = max(compute_s, comm) + compress_s
             return Breakdown(compute_s, compress_s, comm, total), refill(left, total - comm, bandwidth, burst)
         start = refill(tokens, compute_s + compress_s, bandwidth, burst)
-        comm, left = transfer_seconds(phases, n, bandwidth, latency, start, efficiency)
+        comm, left = transfer(phases, bandwidth, latency, start, efficiency, nbytes)
         return Breakdown(compute_s, compress_s, comm, compute_s + compress_s + comm), left
 
     return step(steady_tokens(lambda t: step(t)[1], burst))[0]
@@ -318,25 +353,31 @@ class BucketStep:
     ``ready_s``: seconds into the backward pass at which DDP hands the bucket to its communication hook
     (its last gradient is computed); ``compress_s``: what the hook spends on the backward thread (error
     feedback, preliminary values, compression); ``phases``: the collectives that carry it, one after the
-    other; ``decompress_s``: decoding what arrives and averaging it, on the backend's thread."""
+    other; ``decompress_s``: decoding what arrives and averaging it, on the backend's thread; ``nbytes``:
+    its uncompressed bytes B_raw, which a two-level exchange reduce-scatters and all-gathers inside the
+    node (:mod:`~gradpress.costmodel.nodes`; unused on one level)."""
 
     ready_s: float
     compress_s: float
     phases: tuple[Phase, ...] = ()
     decompress_s: float = 0.0
+    nbytes: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("ready_s", "compress_s", "decompress_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"BucketStep.{name} must be a finite number of seconds ≥ 0, got {value}")
+        if not (math.isfinite(self.nbytes) and self.nbytes >= 0):
+            raise ValueError(f"BucketStep.nbytes must be a finite number of bytes ≥ 0, got {self.nbytes}")
         object.__setattr__(self, "phases", tuple(self.phases))
 
 
 def predict_bucketed_step(forward_s: float, backward_s: float, buckets: Sequence[BucketStep], *, n: int,
                           bandwidth: float | str, latency: float = DEFAULT_LATENCY,
                           optimizer_s: float = 0.0, burst: float = 0.0,
-                          efficiency: Mapping[str, float] | None = None) -> Breakdown:
+                          efficiency: Mapping[str, float] | None = None,
+                          topology: Topology | None = None) -> Breakdown:
     """A step whose exchange overlaps the backward pass bucket by bucket, as DDP's buckets overlap it.
 
     The backward pass computes gradients for ``backward_s`` seconds; bucket b is ready ``ready_s`` into
@@ -360,11 +401,17 @@ def predict_bucketed_step(forward_s: float, backward_s: float, buckets: Sequence
     idles (from the step's start, between exchanges, and after the last one until the step ends); the
     step is priced in its steady state (:func:`steady_tokens`). ``efficiency``: each strategy's fraction
     of the link rate beyond the bucket (default 1).
+
+    ``topology`` (:class:`~gradpress.costmodel.nodes.Topology`, its ``workers`` = ``n``): each bucket's
+    exchange on N nodes of k ranks, flat or in two levels (:mod:`~gradpress.costmodel.nodes`; then each
+    bucket's ``phases`` are a shard's and its ``nbytes`` cross inside the node), the link being a node's
+    (its exchanges one after the other, its token bucket); None: a star of n links.
     """
     for name, value in (("forward_s", forward_s), ("backward_s", backward_s), ("optimizer_s", optimizer_s)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number of seconds ≥ 0, got {value}")
     buckets = list(buckets)
+    transfer = _transfer(n, topology)
 
     def step(tokens: float) -> tuple[Breakdown, float]:
         compressing = hook_end = link_free = decoded = 0.0
@@ -377,7 +424,7 @@ def predict_bucketed_step(forward_s: float, backward_s: float, buckets: Sequence
             if bucket.phases:
                 sending = max(hook_end, link_free)
                 tokens = refill(tokens, sending - link_free, bandwidth, burst)
-                comm, tokens = transfer_seconds(bucket.phases, n, bandwidth, latency, tokens, efficiency)
+                comm, tokens = transfer(bucket.phases, bandwidth, latency, tokens, efficiency, bucket.nbytes)
                 link_free = sending + comm
             decoded = max(link_free, decoded) + bucket.decompress_s
             compression += bucket.compress_s + bucket.decompress_s

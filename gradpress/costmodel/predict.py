@@ -9,21 +9,25 @@ from typing import Mapping
 from gradpress.costmodel import network as costmodel
 from gradpress.costmodel.method import MethodCost
 from gradpress.costmodel.network import Breakdown
+from gradpress.costmodel.nodes import Topology
 from gradpress.costmodel.profile import ComputeProfile
 
 
 def predict(profile: ComputeProfile, cost: MethodCost, *, n: int, bandwidth: float | str,
             latency: float = costmodel.DEFAULT_LATENCY, burst: float = 0.0,
-            efficiency: Mapping[str, float] | None = None) -> Breakdown:
+            efficiency: Mapping[str, float] | None = None, topology: Topology | None = None) -> Breakdown:
     """``cost``'s step among ``n`` workers at ``bandwidth`` (bits/s or a tc rate):
     :func:`~gradpress.costmodel.predict_bucketed_step` on the profile's buckets, through a link
     with a token bucket of ``burst`` bytes and ``efficiency`` per strategy (both off by default); with
-    the method's real local step where one was measured (:func:`calibrated`)."""
+    the method's real local step where one was measured (:func:`calibrated`). ``topology``: the n
+    workers on N nodes of k, flat or in two levels (:meth:`MethodCost.node_steps`, a link of
+    ``bandwidth`` per node; :mod:`~gradpress.costmodel.nodes`); None: a star of n links."""
     profile, cost, rest = calibrated(profile, cost)
-    return costmodel.predict_bucketed_step(profile.forward_s, profile.backward_s, cost.steps(profile, n),
+    steps = cost.steps(profile, n) if topology is None else cost.node_steps(profile, topology)
+    return costmodel.predict_bucketed_step(profile.forward_s, profile.backward_s, steps,
                                            n=n, bandwidth=bandwidth, latency=latency,
                                            optimizer_s=profile.optimizer_s + rest, burst=burst,
-                                           efficiency=efficiency)
+                                           efficiency=efficiency, topology=topology)
 
 
 def calibrated(profile: ComputeProfile, cost: MethodCost) -> tuple[ComputeProfile, MethodCost, float]:

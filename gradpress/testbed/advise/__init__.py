@@ -46,6 +46,13 @@ per-bucket costs (``auto`` can call it with costs measured in a running job). Wh
 paying is :func:`~gradpress.costmodel.bandwidth_crossing` of the same model against
 ``torch-allreduce``.
 
+**Several nodes** (``--nodes N``, ``--local-size k``, ``--intra-bandwidth``): the n = N·k workers on N
+nodes of k ranks, a link of ``--bandwidth`` per node and a faster rate inside it
+(:mod:`gradpress.costmodel.nodes`); every candidate is ranked flat and in two levels (``SPEC@node``,
+``hierarchy="node"``: each rank compresses 1/k of a bucket, priced in proportion, and the bucket's bytes
+cross inside the node; :func:`variants`), ``torch-allreduce`` flat, with the bytes per step through a
+node's link.
+
 **Quality** (``--quality-steps K``, :func:`quality_curve`). Each candidate, and ``none`` (the exact mean,
 what ``torch-allreduce`` computes), trains the model for K steps of synchronous SGD with
 ``--quality-workers`` simulated workers (default min(n, 4)) on the testbed's real data
@@ -140,11 +147,14 @@ from gradpress.testbed.advise.quality import (
 )
 from gradpress.testbed.advise.ranking import (
     CROSSING_RANGE,
+    NODE,
     Ranked,
     crossover,
     rank,
     register_line,
+    spec_of,
     speedup_at,
+    variants,
 )
 from gradpress.testbed.advise.workload import (
     Workload,
@@ -155,12 +165,12 @@ from gradpress.testbed.advise.workload import (
 )
 
 __all__ = ["Advice", "BASELINE", "Bucket", "BucketCost", "CROSSING_RANGE", "Checked", "ComputeProfile",
-           "DEFAULT_BANDWIDTHS", "DEMO", "FIRST_BUCKET_BYTES", "LocalStep", "MethodCost", "NEAR", "PLOTTED",
-           "PLOT_RANGE", "Progress", "QUALITY_REFERENCE", "QualityCurve", "RATIO_VARIANTS", "Ranked",
+           "DEFAULT_BANDWIDTHS", "DEMO", "FIRST_BUCKET_BYTES", "LocalStep", "MethodCost", "NEAR", "NODE",
+           "PLOTTED", "PLOT_RANGE", "Progress", "QUALITY_REFERENCE", "QualityCurve", "RATIO_VARIANTS", "Ranked",
            "RunsLink", "Transfer", "Workload", "add_parser", "advise", "assign_buckets", "baseline_cost",
            "calibrated", "candidates", "check_against", "checkpoints", "crossover", "default_candidates",
            "default_tolerance", "describe_profile", "factory_workload", "is_factory", "link_from_runs",
            "link_phases", "load_object", "measure_local_steps", "measure_method", "plot", "predict",
            "profile_compute", "quality_curve", "quality_target", "rank", "register_line", "render",
-           "render_checks", "runs_link", "scaled", "scaled_cost", "speedup_at", "steps_to_reach",
-           "summary_lines", "testbed_workload", "to_json", "transfers_of"]
+           "render_checks", "runs_link", "scaled", "scaled_cost", "spec_of", "speedup_at", "steps_to_reach",
+           "summary_lines", "testbed_workload", "to_json", "transfers_of", "variants"]

@@ -17,7 +17,7 @@ from gradpress.testbed.advise.quality import (
     quality_target,
     steps_to_reach,
 )
-from gradpress.testbed.advise.ranking import Ranked, crossover, rank
+from gradpress.testbed.advise.ranking import Ranked, crossover, rank, variants
 from gradpress.testbed.advise.workload import Workload
 
 #: besides every registered method at its defaults, these fractions of the sparsifiers
@@ -60,7 +60,9 @@ def candidates(specs: list[str]) -> list[str]:
 @dataclass
 class Advice:
     """Everything ``advise`` found: the profile, each method's costs, the rankings per link speed,
-    where each method stops paying, and the quality runs (if any)."""
+    where each method stops paying (by ranked label), and the quality runs (if any). ``topology``: the
+    ``workers`` on N nodes of k ranks, where each method is ranked flat and in two levels
+    (:func:`~gradpress.testbed.advise.ranking.variants`); None: a star of a link per worker."""
 
     workload: str
     source: str
@@ -81,6 +83,7 @@ class Advice:
     efficiency: dict[str, float] = field(default_factory=dict)
     baseline: MethodCost | None = None
     local_noop: LocalStep | None = None
+    topology: costmodel.Topology | None = None
 
     @property
     def reference(self) -> MethodCost:
@@ -97,11 +100,18 @@ class Advice:
         paying, anew (a pure function of what was measured)."""
         link: dict[str, Any] = {"latency": latency, "burst": burst, "efficiency": dict(efficiency or {})}
         rankings = {bw: rank(self.profile, self.costs, n=self.workers, bandwidth=bw,
-                             steps_to_target=self.steps_to_target, baseline=self.reference, **link)
+                             steps_to_target=self.steps_to_target, baseline=self.reference,
+                             topology=self.topology, **link)
                     for bw in self.bandwidths}
-        crossings = {c.spec: crossover(self.profile, c, n=self.workers, baseline=self.reference, **link)
-                     for c in self.costs}
+        crossings = {label: crossover(self.profile, cost, n=self.workers, baseline=self.reference,
+                                      topology=where, **link)
+                     for label, cost, where in variants(self.costs, self.topology, self.reference)
+                     if label != BASELINE}
         return replace(self, rankings=rankings, crossovers=crossings, **link)
+
+    def variants(self) -> list[tuple[str, MethodCost, costmodel.Topology | None]]:
+        """What is ranked (:func:`~gradpress.testbed.advise.ranking.variants`), ``torch-allreduce`` first."""
+        return variants(self.costs, self.topology, self.reference)
 
 
 def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
@@ -109,15 +119,20 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
            repeats: int = 5, quality_steps: int | None = None, quality_workers: int | None = None,
            tolerance: float | None = None, bucket_cap_mb: float = 25.0, seed: int = 0, threads: int = 1,
            progress: Progress = _quiet, use_ddp: bool = True, burst: float = 0.0,
-           efficiency: Mapping[str, float] | None = None, local: LocalSteps | None = None) -> Advice:
+           efficiency: Mapping[str, float] | None = None, local: LocalSteps | None = None,
+           topology: costmodel.Topology | None = None) -> Advice:
     """Profile ``workload``, measure every spec, rank them at every bandwidth (package doc) through links
     with a token bucket of ``burst`` bytes and ``efficiency`` per strategy
-    (:mod:`~gradpress.costmodel`; default: a plain link at its rate). A spec that fails to
+    (:mod:`~gradpress.costmodel`; default: a plain link at its rate); with a ``topology`` (its
+    ``workers`` = ``workers``), on N nodes of k ranks, flat and in two levels. A spec that fails to
     measure is left out with its reason (``Advice.skipped``). ``local``: measures the real local steps of
     the specs it is given (``--local-workers``, :func:`~gradpress.testbed.advise.local.measure_local_steps`),
     which then price each method, ``torch-allreduce`` and ``noop`` included
     (:func:`~gradpress.testbed.advise.ranking.calibrated`); a method it could not measure is priced
     as measured here, with the reason in ``skipped``."""
+    if topology is not None and topology.workers != workers:
+        raise ValueError(f"{workers} workers on {topology.nodes} nodes of {topology.local_size}: "
+                         f"{topology.workers} ranks")
     started = time.perf_counter()
     simulated = min(2, workers)
     progress("profiling compute and DDP's buckets")
@@ -151,7 +166,7 @@ def advise(workload: Workload, specs: Sequence[str], *, workers: int = 2,
         skipped.update({spec: f"priced without its local step: {why}" for spec, why in failed.items()})
     measured = Advice(workload.label, workload.source, workers, latency, list(bandwidths), profile, costs, {}, {},
                       skipped, curves, target, to_target, note, time.perf_counter() - started, baseline=base,
-                      local_noop=noop)
+                      local_noop=noop, topology=topology)
     return measured.relinked(latency=latency, burst=burst, efficiency=efficiency)
 
 

@@ -23,7 +23,8 @@ class Checked:
     ``overhead_s``: a run's mean step less its own mean compute (what the method adds: exposed
     communication, compression; the median over the runs), ``overhead_rank`` its rank among the methods:
     where the compute drifts between runs by more than the methods differ, this orders what the methods
-    change."""
+    change. ``nodes``: the runs' nodes (``workers`` ranks in all); ``spec`` ends in ``@node`` for runs
+    that exchanged in two levels on several nodes."""
 
     spec: str
     workers: int
@@ -41,6 +42,7 @@ class Checked:
     measured_high: float | None = None
     overhead_s: float | None = None
     overhead_rank: int | None = None
+    nodes: int = 1
 
     @property
     def relative_error(self) -> float:
@@ -80,44 +82,51 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     it was recorded), unless ``advise --burst`` gave one; and, with ``fit_link``, the latency α and each
     strategy's rate beyond the bucket fitted from the runs of the *other* methods on the same n and link
     (:func:`link_from_runs`), so no run of a method enters its prediction (``advise --latency`` where no
-    other method communicated); ``advise --efficiency`` overrides the fitted rates per strategy."""
-    from gradpress.testbed.sim.cost import burst_of
+    other method communicated); ``advise --efficiency`` overrides the fitted rates per strategy.
+
+    Runs on several nodes are priced on their nodes (:func:`gradpress.testbed.sim.cost.topology_of`: a
+    link per node, the advice's intra-node rate inside), flat or in two levels as they ran (a method's
+    flat and ``@node`` runs are two rows), with the advice's α: the link fit prices a star of a link per
+    worker, so only runs on one node enter it."""
+    from gradpress.testbed.sim.cost import burst_of, topology_of
 
     cost_of = _priced(advice).get
-    methods: dict[tuple[str, int, str], list[Any]] = {}
+    intra = costmodel.DEFAULT_INTRA_BANDWIDTH if advice.topology is None else advice.topology.intra_bandwidth
+    methods: dict[tuple[str, int, str, int], list[Any]] = {}
     for run in runs:
         if run.bandwidth is not None and (cost_of(run.compressor) is not None or run.compressor == "noop"):
-            methods.setdefault((run.compressor, run.workers, run.bandwidth), []).append(run)
-    noop = {(workers, bandwidth): statistics.median(r.mean_step_s for r in repeats)
-            for (spec, workers, bandwidth), repeats in methods.items() if spec == "noop"}
+            methods.setdefault((_label(run), run.workers, run.bandwidth, run.nodes), []).append(run)
+    noop = {(workers, bandwidth, nodes): statistics.median(r.mean_step_s for r in repeats)
+            for (spec, workers, bandwidth, nodes), repeats in methods.items() if spec == "noop"}
 
     rows = []
-    for (spec, workers, bandwidth), repeats in methods.items():
+    for (label, workers, bandwidth, nodes), repeats in methods.items():
         steps = [r.mean_step_s for r in repeats]
         measured = statistics.median(steps)
-        compute = noop.get((workers, bandwidth))
+        compute = noop.get((workers, bandwidth, nodes))
         burst = advice.burst or burst_of(repeats[0])
         rates: dict[str, float] = {}
         latency = advice.latency
-        if spec == "noop":  # the local noop's step where one was measured, else the profile's compute
+        if label == "noop":  # the local noop's step where one was measured, else the profile's compute
             local = advice.local_noop
             predicted, with_noop = (advice.profile.compute_s if local is None else local.step_s), None
         else:
             others = [(r, theirs) for r in runs
-                      if r.compressor != spec and (r.workers, r.bandwidth) == (workers, bandwidth)
+                      if _label(r) != label and (r.workers, r.bandwidth, r.nodes) == (workers, bandwidth, nodes)
                       and (theirs := cost_of(r.compressor)) is not None]
             fitted = link_from_runs(advice.profile, others, burst=burst) if fit_link else None
             if fitted is not None:
                 latency, rates = fitted
             rates.update(advice.efficiency)
             common: dict[str, Any] = {"n": workers, "bandwidth": bandwidth, "latency": latency,
-                                      "burst": burst, "efficiency": rates}
-            cost = cost_of(spec)
+                                      "burst": burst, "efficiency": rates,
+                                      "topology": topology_of(repeats[0], intra)}
+            cost = cost_of(repeats[0].compressor)
             assert cost is not None  # (a method is checked where it was priced)
             predicted = predict(advice.profile, cost, **common).total
             with_noop = None if compute is None else predict(*_at_noops_speed(advice, cost, compute), **common).total
-        overhead = None if spec == "noop" else statistics.median(r.mean_step_s - r.mean_compute_s for r in repeats)
-        rows.append(((spec, workers, bandwidth), predicted, measured, with_noop, burst, rates, latency,
+        overhead = None if label == "noop" else statistics.median(r.mean_step_s - r.mean_compute_s for r in repeats)
+        rows.append(((label, workers, bandwidth, nodes), predicted, measured, with_noop, burst, rates, latency,
                      len(steps), min(steps), max(steps), overhead))
     ranked = [r for r in rows if r[0][0] != "noop"]
     by_prediction = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[1]), start=1)}
@@ -125,9 +134,15 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     # (only noop's overhead is None)
     by_overhead = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[10] if r[10] is not None
                                                         else math.inf), start=1)}
-    return [Checked(*key, predicted, measured, by_prediction.get(key), by_measurement.get(key), with_noop, burst,
-                    rates, latency, count, low, high, overhead, by_overhead.get(key))
+    return [Checked(key[0], key[1], key[2], predicted, measured, by_prediction.get(key),
+                    by_measurement.get(key), with_noop, burst, rates, latency, count, low, high, overhead,
+                    by_overhead.get(key), nodes=key[3])
             for key, predicted, measured, with_noop, burst, rates, latency, count, low, high, overhead in rows]
+
+
+def _label(run: Any) -> str:
+    """A run's row: its spec, ``@node`` added where it exchanged in two levels on several nodes."""
+    return run.compressor + ("@node" if run.nodes > 1 and run.hierarchy == "node" else "")
 
 
 @dataclass(frozen=True)
@@ -150,13 +165,14 @@ def runs_link(advice: Advice, runs: Sequence[Any]) -> RunsLink | None:
     (:func:`link_from_runs`; ``advice.latency`` where no rate or α could be fitted), so that the pick is
     made for the link the runs measured and agrees with :func:`check_against`'s predictions (each of
     which leaves its own method's runs out of the fit). None unless every run over an emulated link of a
-    method priced here (``torch-allreduce`` included) shares one n, one link rate and one bucket."""
+    method priced here (``torch-allreduce`` included) shares one n, one number of nodes, one link rate and
+    one bucket."""
     from gradpress.testbed.sim.cost import burst_of
 
     costs = _priced(advice)
     priced = [(run, costs[run.compressor]) for run in runs
               if run.bandwidth is not None and run.compressor in costs]
-    if not priced or len({(run.workers, run.bandwidth, burst_of(run)) for run, _ in priced}) != 1:
+    if not priced or len({(run.workers, run.nodes, run.bandwidth, burst_of(run)) for run, _ in priced}) != 1:
         return None
     first = priced[0][0]
     burst = burst_of(first)
@@ -190,10 +206,11 @@ def link_from_runs(profile: ComputeProfile, runs: Sequence[tuple[Any, MethodCost
     (step − communication) refilled. Only runs whose bytes beyond the bucket are at least the bucket
     inform the rates: a rate shows in bytes that wait for tokens, and the few milliseconds of a smaller
     remainder are lost among what else a measured collective waits for (the other rank's compute and
-    compression). None without a run of 2+ workers that communicated."""
+    compression). None without a run of 2+ workers on one node that communicated (the fit prices a star of
+    a link per worker)."""
     observations, bandwidths = [], set()
     for run, cost in runs:
-        if run.workers < 2 or run.bandwidth is None or run.mean_comm_s <= 0:
+        if run.workers < 2 or run.bandwidth is None or run.mean_comm_s <= 0 or run.nodes > 1:
             continue
         phases = [phase for step in cost.steps(profile, run.workers) for phase in step.phases]
         if not phases:
@@ -226,7 +243,8 @@ def render_checks(checks: Sequence[Checked]) -> Any:
     for c in checks:
         rates = ", ".join([f"{(c.latency or 0.0) * 1e3:.2g}",
                            *(f"{k} {v:.2f}" for k, v in sorted(c.efficiency.items()))])
-        cells = [c.spec, str(c.workers), c.bandwidth, f"{c.burst / 1024:.0f} KiB" if c.burst else "none",
+        ranks = str(c.workers) if c.nodes == 1 else f"{c.nodes}×{c.workers // c.nodes}"
+        cells = [c.spec, ranks, c.bandwidth, f"{c.burst / 1024:.0f} KiB" if c.burst else "none",
                  rates if c.spec != "noop" else "", f"{c.predicted_s * 1e3:.1f}",
                  _measured(c), f"{c.relative_error:+.1%}", str(c.predicted_rank or ""),
                  str(c.measured_rank or ""),

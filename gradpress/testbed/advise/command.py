@@ -24,6 +24,8 @@ from gradpress.testbed.sim.cost import load_results
 from gradpress.testbed.train import model_spec
 
 DEFAULT_BANDWIDTHS = "100mbit,1gbit,10gbit"
+#: the most nodes ``--nodes`` prices
+MOST_NODES = 1024
 
 
 def _model(text: str) -> str:
@@ -98,10 +100,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a factory model's batches: FUNCTION(batch_size) returns (inputs, targets)")
     p.add_argument("--batch-size", type=arguments.positive_int,
                    help="per-worker batch (default: the model's; 32)")
-    p.add_argument("--workers", type=arguments.integer(1, 1024), default=2,
-                   help="workers n to price (1..1024)")
+    p.add_argument("--workers", type=arguments.integer(1, 1024),
+                   help="workers n to price (1..1024; default 2), each with its own link; with --nodes, "
+                        "every rank of every node (N·k)")
+    p.add_argument("--nodes", type=arguments.integer(1, MOST_NODES), metavar="N",
+                   help=f"price N nodes (1..{MOST_NODES}) of --local-size ranks, a link of --bandwidth per node, "
+                        "each method flat and in two levels (SPEC@node)")
+    p.add_argument("--local-size", type=arguments.integer(1, 1024), metavar="K",
+                   help="ranks a node with --nodes (default: --workers / N, else 1)")
+    p.add_argument("--intra-bandwidth", type=arguments.rate, metavar="RATE",
+                   help=f"the rate between the ranks of a node with --nodes (default "
+                        f"{costmodel.DEFAULT_INTRA_BANDWIDTH})")
     p.add_argument("--bandwidth", type=_rates, default=DEFAULT_BANDWIDTHS,
-                   help=f"link rates per worker, comma-separated (default {DEFAULT_BANDWIDTHS})")
+                   help=f"link rates per worker (per node with --nodes), comma-separated "
+                        f"(default {DEFAULT_BANDWIDTHS})")
     p.add_argument("--latency", type=arguments.non_negative_float, metavar="SECONDS",
                    help=f"per-message latency α in seconds (default {costmodel.DEFAULT_LATENCY:g}; with "
                         "--check, fitted from the runs)")
@@ -144,12 +156,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
+def nodes_of(args: argparse.Namespace) -> costmodel.Topology | None:
+    """``--nodes``, ``--local-size``, ``--intra-bandwidth`` and ``--workers`` together, and ``args.workers``
+    set to the ranks priced: without ``--nodes``, n = ``--workers`` (default 2), each with its own link
+    (None); with it, N nodes of k ranks, k = ``--local-size``, else ``--workers`` / N, else 1, and
+    n = N·k (``--workers``, where given too, must be N·k). UsageError for what does not fit."""
+    nodes, local, workers = args.nodes, args.local_size, args.workers
+    if nodes is None:
+        for option, value in (("--local-size", local), ("--intra-bandwidth", args.intra_bandwidth)):
+            if value is not None:
+                raise arguments.UsageError(f"{option} {value}: the ranks of a node and the rate between them "
+                                           "are for --nodes N (without it each worker has its own link)")
+        args.workers = 2 if workers is None else workers
+        return None
+    if local is None:
+        if workers is not None and workers % nodes:
+            raise arguments.UsageError(f"--workers {workers} on --nodes {nodes}: not the same number of ranks on "
+                                       "every node (give --local-size k: n = N·k)")
+        local = 1 if workers is None else workers // nodes
+    elif workers is not None and workers != nodes * local:
+        raise arguments.UsageError(f"--workers {workers} contradicts --nodes {nodes} × --local-size {local} "
+                                   f"= {nodes * local} ranks (give two of them)")
+    args.workers = nodes * local
+    return costmodel.Topology(nodes, local, args.intra_bandwidth or costmodel.DEFAULT_INTRA_BANDWIDTH)
+
+
 def _main(args: argparse.Namespace) -> int:
+    topology = nodes_of(args)
     workload = workload_of(args)
     specs = candidates(args.compressors)
     runs = _runs_to_check(args.check)
     _check_specs(specs, args.workers)
-    advice = _measure(args, workload, specs)
+    advice = _measure(args, workload, specs, topology)
     console = wide_console()
     checks = check_against(advice, runs) if runs else []
     shown = advice if _link_given(args) else _through_runs_link(console, advice, runs)
@@ -211,7 +249,8 @@ def _check_specs(specs: list[str], workers: int) -> None:
             raise arguments.UsageError(f"--compressors {spec}: {arguments.one_line(error)}") from None
 
 
-def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> Advice:
+def _measure(args: argparse.Namespace, workload: Workload, specs: list[str],
+             topology: costmodel.Topology | None = None) -> Advice:
     """:func:`~gradpress.testbed.advise.advise` with ``--threads`` torch threads and a progress bar on
     stderr (one step per profile, measured method and quality run)."""
     from rich.console import Console
@@ -237,7 +276,7 @@ def _measure(args: argparse.Namespace, workload: Workload, specs: list[str]) -> 
             local = _local_steps(args) if args.local_workers > 1 else None
             return advise(workload, specs, **_measuring(args), quality_steps=args.quality_steps,
                           quality_workers=args.quality_workers, tolerance=args.tolerance, progress=progress,
-                          local=local)
+                          local=local, topology=topology)
     finally:
         torch.set_num_threads(threads)
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from gradpress.costmodel.method import BASELINE
 from gradpress.testbed.advise.advice import Advice
-from gradpress.testbed.advise.ranking import Ranked, register_line, speedup_at
+from gradpress.testbed.advise.ranking import NODE, Ranked, register_line, spec_of, speedup_at
 
 #: the plot's link speeds, bits/s: 10 Mbit/s to 400 Gbit/s
 PLOT_RANGE = (1e7, 4e11)
@@ -67,10 +67,11 @@ def render(advice: Advice) -> Any:
         link += f", token bucket {advice.burst:.0f} B"
     if advice.efficiency:
         link += ", rate " + ", ".join(f"{k} {v:.2f}×" for k, v in sorted(advice.efficiency.items()))
-    table = Table(title=f"gradpress advise: {advice.workers} workers, {link}; "
+    table = Table(title=f"gradpress advise: {_workers(advice)}, {link}; "
                         f"ranked by {by} at {first} (speed-up: over {BASELINE}'s samples/s"
                         f"{'; time to target' if quality else ''})")
-    for column in ("#", "method", "exchange", "bytes/step", "sent/link", "compr. ms"):
+    for column in ("#", "method", "exchange", "bytes/step", "sent/link" if advice.topology is None else
+                   "node link", "compr. ms"):
         table.add_column(column, justify="left" if column in ("method", "exchange") else "right",
                          no_wrap=column == "method")
     if quality:
@@ -97,11 +98,21 @@ def render(advice: Advice) -> Any:
     return table
 
 
+def _workers(advice: Advice) -> str:
+    """``16 workers``, or ``4 nodes × 4 ranks (16 workers, a link per node, 100gbit inside)``."""
+    where = advice.topology
+    if where is None:
+        return f"{advice.workers} workers"
+    return (f"{where.nodes} node{'s' if where.nodes > 1 else ''} × {where.local_size} "
+            f"rank{'s' if where.local_size > 1 else ''} ({where.workers} workers, a link per node, "
+            f"{where.intra_bandwidth} inside; {NODE}: in two levels)")
+
+
 def _exchange(advice: Advice, spec: str) -> str:
     if spec == BASELINE:
         return "allreduce (DDP)"
-    cost = next(c for c in advice.costs if c.spec == spec)
-    return cost.exchange
+    cost = next(c for c in advice.costs if c.spec == spec_of(spec))
+    return f"{cost.exchange}, 2 levels" if spec.endswith(NODE) else cost.exchange
 
 
 def summary_lines(advice: Advice) -> list[str]:
@@ -134,16 +145,29 @@ def to_json(advice: Advice, setting: Mapping[str, Any] | None = None) -> dict[st
         out["samples_per_s"] = advice.profile.batch_size * advice.workers / r.predicted.total
         return out
 
+    where = advice.topology
+
+    def method(c: Any) -> dict[str, Any]:
+        out = {**asdict(c), "packet_bytes_per_step": c.packet_bytes,
+               "wire_bytes_per_step": c.wire_bytes(advice.workers),
+               "pays_below_bits_per_second": number(advice.crossovers.get(c.spec))}
+        if where is not None:  # a node's link, flat and in two levels
+            out["node_link_bytes_per_step"] = c.link_bytes(where.flat())
+            out["two_level"] = {"label": c.spec + NODE,
+                                "packet_bytes_per_step": c.packet_bytes / where.local_size,
+                                "node_link_bytes_per_step": c.link_bytes(where.two_level()),
+                                "pays_below_bits_per_second": number(advice.crossovers.get(c.spec + NODE))}
+        return out
+
     return {
         "setting": dict(setting or {}),
         "workload": advice.workload, "data": advice.source, "workers": advice.workers,
+        "nodes": None if where is None else {"nodes": where.nodes, "local_size": where.local_size,
+                                             "intra_bandwidth": where.intra_bandwidth},
         "latency": advice.latency, "bandwidths": advice.bandwidths, "burst": advice.burst,
         "efficiency": advice.efficiency,
         "profile": {**asdict(advice.profile), "compute_s": advice.profile.compute_s},
-        "methods": [{**asdict(c), "packet_bytes_per_step": c.packet_bytes,
-                     "wire_bytes_per_step": c.wire_bytes(advice.workers),
-                     "pays_below_bits_per_second": number(advice.crossovers.get(c.spec))}
-                    for c in advice.costs],
+        "methods": [method(c) for c in advice.costs],
         "rankings": {bw: [ranked(r) for r in rows] for bw, rows in advice.rankings.items()},
         "best": {bw: advice.best(bw).spec for bw in advice.bandwidths},
         "register": {bw: register_line(advice.best(bw).spec) for bw in advice.bandwidths},
@@ -173,15 +197,16 @@ def plot(advice: Advice, path: str | Path, limit: int = PLOTTED) -> Path:
     for rows in advice.rankings.values():
         for r in rows:
             best[r.spec] = max(best.get(r.spec, 0.0), r.speedup)
-    chosen = sorted((c for c in advice.costs), key=lambda c: -best.get(c.spec, 0.0))[:limit]
+    chosen = sorted((v for v in advice.variants() if v[0] != BASELINE),
+                    key=lambda v: -best.get(v[0], 0.0))[:limit]
     grid = np.geomspace(*PLOT_RANGE, 90)
     figure = Figure(figsize=(7.5, 4.8))
     axis = figure.subplots()
-    for cost in chosen:
+    for label, cost, where in chosen:
         ys = [speedup_at(profile, cost, float(bw), n=n, latency=advice.latency, baseline=base,
-                         burst=advice.burst, efficiency=advice.efficiency) for bw in grid]
-        cross = advice.crossovers.get(cost.spec, 0.0)
-        (line,) = axis.plot(grid, ys, label=f"{cost.spec} ({_pays(cross)})")
+                         burst=advice.burst, efficiency=advice.efficiency, topology=where) for bw in grid]
+        cross = advice.crossovers.get(label, 0.0)
+        (line,) = axis.plot(grid, ys, label=f"{label} ({_pays(cross)})")
         if PLOT_RANGE[0] <= cross <= PLOT_RANGE[1]:
             axis.plot([cross], [1.0], marker="o", color=line.get_color(), markersize=6)
     axis.axhline(1.0, color="gray", linewidth=0.8, label=f"{BASELINE}")
@@ -192,7 +217,7 @@ def plot(advice: Advice, path: str | Path, limit: int = PLOTTED) -> Path:
     axis.set_xscale("log")
     axis.set_yscale("log")
     axis.set(xlabel="link speed (bits/s)", ylabel=f"predicted speed-up over {BASELINE} (samples/s)",
-             title=f"{advice.workload}, {n} workers: where compression pays (● = stops paying)")
+             title=f"{advice.workload}, {_plotted_workers(advice)}: where compression pays (● = stops paying)")
     axis.grid(True, which="major", alpha=0.3)
     axis.legend(fontsize="x-small", loc="upper right")
     figure.tight_layout()
@@ -200,3 +225,8 @@ def plot(advice: Advice, path: str | Path, limit: int = PLOTTED) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     return path
+
+
+def _plotted_workers(advice: Advice) -> str:
+    where = advice.topology
+    return f"{advice.workers} workers" if where is None else f"{where.nodes} nodes × {where.local_size}"

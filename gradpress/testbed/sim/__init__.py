@@ -68,6 +68,18 @@ Three questions the multi-process testbed cannot afford to ask at scale:
     21.7 ms with the 4-worker ones, where it only soaks up the all-reduce's shortfall (all-reduce
     errors −3 % … +5 %) and overcharges the all-gather (top-k +20 % … +39 %); keep the default α here.
 
+    **Several nodes** (``--nodes N``, ``--local-size k``, ``--intra-bandwidth``;
+    :mod:`gradpress.costmodel.nodes`): every run predicted on N nodes of k ranks (k: the run's own ranks
+    a node, 1 for a run on one node), a link of the run's rate per node and ``--intra-bandwidth``
+    inside it, flat and in two levels (``SPEC@node``) side by side, with the bytes per step through a
+    node's link. A rank's packet bytes and compression are the run's in proportion to what it
+    compresses (all of its gradient flat, 1/k in two levels); the two-level rows also need the
+    uncompressed gradient's bytes, which a run does not record: those of a ``torch-allreduce`` or
+    ``none`` run of the same model, else a two-level run's own bytes inside its node
+    (:func:`~gradpress.testbed.sim.cost.raw_bytes`). A run measured on several nodes is checked on its
+    own nodes, flat or in two levels as it ran (:func:`~gradpress.testbed.sim.cost.topology_of`); it is
+    left out of ``--latency fit``.
+
     Known limits: the all-gather decodes n packets, so its decompression time grows with n, but a run
     records compression and decompression as one time, which the prediction keeps fixed at other n
     (an underestimate for all-gather methods at large n); bytes are those on the link by the rule
@@ -104,19 +116,24 @@ from gradpress.testbed.sim.cost import (
     Check,
     Crossover,
     Prediction,
+    UnknownGradientSize,
     burst_of,
     check_runs,
     compute_time,
     cross_checks,
     crossovers,
     fit_run_latency,
+    kinds,
     link_phases,
     load_results,
     predict,
+    raw_bytes,
     render_checks,
     render_crossovers,
     render_what_if,
     strategy_of,
+    topology_of,
+    two_level,
     what_if,
 )
 from gradpress.testbed.sim.quality import (
@@ -127,8 +144,9 @@ from gradpress.testbed.sim.quality import (
 )
 
 __all__ = ["Check", "Crossover", "DEFAULT_WORKERS", "DISTRIBUTIONS", "NMSEPoint", "Prediction", "Progress",
-           "QualityPoint", "REFERENCE_STRATEGIES", "ROUNDING", "add_parser", "burst_of", "check_runs",
-           "compute_time", "cross_checks", "crossovers", "exact_mean", "fit_run_latency", "link_phases",
-           "load_results", "loglog_slope", "nmse", "nmse_vs_workers", "plot_nmse", "plot_quality", "predict",
-           "render_checks", "render_crossovers", "render_nmse", "render_quality", "render_what_if",
-           "strategy_of", "train_simulated", "what_if", "worker_vectors"]
+           "QualityPoint", "REFERENCE_STRATEGIES", "ROUNDING", "UnknownGradientSize", "add_parser", "burst_of",
+           "check_runs", "compute_time", "cross_checks", "crossovers", "exact_mean", "fit_run_latency", "kinds",
+           "link_phases", "load_results", "loglog_slope", "nmse", "nmse_vs_workers", "plot_nmse", "plot_quality",
+           "predict", "raw_bytes", "render_checks", "render_crossovers", "render_nmse", "render_quality",
+           "render_what_if", "strategy_of", "topology_of", "train_simulated", "two_level", "what_if",
+           "worker_vectors"]

@@ -49,6 +49,18 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+#: the most nodes ``sim cost --nodes`` prices
+MOST_NODES = 1024
+
+
+def _nodes(text: str) -> list[int]:
+    """Comma-separated numbers of nodes, each in 1..:data:`MOST_NODES`."""
+    values = _ints(text)
+    if max(values) > MOST_NODES:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers of nodes in 1..{MOST_NODES}")
+    return values
+
+
 def _rates(text: str) -> list[str]:
     from gradpress.testbed.netem import rate_bits_per_second
 
@@ -126,6 +138,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"(default {costmodel.DEFAULT_LATENCY:g})")
     p.add_argument("--strategy", default="auto", choices=["auto", *costmodel.STRATEGIES],
                    help="price what-if predictions with this strategy (default: each run's own)")
+    p.add_argument("--nodes", type=_nodes, metavar="N[,N...]",
+                   help=f"predict on N nodes (1..{MOST_NODES}) of --local-size ranks, a link each, flat and in "
+                        "two levels (SPEC@node); instead of --workers")
+    p.add_argument("--local-size", type=arguments.positive_int, metavar="K",
+                   help="ranks a node with --nodes (default: each run's own, 1 for a run on one node)")
+    p.add_argument("--intra-bandwidth", type=arguments.rate, metavar="RATE",
+                   help=f"the rate between the ranks of a node (default {costmodel.DEFAULT_INTRA_BANDWIDTH}), "
+                        "for --nodes and for runs on several nodes")
     p.add_argument("--json", type=arguments.output_file, help="write the checks and predictions here")
     p.set_defaults(func=_reporting_errors(_main_cost))
 
@@ -227,14 +247,26 @@ def _check_quality(args: argparse.Namespace, dataset: Dataset, options: dict[str
                 raise arguments.UsageError(f"--compressors {spec} with {n} worker{'s' if n > 1 else ''}: {error}") from None
 
 
+def _check_cost(args: argparse.Namespace) -> None:
+    """``--nodes`` against ``--workers`` and ``--local-size`` (UsageError), before any run is read."""
+    if args.nodes is not None and args.workers is not None:
+        raise arguments.UsageError("sim cost: give --workers n (a link per worker) or --nodes N with "
+                                   "--local-size k (N nodes of k ranks, a link per node: n = N·k), not both")
+    if args.local_size is not None and args.nodes is None:
+        raise arguments.UsageError(f"sim cost: --local-size {args.local_size} is the ranks of a node: it "
+                                   "needs --nodes")
+
+
 def _main_cost(args: argparse.Namespace) -> int:
+    _check_cost(args)
     runs = load_results(*args.results)
     latency = fit_run_latency(runs) if args.latency == "fit" else args.latency
+    intra = args.intra_bandwidth or costmodel.DEFAULT_INTRA_BANDWIDTH
     console = wide_console()
     if args.latency == "fit":
         console.print(f"fitted latency α = {latency * 1e3:.3g} ms per message (least squares over the runs' "
                       "exposed communication)")
-    checks, crossed = check_runs(runs, latency), cross_checks(runs, latency)
+    checks, crossed = check_runs(runs, latency, intra), cross_checks(runs, latency, intra)
     for found, title in ((checks, "α–β model vs measured"),
                          (crossed, "α–β model carried to another n or link rate vs measured there")):
         if found:
@@ -247,20 +279,24 @@ def _main_cost(args: argparse.Namespace) -> int:
                               f"largest {max(errors):.1%}")
     if not checks:
         console.print("no run over an emulated link (--bandwidth) to check the model against")
-    paying = crossovers(runs, latency)
+    paying = crossovers(runs, latency, intra)
     if paying:
         console.print(render_crossovers(paying))
-    predictions = []
-    if args.workers or args.bandwidth:
-        predictions = what_if(runs, args.workers, args.bandwidth, latency, args.strategy)
+    predictions: list[Prediction] = []
+    skipped: list[str] = []
+    if args.workers or args.bandwidth or args.nodes:
+        predictions = what_if(runs, args.workers, args.bandwidth, latency, args.strategy, nodes=args.nodes,
+                              local_size=args.local_size, intra_bandwidth=intra, skipped=skipped)
         if predictions:
             console.print(render_what_if(predictions))
-        else:
+        elif not skipped:
             console.print("no prediction: the runs are over loopback; give --bandwidth")
+        for why in skipped:
+            console.print(f"left out: {why}", highlight=False, markup=False)
     if args.json:
-        out = {"latency": latency, "checks": [_check_dict(c) for c in checks],
+        out = {"latency": latency, "intra_bandwidth": intra, "checks": [_check_dict(c) for c in checks],
                "cross_checks": [_check_dict(c) for c in crossed],
-               "what_if": [_prediction_dict(p) for p in predictions],
+               "what_if": [_prediction_dict(p) for p in predictions], "skipped": skipped,
                "crossovers": [asdict(c) for c in paying]}
         arguments.writable_parent(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
