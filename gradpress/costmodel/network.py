@@ -232,17 +232,15 @@ _Exchange = Callable[[Phase | Sequence[Phase], float | str, float, float, Mappin
 
 def _transfer(n: int, topology: Topology | None) -> _Exchange:
     """How an exchange among ``n`` ranks is priced: :func:`transfer_seconds` on a star of n links, or
-    :func:`~gradpress.costmodel.nodes.node_transfer_seconds` on ``topology`` (whose ranks must be n)."""
+    :meth:`~gradpress.costmodel.nodes.Topology.transfer_seconds` on ``topology`` (whose ranks must be
+    n; the nodes' module builds on this one)."""
     if topology is None:
         return lambda phases, bandwidth, latency, tokens, efficiency, nbytes: transfer_seconds(
             phases, n, bandwidth, latency, tokens, efficiency)
-    from gradpress.costmodel.nodes import node_transfer_seconds
-
     if n != topology.workers:
         raise ValueError(f"n = {n} ranks, but the topology has {topology.nodes} nodes of {topology.local_size}: "
                          f"{topology.workers} ranks")
-    return lambda phases, bandwidth, latency, tokens, efficiency, nbytes: node_transfer_seconds(
-        phases, topology, bandwidth, latency, tokens, efficiency, nbytes)
+    return topology.transfer_seconds
 
 
 def refill(tokens: float, idle_s: float, bandwidth: float | str, burst: float) -> float:

@@ -125,6 +125,13 @@ class Topology:
     def intra_bits_per_second(self) -> float:
         return _bits_per_second(self.intra_bandwidth)
 
+    def transfer_seconds(self, phases: Phase | Sequence[Phase], bandwidth: float | str,
+                         latency: float = DEFAULT_LATENCY, tokens: float = 0.0,
+                         efficiency: Mapping[str, float] | None = None,
+                         nbytes: float = 0.0) -> tuple[float, float]:
+        """:func:`node_transfer_seconds` on these nodes."""
+        return node_transfer_seconds(phases, self, bandwidth, latency, tokens, efficiency, nbytes)
+
     def flat(self) -> Topology:
         """The same nodes, exchanging in one level."""
         return replace(self, hierarchical=False)
