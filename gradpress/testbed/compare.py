@@ -22,7 +22,7 @@ from typing import Any
 
 from gradpress.testbed import arguments
 from gradpress.testbed.report import write_report
-from gradpress.testbed.results import REFERENCES, Run
+from gradpress.testbed.results import HIERARCHICAL, REFERENCES, Run
 from gradpress.testbed.train import (
     TrainConfig,
     TrainFailed,
@@ -40,10 +40,6 @@ DEMO_SET = ("none", "fp16", "topk:ratio=0.01", "qsgd", "natural", "thc", "powers
 #: what a compare run writes into its directory: the report, its plots, the results and each run's record
 OUTPUTS = ("report.md", "results.json", "quality_vs_time.png", "quality_vs_bytes.png", "throughput.png",
            "run-*.json")
-
-
-#: what ends a ``--compressors`` spec whose run exchanges in two levels
-HIERARCHICAL = "@node"
 
 
 def split_run(item: str) -> tuple[str, dict[str, Any]]:

@@ -43,6 +43,10 @@ from gradpress.costmodel import DEFAULT_LATENCY, Breakdown, Phase, predict_step_
 from gradpress.testbed.models import QUALITY
 from gradpress.testbed.netem import rate_bits_per_second
 
+#: what ends the name of a run that exchanged in two levels (``hierarchy="node"``): ``compare``'s
+#: ``--compressors`` suffix, and ``advise``'s and ``sim cost``'s rows
+HIERARCHICAL = "@node"
+
 SCHEMA = 1
 #: reference rows of ``gradpress train`` that are not gradpress compressors
 REFERENCES = ("noop", "torch-allreduce", "torch-fp16", "torch-powersgd")

@@ -12,6 +12,7 @@ from gradpress.costmodel.method import BASELINE, MethodCost
 from gradpress.testbed.advise.advice import Advice
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.ranking import predict
+from gradpress.testbed.results import HIERARCHICAL
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
 
 def _label(run: Any) -> str:
     """A run's row: its spec, ``@node`` added where it exchanged in two levels on several nodes."""
-    return run.compressor + ("@node" if run.nodes > 1 and run.hierarchy == "node" else "")
+    return run.compressor + (HIERARCHICAL if run.nodes > 1 and run.hierarchy == "node" else "")
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,10 @@ from gradpress.costmodel.method import BASELINE, MethodCost, baseline_cost
 from gradpress.costmodel.predict import predict
 from gradpress.testbed.advise.profile import ComputeProfile
 from gradpress.testbed.advise.quality import QUALITY_REFERENCE
+from gradpress.testbed.results import HIERARCHICAL as NODE
 
 #: where crossings are searched (bits/s)
 CROSSING_RANGE = (1e6, 1e12)
-#: what ends the label of a method exchanging in two levels (``compare``'s ``--compressors`` suffix)
-NODE = "@node"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 import gradpress
 from gradpress import costmodel
 from gradpress.costmodel import DEFAULT_INTRA_BANDWIDTH, Breakdown, Observation, Phase, Topology
-from gradpress.testbed.results import Run, load_runs
+from gradpress.testbed.results import HIERARCHICAL, Run, load_runs
 
 #: the strategy of each reference row of ``gradpress train`` (None: no communication)
 REFERENCE_STRATEGIES: dict[str, str | None] = {"torch-allreduce": "allreduce", "torch-fp16": "allreduce",
@@ -212,7 +212,7 @@ def predict(run: Run, runs: Sequence[Run], workers: int, bandwidth: str | float,
     per_worker = run.steps[-1].samples / run.workers
     two = topology is not None and topology.hierarchical
     rate = bandwidth if isinstance(bandwidth, str) else f"{bandwidth:g}"
-    return Prediction(run.compressor + ("@node" if two else ""), workers, rate, strategy, source, nbytes,
+    return Prediction(run.compressor + (HIERARCHICAL if two else ""), workers, rate, strategy, source, nbytes,
                       latency, costmodel.predict_step_time(base, compress, phases, overlap=False, **common),
                       costmodel.predict_step_time(base, compress, phases, overlap=True, **common),
                       per_worker * workers, workers if topology is None else topology.nodes,
