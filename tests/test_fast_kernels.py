@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 import gradpress
-from gradpress.compressors import sparsify
+from gradpress.compressors import selection
 from gradpress.compressors.cltk import chunk_top
 from gradpress.compressors.dither import standard_deviation
 from gradpress.compressors.sparsify import (
@@ -193,7 +193,7 @@ def test_candidates_are_every_value_at_or_above_the_threshold_and_overflow_says_
         kept, positions = np.empty(capacity + 16, np.float32), np.empty(capacity + 16, np.int32)
         addends = (m.numpy(), grad.numpy()) if mode != "plain" else None
         zeroed = mode == "zeroed"
-        got = sparsify._collect_at_least(out.numpy(), addends, np.float32(1.0), kept, positions, zeroed)
+        got = selection._collect_at_least(out.numpy(), addends, np.float32(1.0), kept, positions, zeroed)
         assert torch.equal(bits(out), bits(formed))  # the sum, bit for bit (NaN where m is), or +0
         if capacity < count:
             assert got == -1

@@ -43,7 +43,8 @@ the summands in the narrowest collective dtype that holds g·n (uint8, else int3
 The all-reduce strategy sends those summands, not the packed b-bit indices; in parameter-server and
 switch modes the server receives the b-bit indices and looks them up itself (Section 6, Fig. 4).
 
-Speed: on CPU tensors each method is a few numba passes (the vector kernels below, on
+Speed: on CPU tensors each method is a few numba passes (the vector kernels of
+:mod:`gradpress.compressors.thc_kernels` and :mod:`gradpress.compressors.thc_codes`, on
 :mod:`gradpress.kernels.simd`): ``thc`` compresses in two passes per Hadamard block (the transform's pass A;
 pass B fused with the scaling, the quantization and the packing) after the preliminary norm, and decodes
 a packet or a sum in two passes (unpacking and table lookup fused into pass A; D, the scale and the
@@ -74,6 +75,21 @@ import numpy as np
 import torch
 from scipy.special import ndtri
 
+from gradpress.compressors.thc_codes import (
+    _MASK,
+    _lookup_fast,
+    _quantize_numba,
+    _uniform_compress,
+    _uniform_decode_packed,
+    _uniform_decode_sums,
+)
+from gradpress.compressors.thc_kernels import (
+    _thc_compress,
+    _thc_compress_residual,
+    _thc_decode_packed,
+    _thc_decode_sums,
+    _thc_residual_packed,
+)
 from gradpress.compressors.thc_table import thc_table
 from gradpress.core.compressor import (
     Compressor,
@@ -87,33 +103,18 @@ from gradpress.core.compressor import (
 from gradpress.core.packet import Packet
 from gradpress.core.registry import param
 from gradpress.core.rng import Context, mix32_torch, seed32
-from gradpress.kernels import simd as V
 from gradpress.kernels.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.kernels.hadamard import (
     DEFAULT_PARTITION,
     ONE,
-    _PANEL,
     _STREAMED,
-    _columns_but_last,
-    _geometry,
-    _inverse_store,
     _kernel_args,
-    _last_group,
-    _load_signed,
-    _load_signed_rows,
-    _negative,
-    _quad,
-    _radix_any,
-    _row_rest,
-    _row_small,
-    _stages,
     apply_rht,
-    inverse_columns,
     inverse_rht,
     rht_layout,
     work_buffer,
 )
-from gradpress.kernels.jit import GOLDEN, as_numpy, bits_of_f32, jit, kernel, mix32, squares, use_numba
+from gradpress.kernels.jit import as_numpy, squares, use_numba
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -225,487 +226,6 @@ def _affine(origin: float, width: float, top: int) -> tuple[np.float32, np.float
         return np.float32(1.0), np.float32(origin), np.float32(0.0)
     pre = math.ldexp(1.0, min(126, -math.frexp(width)[1]))
     return np.float32(pre), np.float32(np.float32(origin) * np.float32(pre)), np.float32(top / (width * pre))
-
-
-@jit
-def _quantize_numba(x, pre, origin, scale, top, gap, table, inv_gap, seed, codes):  # pragma: no cover
-    zero = np.float32(0.0)
-    for i in range(x.size):
-        a = (x[i] * pre - origin) * scale
-        a = min(a if a > zero else zero, top)  # (NaN: 0, an index in range)
-        z = gap[np.int64(a)]
-        up = np.float32(mix32(i, seed) >> np.uint32(8)) < (a - table[z]) * inv_gap[z]
-        codes[i] = np.uint8(z + up)
-
-
-# -- the vector kernels --------------------------------------------------------------------------------
-# THC in two passes over each Hadamard block (gradpress.kernels.hadamard's vector kernel). Compressing, pass A loads
-# the block with its signs and runs the stages within a row; pass B runs the stages across rows, the last
-# four of them straight into 16 vectors of scratch, which the quantizer scales, rounds and packs (a
-# NaN/Inf input shows in any vector of its block). Decoding, pass A unpacks the codes and looks up their
-# centred table values (or reads the sums and centres them) and runs the row stages; pass B the rest, then
-# D, the scales and the output, row by row. Uniform THC is one pass each way. Every value goes through the
-# float32 operations of the torch path, in its order: the same bits (tests/test_thc_kernels.py).
-_MASK = np.uint32(0x7F800000)  # a float's exponent field: all ones for NaN and Inf
-_GOLDEN16 = np.uint32((int(GOLDEN) * 16) & 0xFFFFFFFF)
-_U24 = np.float32(2.0**24)  # Grid's inv_gap of a gap of width 1 (uniform THC's)
-
-
-@kernel(inline="always")
-def _uniforms(h, seed):  # pragma: no cover - compiled
-    """float32(mix32(k, seed) >> 8) for the 16 lanes' indices k (the 24-bit integers of Grid's draw),
-    given h = k·GOLDEN mod 2^32 (a loop over indices a fixed step apart adds to it instead of multiplying)."""
-    h = V.xor(h, V.isplat(seed))
-    h = V.xor(h, V.shr(h, V.isplat(np.uint32(16))))
-    h = V.mul(h, V.isplat(np.uint32(0x85EBCA6B)))
-    h = V.xor(h, V.shr(h, V.isplat(np.uint32(13))))
-    h = V.mul(h, V.isplat(np.uint32(0xC2B2AE35)))
-    h = V.xor(h, V.shr(h, V.isplat(np.uint32(16))))
-    return V.to_float(V.shr(h, V.isplat(np.uint32(8))))
-
-
-@kernel(inline="always")
-def _golden(k):  # pragma: no cover - compiled
-    """k·GOLDEN, …, (k + 15)·GOLDEN mod 2^32."""
-    return V.mul(V.iota(k), V.isplat(GOLDEN))
-
-
-@kernel(inline="always")
-def _write_codes(codes, byte, v, bits, valid):  # pragma: no cover - compiled
-    """The 16 codes of ``v`` (below 2^bits) packed into the 2·bits bytes at codes[byte:], or only their
-    first ``valid`` bytes (gradpress.kernels.bits' layout)."""
-    u = np.uint64
-    whole = valid >= u(2) * bits
-    if whole and bits == u(4):
-        V.store_nibbles(codes, byte, v)
-    elif whole and bits == u(8):
-        V.store_ints(codes, byte, v)
-    else:
-        low = V.pack_low(v, bits)
-        high = V.pack_high(v, bits)
-        if whole and bits == u(2):
-            V.store_word(codes, byte, low | (high << u(16)), 4)
-        elif whole and bits == u(1):
-            V.store_word(codes, byte, low | (high << u(8)), 2)
-        else:
-            for k in range(min(valid, u(2) * bits)):
-                word = low if k < bits else high
-                codes[byte + k] = np.uint8((word >> (u(8) * (k % bits))) & u(0xFF))
-
-
-@kernel(inline="always")
-def _read_codes(packed, byte, bits):  # pragma: no cover - compiled
-    """The 16 codes of ``bits`` bits packed in the 2·bits bytes at packed[byte:]."""
-    u = np.uint64
-    if bits == u(4):
-        v = V.load_nibbles(packed, byte)
-    elif bits == u(8):
-        v = V.load_bytes(packed, byte)
-    else:
-        if bits == u(2):
-            low, high = V.load_word(packed, byte, 2), V.load_word(packed, byte + u(2), 2)
-        elif bits == u(1):
-            low, high = V.load_word(packed, byte, 1), V.load_word(packed, byte + u(1), 1)
-        else:
-            low = u(0)
-            high = u(0)
-            for k in range(bits):
-                low |= u(packed[byte + k]) << (u(8) * k)
-                high |= u(packed[byte + bits + k]) << (u(8) * k)
-        v = V.unpack16(low, high, bits)
-    return v
-
-
-@kernel(inline="always")
-def _code_at(packed, k, bits):  # pragma: no cover - compiled
-    """Code k of a packed stream of ``bits``-bit codes (any position)."""
-    u = np.uint64
-    bit = k * bits
-    byte = bit >> u(3)
-    word = u(packed[byte])
-    if (bit & u(7)) + bits > u(8):
-        word |= u(packed[byte + u(1)]) << u(8)
-    return (word >> (bit & u(7))) & ((u(1) << bits) - u(1))
-
-
-@kernel(inline="always")
-def _or_code(codes, k, bits, code):  # pragma: no cover - compiled
-    """OR code k of ``bits`` bits into a zeroed packed stream (any position)."""
-    u = np.uint64
-    bit = k * bits
-    byte = bit >> u(3)
-    word = u(code) << (bit & u(7))
-    codes[byte] |= np.uint8(word & u(0xFF))
-    if (bit & u(7)) + bits > u(8):
-        codes[byte + u(1)] |= np.uint8(word >> u(8))
-
-
-@kernel(inline="always")
-def _quantize16(v, h, pre, origin, scale, top, tables, seed):  # pragma: no cover - compiled
-    """Grid.quantize of 16 values at coordinates k … (h = k·GOLDEN …): a = clamp((v·pre − origin)·scale,
-    0, top), the gap z of ⌊a⌋ and a step up with probability (a − T[z])·inv[z]; ``tables``: the per-point
-    tables (their vectors where the grid has at most 32 points, for one permutation each; else the
-    arrays, for gathers)."""
-    a = V.clamp(V.mul(V.sub(V.mul(v, V.fsplat(pre)), V.fsplat(origin)), V.fsplat(scale)),
-                V.fsplat(np.float32(0.0)), V.fsplat(top))
-    i = V.to_int(a)
-    gap0, gap1, low0, low1, inv0, inv1, point_gap, point_low, point_inv = tables
-    if top < np.float32(32.0):
-        z = V.permute32(gap0, gap1, i)
-        low = V.permute32(low0, low1, i)
-        inv = V.permute32(inv0, inv1, i)
-    else:
-        z = V.gather(point_gap, i)
-        low = V.gather(point_low, i)
-        inv = V.gather(point_inv, i)
-    return V.step_up(z, _uniforms(h, seed), V.mul(V.sub(a, low), inv))
-
-
-@kernel(inline="always")
-def _quantize_store(v, k, h, pre, origin, scale, top, tables, seed, bits, codes):  # pragma: no cover - compiled
-    """Quantize and pack the 16 coordinates k … (k a multiple of 16, h = k·GOLDEN …)."""
-    code = _quantize16(v, h, pre, origin, scale, top, tables, seed)
-    _write_codes(codes, k * bits // np.uint64(8), code, bits, np.uint64(2) * bits)
-    return code
-
-
-@kernel(inline="always")
-def _exponent(exponent, v):  # pragma: no cover - compiled
-    """The running largest exponent field, with v's."""
-    return V.umax(exponent, V.and_(V.bits(v), V.isplat(_MASK)))
-
-
-@jit
-def _thc_compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
-                  point_gap, point_low, point_inv, seed, bits, codes):  # pragma: no cover - compiled
-    """THC's compression (Algorithm 3 lines 9-15) of float32 ``x``: the RHT (gradpress.kernels.hadamard's layout
-    arguments and work buffer), Grid.quantize on the grid (pre, origin, qscale, top) and the packing of
-    the b-bit codes into ``codes`` (zeroed where a block has fewer than 16 values). Returns the largest
-    exponent field of the transformed values (all ones: x held NaN or Inf)."""
-    return _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
-                     point_gap, point_low, point_inv, seed, bits, codes, False, x, point_low, np.float32(0.0))
-
-
-@jit
-def _thc_compress_residual(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale,
-                           top, point_gap, point_low, point_inv, seed, bits, codes, res, centred,
-                           factor):  # pragma: no cover - compiled
-    """:func:`_thc_compress`, and the residual x − C⁻¹(C(x)) into ``res`` (float32, x's length; may be x
-    itself): in the rotated domain r' = v − (T[z] − g/2)·factor for each transformed value v and its code
-    z (``centred``: float32 T[z] − g/2, at least 32 entries; factor = 2M/g, the decoder's), then
-    res = RHT⁻¹(r') — the stages across rows on each panel of pass B while it is in the cache, those
-    within a row, D and 1/√P in one more pass per block. Equal to x − decompress(packet) up to float
-    rounding (the decoder transforms T[z] − g/2 and subtracts the result from x)."""
-    return _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
-                     point_gap, point_low, point_inv, seed, bits, codes, True, res, centred, factor)
-
-
-@kernel(inline="always")
-def _dequantized(code, bits, centred):  # pragma: no cover - compiled
-    """(T[z] − g/2) of the 16 codes z (``centred``: its two vectors and the array)."""
-    low, high, table = centred
-    return V.permute32(low, high, code) if bits <= np.uint64(5) else V.gather(table, code)
-
-
-@kernel(inline="always")
-def _rows_inverse(work, n, count, first, key, s, one, out, streamed):  # pragma: no cover - compiled
-    """The residual's last pass over a block whose stages across rows are done in ``work``: the stages
-    within each row, then D and 1/√P (``s``), into out[first : first + count] (pointers)."""
-    u = np.uint64
-    c, rows, stride = _geometry(n)
-    vectors = c // u(16)
-    for r in range(rows):
-        at = r * stride
-        for m in range(vectors):
-            V.store(work, at + u(16) * m, V.wht16(V.load(work, at + u(16) * m)))
-            if m % u(16) == u(15):
-                V.radix16(work, at + u(16) * (m - u(15)), u(16), work, at + u(16) * (m - u(15)), u(16), one, one)
-        if vectors < u(16):
-            _row_small(work, at, vectors, one)
-        _row_rest(work, at, vectors, one)
-        for m in range(vectors):
-            _inverse_store(out, first, r * c + u(16) * m, count, V.load(work, at + u(16) * m), key, s, True, streamed,
-                           out, False)
-
-
-@kernel(inline="always")
-def _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
-              point_gap, point_low, point_inv, seed, bits, codes, fused, res, centred_values,
-              factor):  # pragma: no cover - compiled
-    u = np.uint64
-    start = u(0)
-    exponent = V.isplat(np.uint32(0))
-    xp, wp, cp = V.pointer(x), V.pointer(work), V.pointer(codes)
-    gp, lp, ip = V.pointer(point_gap), V.pointer(point_low), V.pointer(point_inv)
-    tables = (V.load(gp, 0), V.load(gp, 16), V.load(lp, 0), V.load(lp, 16), V.load(ip, 0), V.load(ip, 16), gp, lp, ip)
-    rp, cvp = V.pointer(res), V.pointer(centred_values)
-    centred = (V.load(cvp, 0), V.load(cvp, 16), cvp)
-    fac = V.fsplat(factor)
-    streamed = res.size >= _STREAMED
-    scratch = V.advance(wp, work.size - 256)
-    for first in range(u(0), numel, partition):
-        count = min(partition, numel - first)
-        n, s = (size, scale) if count == partition else (tail, tail_scale)
-        if n < u(16):  # the scalar way (a partition of at most 8 values, or such a last one)
-            tiny = work[:16]
-            _load_signed(x, first, count, n, key, tiny, u(0))
-            _stages(tiny, u(0), n, s)
-            for i in range(n):
-                a = (tiny[i] * pre - origin) * qscale
-                a = min(a if a > np.float32(0.0) else np.float32(0.0), top)  # (NaN: 0, an index in range)
-                z = np.int64(a)
-                up = np.float32(mix32(start + i, seed) >> np.uint32(8)) < (a - point_low[z]) * point_inv[z]
-                _or_code(codes, start + i, bits, point_gap[z] + up)
-                if bits_of_f32(tiny[i]) & _MASK == _MASK:
-                    exponent = V.isplat(_MASK)
-                if fused:
-                    tiny[i] = tiny[i] - centred_values[point_gap[z] + up] * factor
-            if fused:
-                if n >= u(4):
-                    for q in range(u(0), n, u(4)):
-                        _quad(tiny, q, tiny[q], tiny[q + u(1)], tiny[q + u(2)], tiny[q + u(3)])
-                _stages(tiny, u(0), n, s)
-                one_ = s / s
-                for i in range(count):
-                    res[first + i] = tiny[i] * (-one_ if _negative(first + i, key) else one_)
-            start += n
-            continue
-        _load_signed_rows(xp, first, count, n, key, wp, one)
-        c, rows, stride = _geometry(n)
-        if rows == u(1):
-            h = _golden(start)
-            for m in range(c // u(16)):
-                v = V.mul(V.load(wp, u(16) * m), V.fsplat(s))
-                exponent = _exponent(exponent, v)
-                code = _quantize_store(v, start + u(16) * m, h, pre, origin, qscale, top, tables, seed, bits, cp)
-                if fused:
-                    V.store(wp, u(16) * m, V.sub(v, V.mul(_dequantized(code, bits, centred), fac)))
-                h = V.add(h, V.isplat(_GOLDEN16))
-            if fused:
-                _rows_inverse(wp, n, count, first, key, s, one, rp, streamed)
-            start += n
-            continue
-        low, stages = _last_group(rows)
-        step = u(1) << low
-        golden_d = np.uint32((step * c * u(GOLDEN)) & u(0xFFFFFFFF))  # the hashes' step from k to k + d
-        for panel in range(u(0), c, u(_PANEL)):
-            _columns_but_last(wp, panel, rows, stride, one)
-            for high in range(u(0), rows, step << stages):
-                for base in range(high, high + step):
-                    for lane in range(panel, panel + u(_PANEL), u(16)):
-                        at = lane + base * stride
-                        k = start + base * c + lane
-                        d = step * c
-                        _radix_any(stages, wp, at, step * stride, scratch, u(0), u(16), s, one, True)
-                        # the coordinates are k + m·d: a NaN/Inf input makes every coordinate of its block
-                        # NaN/Inf (each is a ± sum of all its values), so one vector of each radix shows it
-                        exponent = _exponent(exponent, V.load(scratch, u(0)))
-                        h = _golden(k)
-                        for m in range(u(1) << stages):
-                            v = V.load(scratch, u(16) * m)
-                            code = _quantize_store(v, k + m * d, h, pre, origin, qscale, top, tables, seed, bits, cp)
-                            if fused:  # r' where v came from (the panel is in the cache)
-                                V.store(wp, at + m * step * stride, V.sub(v, V.mul(_dequantized(code, bits, centred),
-                                                                                   fac)))
-                            h = V.add(h, V.isplat(golden_d))
-            if fused:  # the residual's stages across rows, on this panel while it is in the cache
-                _columns_but_last(wp, panel, rows, stride, one)
-                for high in range(u(0), rows, step << stages):
-                    for base in range(high, high + step):
-                        for lane in range(panel, panel + u(_PANEL), u(16)):
-                            at = lane + base * stride
-                            _radix_any(stages, wp, at, step * stride, wp, at, step * stride, one, one, False)
-        if fused:
-            _rows_inverse(wp, n, count, first, key, s, one, rp, streamed)
-        start += n
-    return V.hmax(exponent)
-
-
-@kernel(inline="always")
-def _centred_code(packed, k, bits, centred):  # pragma: no cover - compiled
-    """wht16(T[z] − centre) of the 16 packed codes z at coordinates k … (k a multiple of 16), from the
-    float32 table of T[z] − centre (``centred``: its two vectors and the array)."""
-    z = _read_codes(packed, k * bits // np.uint64(8), bits)
-    low, high, table = centred
-    return V.wht16(V.permute32(low, high, z) if bits <= np.uint64(5) else V.gather(table, z))
-
-
-@kernel(inline="always")
-def _centred_sum(total, k, centre):  # pragma: no cover - compiled
-    """wht16(Y − centre) of the 16 sums Y at total[k …]."""
-    return V.wht16(V.sub(V.load_float(total, k), V.fsplat(centre)))
-
-
-@kernel(inline="always")
-def _centred(source, packed, k, bits, values, centre):  # pragma: no cover - compiled
-    if packed:
-        v = _centred_code(source, k, bits, values)
-    else:
-        v = _centred_sum(source, k, centre)
-    return v
-
-
-@kernel(inline="always")
-def _decode_rows(source, packed, start, n, bits, values, centre, buf, one):  # pragma: no cover - compiled
-    """Pass A of the decoding: the centred values of coordinates start … start + n (packed codes, or sums),
-    every stage within a row, into buf."""
-    u = np.uint64
-    c, rows, stride = _geometry(n)
-    vectors = c // u(16)
-    for r in range(rows):
-        at = r * stride
-        for m in range(vectors):
-            V.store(buf, at + u(16) * m, _centred(source, packed, start + r * c + u(16) * m, bits, values, centre))
-            if m % u(16) == u(15):  # a group of 16 vectors loaded: its four stages while in L1
-                V.radix16(buf, at + u(16) * (m - u(15)), u(16), buf, at + u(16) * (m - u(15)), u(16), one, one)
-        if vectors < u(16):
-            _row_small(buf, at, vectors, one)
-        _row_rest(buf, at, vectors, one)
-
-
-@kernel(inline="always")
-def _decode(source, packed, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-            centre, factor, minuend, subtract):  # pragma: no cover - compiled
-    """THC's decoding (Algorithm 3 lines 18-20): RHT⁻¹(Y − centre)·factor per block into ``out``, Y the
-    table values of packed codes (``packed``; ``values``: float32 T[z] − centre, at least 32 entries) or
-    the workers' summed values; where ``subtract``, minuend − that instead (the residual x − C⁻¹(C(x)) in
-    the decoding's output pass: ``minuend`` may be ``out``)."""
-    u = np.uint64
-    start = u(0)
-    sp, op, wp, vp, mp = V.pointer(source), V.pointer(out), V.pointer(work), V.pointer(values), V.pointer(minuend)
-    centred = (V.load(vp, 0), V.load(vp, 16), vp)
-    scratch = V.advance(wp, work.size - 256)
-    streamed = out.size >= _STREAMED
-    for first in range(u(0), numel, partition):
-        count = min(partition, numel - first)
-        n, s = (size, scale) if count == partition else (tail, tail_scale)
-        if n < u(16):  # the scalar way (a partition of at most 8 values, or such a last one)
-            tiny = work[:16]
-            for i in range(n):
-                if packed:
-                    y = values[_code_at(source, start + i, bits)]
-                else:
-                    y = np.float32(source[start + i]) - centre
-                tiny[i] = y
-            if n >= u(4):
-                for q in range(u(0), n, u(4)):
-                    _quad(tiny, q, tiny[q], tiny[q + u(1)], tiny[q + u(2)], tiny[q + u(3)])
-            _stages(tiny, u(0), n, s)
-            one_ = s / s
-            for i in range(count):
-                y = (tiny[i] * (-one_ if _negative(first + i, key) else one_)) * factor
-                out[first + i] = minuend[first + i] - y if subtract else y
-            start += n
-            continue
-        _decode_rows(sp, packed, start, n, bits, centred, centre, wp, one)
-        inverse_columns(wp, n, count, first, key, s, one, scratch, op, factor, True, streamed, mp, subtract)
-        start += n
-
-
-@jit
-def _thc_decode_packed(packed, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-                       centre, factor):  # pragma: no cover - compiled
-    _decode(packed, True, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-            centre, factor, out, False)
-
-
-@jit
-def _thc_residual_packed(packed, x, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits,
-                         values, centre, factor):  # pragma: no cover - compiled
-    """out = x − the decoding of one packet's codes (``out`` may be ``x``): the residual memory's update."""
-    _decode(packed, True, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-            centre, factor, x, True)
-
-
-@jit
-def _thc_decode_sums(total, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-                     centre, factor):  # pragma: no cover - compiled
-    _decode(total, False, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-            centre, factor, out, False)
-
-
-@jit
-def _lookup_fast(packed, bits, values, out):  # pragma: no cover - compiled
-    """out[i] = values[code i] for the b-bit codes packed in ``packed`` (uint8 or int32 ``out``)."""
-    u = np.uint64
-    bits = u(bits)
-    n = u(out.size)
-    whole = n - n % u(16)
-    pp, vp, op = V.pointer(packed), V.pointer(values), V.pointer(out)
-    low, high = V.load(vp, 0), V.load(vp, 16)
-    for k in range(u(0), whole, u(16)):
-        z = _read_codes(pp, k * bits // u(8), bits)
-        t = V.permute32(low, high, z) if bits <= u(5) else V.gather(vp, z)
-        V.store_ints(op, k, t)
-    for k in range(whole, n):
-        out[k] = values[_code_at(packed, k, bits)]
-
-
-@jit
-def _uniform_compress(x, pre, origin, scale, top, seed, bits, codes):  # pragma: no cover - compiled
-    """Uniform THC's quantization (Algorithm 1 line 5) and packing in one pass: Grid.quantize on the
-    identity table 0 … top (the gap of ⌊a⌋ is min(⌊a⌋, top − 1), its width 1). Returns the largest
-    exponent field of x (all ones: NaN or Inf)."""
-    u = np.uint64
-    n = u(x.size)
-    bits = u(bits)
-    total = (n * bits + u(7)) // u(8)
-    xp, cp = V.pointer(x), V.pointer(codes)
-    exponent = V.isplat(np.uint32(0))
-    zero = V.fsplat(np.float32(0.0))
-    last = V.isplat(np.uint32(top) - np.uint32(1))
-    h = _golden(u(0))
-    for j in range(u(0), n, u(16)):
-        whole = j + u(16) <= n
-        v = V.load(xp, j) if whole else V.load_first(xp, j, np.int64(n - j))
-        exponent = V.umax(exponent, V.and_(V.bits(v), V.isplat(_MASK)))
-        a = V.clamp(V.mul(V.sub(V.mul(v, V.fsplat(pre)), V.fsplat(origin)), V.fsplat(scale)), zero, V.fsplat(top))
-        z = V.umin(V.to_int(a), last)
-        code = V.step_up(z, _uniforms(h, seed), V.mul(V.sub(a, V.to_float(z)), V.fsplat(_U24)))
-        h = V.add(h, V.isplat(_GOLDEN16))
-        byte = j * bits // u(8)
-        if whole:
-            _write_codes(cp, byte, code, bits, u(2) * bits)
-        else:
-            _write_codes(cp, byte, V.keep_first(code, np.int64(n - j)), bits, total - byte)
-    return V.hmax(exponent)
-
-
-@jit
-def _uniform_decode_packed(packed, bits, step, origin, out):  # pragma: no cover - compiled
-    """out[i] = float32(code_i·step + origin) in float64 (Algorithm 1 line 9 for one packet)."""
-    u = np.uint64
-    bits = u(bits)
-    n = u(out.size)
-    whole = n - n % u(16)
-    streamed = out.size >= _STREAMED
-    pp, op = V.pointer(packed), V.pointer(out)
-    for k in range(u(0), whole, u(16)):
-        v = V.affine64(_read_codes(pp, k * bits // u(8), bits), step, origin)
-        if streamed:
-            V.store_stream(op, k, v)
-        else:
-            V.store(op, k, v)
-    for k in range(whole, n):
-        out[k] = np.float32(np.float64(_code_at(packed, k, bits)) * step + origin)
-
-
-@jit
-def _uniform_decode_sums(total, step, origin, out):  # pragma: no cover - compiled
-    """out[i] = float32(total_i·step + origin) in float64 (Algorithm 1 line 9)."""
-    u = np.uint64
-    n = u(out.size)
-    whole = n - n % u(16)
-    streamed = out.size >= _STREAMED
-    tp, op = V.pointer(total), V.pointer(out)
-    for k in range(u(0), whole, u(16)):
-        v = V.load_affine64(tp, k, step, origin)
-        if streamed:
-            V.store_stream(op, k, v)
-        else:
-            V.store(op, k, v)
-    for k in range(whole, n):
-        out[k] = np.float32(np.float64(total[k]) * step + origin)
 
 
 # -- the shared mechanism ----------------------------------------------------------------------------------
