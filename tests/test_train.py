@@ -11,6 +11,8 @@ from gradpress.testbed import train as train_module
 from gradpress.testbed.compare import available, compare, run_config, run_list
 from gradpress.testbed.results import Run
 from gradpress.testbed.train import TrainConfig, TrainFailed, _Clock, parse_options, train
+from gradpress.testbed.training import launch, timing
+from gradpress.testbed.training import worker as training_worker
 
 needs_data = pytest.mark.skipif(not data.FASHION_MNIST_DIR.exists(),
                                 reason="Fashion-MNIST is not installed (gradpress data fashion-mnist, as root)")
@@ -63,16 +65,16 @@ def test_gradient_copy_is_timed_on_a_tensor_of_the_gradients_size(monkeypatch):
     each from and into buffers the copies between have evicted from the cache (a rotation over more
     than twice its size)."""
     sizes = []
-    real_copy_s = train_module.copy_s
-    monkeypatch.setattr(train_module, "copy_s", lambda n: sizes.append(n) or real_copy_s(n))
-    model = train_module.torch.nn.Sequential(train_module.torch.nn.Linear(10, 5), train_module.torch.nn.Linear(5, 2))
+    real_copy_s = timing.copy_s
+    monkeypatch.setattr(timing, "copy_s", lambda n: sizes.append(n) or real_copy_s(n))
+    model = timing.torch.nn.Sequential(timing.torch.nn.Linear(10, 5), timing.torch.nn.Linear(5, 2))
     model[1].weight.requires_grad_(False)
-    assert train_module.gradient_copy_s(model) > 0
+    assert timing.gradient_copy_s(model) > 0
     assert sizes == [55 + 2]
     copies = []
-    real_copy = train_module.torch.Tensor.copy_
-    monkeypatch.setattr(train_module, "last_level_cache_bytes", lambda: 1 << 20)  # a 1 MiB cache
-    monkeypatch.setattr(train_module.torch.Tensor, "copy_",
+    real_copy = timing.torch.Tensor.copy_
+    monkeypatch.setattr(timing, "last_level_cache_bytes", lambda: 1 << 20)  # a 1 MiB cache
+    monkeypatch.setattr(timing.torch.Tensor, "copy_",
                         lambda dst, src: copies.append((dst.data_ptr(), src.data_ptr(), dst.numel())) or
                         real_copy(dst, src))
     assert real_copy_s(100_000, repeats=5) > 0  # 400 kB: 1 + ⌈1 MiB / 400 kB⌉ = 4 pairs, 3.2 MB in turn
@@ -155,11 +157,11 @@ def test_evaluations_are_stamped_with_the_training_time_before_them(tmp_path, mo
         return evaluate(model, dataset, batch_size)
 
     monkeypatch.setattr(models, "evaluate", slow_evaluate)
-    monkeypatch.setattr(train_module, "_Clock", lambda: _Clock(now=lambda: time.perf_counter() + offset[0]))
+    monkeypatch.setattr(training_worker, "_Clock", lambda: _Clock(now=lambda: time.perf_counter() + offset[0]))
     monkeypatch.setenv("GRADPRESS_PROGRESS", "0")
     result = tmp_path / "run.json"
     train_module.worker(config(compressor="none", workers=1, steps=6, eval_every=2), 0, "127.0.0.1",
-                        train_module._free_port(), result)
+                        launch._free_port(), result)
     run = Run.from_json(result.read_text())
     assert [e.step for e in run.evals] == [0, 2, 4, 6] and run.evals[0].wall_s == 0.0
     walls = [s.wall_s for s in run.steps]

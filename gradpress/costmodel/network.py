@@ -81,6 +81,7 @@ ranks or in two levels (``hierarchy="node"``); :func:`predict_step_time` and
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -408,32 +409,36 @@ def predict_bucketed_step(forward_s: float, backward_s: float, buckets: Sequence
     for name, value in (("forward_s", forward_s), ("backward_s", backward_s), ("optimizer_s", optimizer_s)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number of seconds ≥ 0, got {value}")
-    buckets = list(buckets)
     transfer = _transfer(n, topology)
 
-    def step(tokens: float) -> tuple[Breakdown, float]:
-        compressing = hook_end = link_free = decoded = 0.0
-        compression = communication = 0.0
-        for bucket in buckets:
-            start = max(bucket.ready_s + compressing, hook_end)
-            hook_end = start + bucket.compress_s
-            compressing += bucket.compress_s
-            comm = 0.0
-            if bucket.phases:
-                sending = max(hook_end, link_free)
-                tokens = refill(tokens, sending - link_free, bandwidth, burst)
-                comm, tokens = transfer(bucket.phases, bandwidth, latency, tokens, efficiency, bucket.nbytes)
-                link_free = sending + comm
-            decoded = max(link_free, decoded) + bucket.decompress_s
-            compression += bucket.compress_s + bucket.decompress_s
-            communication += comm
-        backward = max(backward_s + compressing, decoded)
-        compute = forward_s + backward_s + optimizer_s
-        total = forward_s + backward + optimizer_s
-        return (Breakdown(compute, compression, communication, total),
-                refill(tokens, total - link_free, bandwidth, burst))
+    def exchange(bucket: BucketStep, tokens: float) -> tuple[float, float]:
+        return transfer(bucket.phases, bandwidth, latency, tokens, efficiency, bucket.nbytes)
 
-    return step(steady_tokens(lambda t: step(t)[1], burst))[0]
+    step = functools.partial(_overlapped_step, forward_s, backward_s, optimizer_s, list(buckets), exchange,
+                             lambda tokens, idle_s: refill(tokens, idle_s, bandwidth, burst))
+    return step(steady_tokens(lambda tokens: step(tokens)[1], burst))[0]
+
+
+def _overlapped_step(forward_s: float, backward_s: float, optimizer_s: float, buckets: Sequence[BucketStep],
+                     exchange: Callable[[BucketStep, float], tuple[float, float]],
+                     refilled: Callable[[float, float], float], tokens: float) -> tuple[Breakdown, float]:
+    """A step of :func:`predict_bucketed_step` from ``tokens`` in the link's bucket: its breakdown and the
+    tokens left. ``exchange``: a bucket's seconds and tokens after; ``refilled``: the tokens after an idle."""
+    compressing = hook_end = link_free = decoded = compression = communication = 0.0
+    for bucket in buckets:
+        start = max(bucket.ready_s + compressing, hook_end)
+        hook_end = start + bucket.compress_s
+        compressing += bucket.compress_s
+        if bucket.phases:
+            sending = max(hook_end, link_free)
+            comm, tokens = exchange(bucket, refilled(tokens, sending - link_free))
+            link_free = sending + comm
+            communication += comm
+        decoded = max(link_free, decoded) + bucket.decompress_s
+        compression += bucket.compress_s + bucket.decompress_s
+    compute = forward_s + backward_s + optimizer_s
+    total = forward_s + max(backward_s + compressing, decoded) + optimizer_s
+    return Breakdown(compute, compression, communication, total), refilled(tokens, total - link_free)
 
 
 def bandwidth_crossing(step_time: Callable[[float], float], baseline_time: Callable[[float], float], *,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from gradpress import costmodel
 from gradpress.costmodel.method import BASELINE, MethodCost
@@ -91,54 +91,85 @@ def check_against(advice: Advice, runs: Sequence[Any], fit_link: bool = True) ->
     worker, so only runs on one node enter it."""
     from gradpress.testbed.sim.cost import burst_of, topology_of
 
-    cost_of = _priced(advice).get
-    intra = costmodel.DEFAULT_INTRA_BANDWIDTH if advice.topology is None else advice.topology.intra_bandwidth
-    methods: dict[tuple[str, int, str, int], list[Any]] = {}
-    for run in runs:
-        if run.bandwidth is not None and (cost_of(run.compressor) is not None or run.compressor == "noop"):
-            methods.setdefault((_label(run), run.workers, run.bandwidth, run.nodes), []).append(run)
+    methods = _methods_run(advice, runs)
     noop = {(workers, bandwidth, nodes): statistics.median(r.mean_step_s for r in repeats)
             for (spec, workers, bandwidth, nodes), repeats in methods.items() if spec == "noop"}
-
+    intra = costmodel.DEFAULT_INTRA_BANDWIDTH if advice.topology is None else advice.topology.intra_bandwidth
     rows = []
     for (label, workers, bandwidth, nodes), repeats in methods.items():
         steps = [r.mean_step_s for r in repeats]
-        measured = statistics.median(steps)
-        compute = noop.get((workers, bandwidth, nodes))
         burst = advice.burst or burst_of(repeats[0])
+        latency, overhead = advice.latency, None
         rates: dict[str, float] = {}
-        latency = advice.latency
         if label == "noop":  # the local noop's step where one was measured, else the profile's compute
             local = advice.local_noop
             predicted, with_noop = (advice.profile.compute_s if local is None else local.step_s), None
         else:
-            others = [(r, theirs) for r in runs
-                      if _label(r) != label and (r.workers, r.bandwidth, r.nodes) == (workers, bandwidth, nodes)
-                      and (theirs := cost_of(r.compressor)) is not None]
-            fitted = link_from_runs(advice.profile, others, burst=burst) if fit_link else None
-            if fitted is not None:
-                latency, rates = fitted
+            if fit_link:
+                latency, rates = _link_of_others(advice, runs, label, repeats[0], burst)
             rates.update(advice.efficiency)
             common: dict[str, Any] = {"n": workers, "bandwidth": bandwidth, "latency": latency,
                                       "burst": burst, "efficiency": rates,
                                       "topology": topology_of(repeats[0], intra)}
-            cost = cost_of(repeats[0].compressor)
-            assert cost is not None  # (a method is checked where it was priced)
-            predicted = predict(advice.profile, cost, **common).total
-            with_noop = None if compute is None else predict(*_at_noops_speed(advice, cost, compute), **common).total
-        overhead = None if label == "noop" else statistics.median(r.mean_step_s - r.mean_compute_s for r in repeats)
-        rows.append(((label, workers, bandwidth, nodes), predicted, measured, with_noop, burst, rates, latency,
-                     len(steps), min(steps), max(steps), overhead))
-    ranked = [r for r in rows if r[0][0] != "noop"]
-    by_prediction = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[1]), start=1)}
-    by_measurement = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[2]), start=1)}
+            noop_step_s = noop.get((workers, bandwidth, nodes))
+            predicted, with_noop = _predicted(advice, repeats[0].compressor, noop_step_s, common)
+            overhead = statistics.median(r.mean_step_s - r.mean_compute_s for r in repeats)
+        rows.append(Checked(label, workers, bandwidth, predicted, statistics.median(steps), None, None,
+                            with_noop, burst, rates, latency, len(steps), min(steps), max(steps), overhead,
+                            nodes=nodes))
+    return _ranked(rows)
+
+
+def _methods_run(advice: Advice, runs: Sequence[Any]) -> dict[tuple[str, int, str, int], list[Any]]:
+    """The runs over an emulated link of a method the advice priced (and ``noop``'s), by row: (its label,
+    n, link rate, nodes) -> its repeated runs."""
+    cost_of = _priced(advice).get
+    methods: dict[tuple[str, int, str, int], list[Any]] = {}
+    for run in runs:
+        if run.bandwidth is not None and (cost_of(run.compressor) is not None or run.compressor == "noop"):
+            methods.setdefault((_label(run), run.workers, run.bandwidth, run.nodes), []).append(run)
+    return methods
+
+
+def _link_of_others(advice: Advice, runs: Sequence[Any], label: str, run: Any,
+                    burst: float) -> tuple[float, dict[str, float]]:
+    """α and each strategy's rate for the row ``label`` of ``run``'s n, link and nodes, fitted from the runs
+    of the *other* methods there (:func:`link_from_runs`); the advice's α and no rates where none fits."""
+    cost_of = _priced(advice).get
+    where = (run.workers, run.bandwidth, run.nodes)
+    others = [(r, theirs) for r in runs
+              if _label(r) != label and (r.workers, r.bandwidth, r.nodes) == where
+              and (theirs := cost_of(r.compressor)) is not None]
+    fitted = link_from_runs(advice.profile, others, burst=burst)
+    return fitted if fitted is not None else (advice.latency, {})
+
+
+def _predicted(advice: Advice, spec: str, noop_step_s: float | None,
+               common: dict[str, Any]) -> tuple[float, float | None]:
+    """The step predicted for method ``spec`` on the link ``common`` describes, and where ``noop`` ran there
+    (its median step ``noop_step_s``) the step predicted at the speed it ran at (:func:`_at_noops_speed`)."""
+    cost = _priced(advice).get(spec)
+    assert cost is not None  # (a method is checked where it was priced)
+    predicted = predict(advice.profile, cost, **common).total
+    if noop_step_s is None:
+        return predicted, None
+    return predicted, predict(*_at_noops_speed(advice, cost, noop_step_s), **common).total
+
+
+def _ranked(rows: list[Checked]) -> list[Checked]:
+    """``rows`` with their ranks among the methods (``noop`` is not ranked): by predicted step, by measured
+    step and by overhead (a measured step less its compute)."""
+    methods = [i for i, row in enumerate(rows) if row.spec != "noop"]
+
+    def ranks(key: Callable[[Checked], float]) -> dict[int, int]:
+        return {i: rank for rank, i in enumerate(sorted(methods, key=lambda i: key(rows[i])), start=1)}
+
+    by_prediction = ranks(lambda row: row.predicted_s)
+    by_measurement = ranks(lambda row: row.measured_s)
     # (only noop's overhead is None)
-    by_overhead = {r[0]: i for i, r in enumerate(sorted(ranked, key=lambda r: r[10] if r[10] is not None
-                                                        else math.inf), start=1)}
-    return [Checked(key[0], key[1], key[2], predicted, measured, by_prediction.get(key),
-                    by_measurement.get(key), with_noop, burst, rates, latency, count, low, high, overhead,
-                    by_overhead.get(key), nodes=key[3])
-            for key, predicted, measured, with_noop, burst, rates, latency, count, low, high, overhead in rows]
+    by_overhead = ranks(lambda row: row.overhead_s if row.overhead_s is not None else math.inf)
+    return [replace(row, predicted_rank=by_prediction.get(i), measured_rank=by_measurement.get(i),
+                    overhead_rank=by_overhead.get(i)) for i, row in enumerate(rows)]
 
 
 def _label(run: Any) -> str:

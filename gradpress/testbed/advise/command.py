@@ -86,11 +86,19 @@ def _efficiency(text: str) -> dict[str, float]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from gradpress.testbed.data import dataset_names
-
     p = subparsers.add_parser("advise", help="which compressor pays off for a model on a network: profile, "
                                              "then the α–β model",
                               description=arguments.package_summary(__package__))
+    _add_model_arguments(p)
+    _add_network_arguments(p)
+    _add_method_arguments(p)
+    _add_profile_arguments(p)
+    _add_output_arguments(p)
+    p.set_defaults(func=_main)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model profiled: a testbed spec or a factory, and a factory's inputs."""
     p.add_argument("--model", type=_model, default="mlp-wide",
                    help="a testbed model spec (mlp-wide, resnet:width=32, …) or package.module:factory "
                         "returning an nn.Module (default mlp-wide)")
@@ -100,6 +108,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a factory model's batches: FUNCTION(batch_size) returns (inputs, targets)")
     p.add_argument("--batch-size", type=arguments.positive_int,
                    help="per-worker batch (default: the model's; 32)")
+
+
+def _add_network_arguments(p: argparse.ArgumentParser) -> None:
+    """The workers and nodes priced, and their links."""
     p.add_argument("--workers", type=arguments.integer(1, 1024),
                    help="workers n to price (1..1024; default 2), each with its own link; with --nodes, "
                         "every rank of every node (N·k)")
@@ -124,6 +136,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--efficiency", type=_efficiency, metavar="STRATEGY=F[,...]",
                    help="a collective's rate beyond the bucket as a fraction of the link's, e.g. "
                         "allgather=0.65 (default 1; --check fits it from the other runs)")
+
+
+def _add_method_arguments(p: argparse.ArgumentParser) -> None:
+    """The methods priced, and the quality runs that rank them by time to a target."""
+    from gradpress.testbed.data import dataset_names
+
     p.add_argument("--compressors", type=arguments.compressor_list(keywords=KEYWORDS), default="default",
                    help="comma-separated specs; 'default': every registered method at its defaults and "
                         "top-k/random-k at ratios 0.1 and 0.001; 'demo': " + ",".join(DEMO))
@@ -136,6 +154,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tolerance", type=arguments.non_negative_float,
                    help="target = uncompressed best − tolerance (default: compare's, per metric)")
     p.add_argument("--lr", type=arguments.positive_float, help="learning rate (default: the model's; 0.01)")
+
+
+def _add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    """How the profile and each method's costs are measured on this machine."""
     p.add_argument("--repeats", type=arguments.positive_int, default=5,
                    help="timed steps of the profile (medians); each method: repeats − 2, at least 1")
     p.add_argument("--threads", type=arguments.positive_int, default=1,
@@ -147,13 +169,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "prices the host's part of its step, the link modelled (default 1: one worker per "
                         "machine, the profile alone)")
     p.add_argument("--seed", type=arguments.seed, default=0)
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """Measured runs to check the prediction against, and the files written."""
     p.add_argument("--check", nargs="+", metavar="PATH",
                    help="compare output directories or results.json: their runs' measured steps beside the "
                         "prediction at their n and link rate (a method run several times: the median of its runs)")
     p.add_argument("--json", type=arguments.output_file, help="write the profile, costs and rankings here")
     p.add_argument("--plot", type=arguments.output_file,
                    help="write the speed-up against link speed here (PNG)")
-    p.set_defaults(func=_main)
 
 
 def nodes_of(args: argparse.Namespace) -> costmodel.Topology | None:

@@ -161,8 +161,17 @@ def factory_workload(reference: str, input_shape: Sequence[int] | None = None,
     targets, else mean squared error; quality: that loss on four held-out batches), or are random inputs
     of ``input_shape`` per sample with the mean square of the output as a stand-in loss (only its time
     counts)."""
-    factory = load_object(reference)
+    build = _factory_builder(reference)
     batch = batch_size or 32
+    lr = 0.01 if lr is None else lr
+    if batch_reference is None:
+        return _random_inputs_workload(reference, build, input_shape, batch, lr)
+    return _factory_batches_workload(reference, build, batch_reference, batch, lr)
+
+
+def _factory_builder(reference: str) -> Callable[[], nn.Module]:
+    """What builds the model of ``reference`` (``package.module:factory``), checked to be an ``nn.Module``."""
+    factory = load_object(reference)
 
     def build() -> nn.Module:
         model = factory()
@@ -170,14 +179,25 @@ def factory_workload(reference: str, input_shape: Sequence[int] | None = None,
             raise ValueError(f"{reference} returned a {type(model).__name__}, not a torch.nn.Module")
         return model
 
-    if batch_reference is None:
-        if input_shape is None:
-            raise ValueError("a factory model needs --input-shape (random inputs) or --batch (its batches)")
-        shape = (batch, *input_shape)
-        return Workload(reference, build, lambda g: (torch.randn(shape, generator=g), None),
-                        lambda out, _: out.float().square().mean(), batch,
-                        f"random inputs of shape {tuple(input_shape)}", lr=0.01 if lr is None else lr,
-                        quality_unavailable="--quality-steps needs --batch: random inputs have no quality")
+    return build
+
+
+def _random_inputs_workload(reference: str, build: Callable[[], nn.Module], input_shape: Sequence[int] | None,
+                            batch: int, lr: float) -> Workload:
+    """A factory model on random inputs of ``input_shape`` per sample: timing only (no quality)."""
+    if input_shape is None:
+        raise ValueError("a factory model needs --input-shape (random inputs) or --batch (its batches)")
+    shape = (batch, *input_shape)
+    return Workload(reference, build, lambda g: (torch.randn(shape, generator=g), None),
+                    lambda out, _: out.float().square().mean(), batch,
+                    f"random inputs of shape {tuple(input_shape)}", lr=lr,
+                    quality_unavailable="--quality-steps needs --batch: random inputs have no quality")
+
+
+def _factory_batches_workload(reference: str, build: Callable[[], nn.Module], batch_reference: str,
+                              batch: int, lr: float) -> Workload:
+    """A factory model on the batches of ``batch_reference`` (``FUNCTION(batch_size)`` returns ``(inputs,
+    targets)``), each drawn under a seed of its own; its quality: the loss on four held-out batches."""
     batch_factory = load_object(batch_reference)
 
     def draw(seed: int) -> tuple[Any, Any]:
@@ -188,11 +208,6 @@ def factory_workload(reference: str, input_shape: Sequence[int] | None = None,
             raise ValueError(f"{batch_reference}({batch}) must return (inputs, targets), "
                              f"got {type(drawn).__name__}")
         return drawn[0], drawn[1]
-
-    def loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if not targets.is_floating_point():
-            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
-        return nn.functional.mse_loss(out.float(), targets.float().view_as(out))
 
     def train_batches(rank: int, workers: int, seed: int) -> Iterator[tuple[Any, Any]]:
         step = 0
@@ -207,16 +222,23 @@ def factory_workload(reference: str, input_shape: Sequence[int] | None = None,
         was = model.training
         model.eval()
         try:
-            return statistics.fmean(float(loss(model(x), y)) for x, y in held_out)
+            return statistics.fmean(float(_factory_loss(model(x), y)) for x, y in held_out)
         finally:
             model.train(was)
 
     def sample(generator: torch.Generator) -> tuple[Any, Any]:
         return draw(int(torch.randint(2**31 - 1, (1,), generator=generator)))
 
-    return Workload(reference, build, sample, loss, batch, f"{batch_reference} batches",
-                    lr=0.01 if lr is None else lr, train_batches=train_batches, evaluate=evaluate,
+    return Workload(reference, build, sample, _factory_loss, batch, f"{batch_reference} batches",
+                    lr=lr, train_batches=train_batches, evaluate=evaluate,
                     metric="loss", higher_is_better=False)
+
+
+def _factory_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for integer targets, else mean squared error."""
+    if not targets.is_floating_point():
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
+    return nn.functional.mse_loss(out.float(), targets.float().view_as(out))
 
 
 def _optimizer(name: str, parameters: Any, lr: float) -> torch.optim.Optimizer:

@@ -86,11 +86,16 @@ def _latency(text: str) -> float | str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-
     sim = subparsers.add_parser("sim", help="many simulated workers in one process; the α–β cost model",
                                 description=arguments.package_summary(__package__))
     modes = sim.add_subparsers(dest="sim", required=True)
+    _add_nmse_parser(modes)
+    _add_quality_parser(modes)
+    _add_cost_parser(modes)
 
+
+def _add_nmse_parser(modes: argparse._SubParsersAction) -> None:
+    """``sim nmse``: the aggregate's error against the number of simulated workers."""
     p = modes.add_parser("nmse", help="NMSE of the aggregate against the number of workers (THC §8.4)")
     p.add_argument("--compressors", type=arguments.compressor_list(),
                    default="none,topk:ratio=0.01,qsgd,natural",
@@ -107,6 +112,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="write a log-log plot of NMSE against n here (PNG)")
     p.set_defaults(func=_reporting_errors(_main_nmse))
 
+
+def _add_quality_parser(modes: argparse._SubParsersAction) -> None:
+    """``sim quality``: a model trained by n simulated workers, its quality against n."""
     from gradpress.testbed.data import dataset_names
 
     p = modes.add_parser("quality", help="train with n simulated workers; quality against n")
@@ -128,6 +136,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="write a plot of final quality against n here (PNG)")
     p.set_defaults(func=_reporting_errors(_main_quality))
 
+
+def _add_cost_parser(modes: argparse._SubParsersAction) -> None:
+    """``sim cost``: the α–β step-time model against measured runs, and what-if predictions."""
     p = modes.add_parser("cost", help="α–β step-time model checked against measured runs; what-if")
     p.add_argument("--results", required=True, nargs="+", metavar="PATH",
                    help="compare output directories, results.json or run files")
