@@ -159,10 +159,11 @@ def _missing_testbed_library() -> str | None:
 
 def _list(args: argparse.Namespace) -> int:
     import gradpress
-    from gradpress.core.compressor import registry, summary
+    from gradpress.core.compressor import registry
+    from gradpress.core.table import summary
 
     if args.markdown:
-        from gradpress.core.compressor import markdown_table
+        from gradpress.core.table import markdown_table
 
         print(markdown_table())
         return 0

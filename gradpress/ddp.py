@@ -548,20 +548,26 @@ def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> Gradpres
     The options are those of :class:`gradpress.exchange.pipeline.Options` and, for ``"auto"``,
     :class:`gradpress.auto.AutoOptions`.
     """
-    found = _unwrap_ddp(ddp_model)
-    if found is None:
-        inner = getattr(ddp_model, "_forward_module", None)
-        if inner is not None:  # Lightning Fabric's module, set up without DDP
-            raise TypeError(f"expected a DistributedDataParallel model: this Fabric module wraps a "
-                            f"{type(inner).__name__}, not a DistributedDataParallel (gradpress hooks DDP: "
-                            f"Fabric(strategy='ddp') or gradpress.lightning.GradpressFabricStrategy, with "
-                            f"several processes)")
-        raise TypeError(_not_ddp(ddp_model))
-    if _is_fsdp(found):
-        raise TypeError(_not_ddp(found))
-    ddp_model = found
+    ddp_model = _ddp_of(ddp_model)
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
     state = GradpressState(spec, model=ddp_model.module, **options)
     ddp_model.register_comm_hook(state, hook)
     state._watch(ddp_model)
     return state
+
+
+def _ddp_of(model: Any) -> Any:
+    """The DistributedDataParallel ``model`` is or wraps; ``TypeError`` saying what it is otherwise (a
+    Fabric module set up without DDP, an FSDP model, a plain module)."""
+    found = _unwrap_ddp(model)
+    if found is None:
+        inner = getattr(model, "_forward_module", None)
+        if inner is not None:  # Lightning Fabric's module, set up without DDP
+            raise TypeError(f"expected a DistributedDataParallel model: this Fabric module wraps a "
+                            f"{type(inner).__name__}, not a DistributedDataParallel (gradpress hooks DDP: "
+                            f"Fabric(strategy='ddp') or gradpress.lightning.GradpressFabricStrategy, with "
+                            f"several processes)")
+        raise TypeError(_not_ddp(model))
+    if _is_fsdp(found):
+        raise TypeError(_not_ddp(found))
+    return found

@@ -61,7 +61,7 @@ def test_readme_example_runs_in_2_processes(index):
 def test_readme_compressor_table_is_generated_from_the_registry():
     """The README holds ``gradpress list --markdown`` as printed: every registered method, its first
     docstring sentence whole, its measured bits per value and its facts (regenerate with that command)."""
-    from gradpress.core.compressor import markdown_table
+    from gradpress.core.table import markdown_table
 
     text = README.read_text()
     assert markdown_table() in text, "README's compressor table differs from `gradpress list --markdown`"

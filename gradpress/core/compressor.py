@@ -5,36 +5,55 @@ the paper's name; their fields are the spec keys. They implement ``_compress(fla
 tensor of the input dtype and ``_decompress(packet)`` returning a 1-D tensor; the base class checks
 input (dtype, NaN/Inf), flattens non-contiguous tensors, handles empty ones, and restores shape, dtype
 and device.
+
+This module is the contract a method author reads: :class:`Compressor` (the two methods to write, the
+class-level facts :data:`FACTS`, the runtime hooks with their defaults), :class:`Preliminary`, the
+registry (:func:`register`, :func:`make`) and the composition ``A+B``. Beside it: the fused fast paths
+a method may override (:mod:`gradpress.core.fused`, which :class:`Compressor` inherits), the numeric
+passes (:mod:`gradpress.core.numerics`: NaN/Inf checks, error feedback's sum, saturation, the division
+by a worker count, importable from here as well) and the README's methods table
+(:mod:`gradpress.core.table`).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Literal
 
-import numpy as np
 import torch
 
+from gradpress.core.fused import FusedPaths
+from gradpress.core.numerics import (
+    FLOAT_DTYPES,
+    NonFiniteError,
+    add_into,
+    any_nonfinite,
+    check_finite,
+    count_nonfinite,
+    divide,
+    divide_counting_nonfinite,
+    finish_fold,
+    float32_output,
+    nonfinite_error,
+    saturate,
+    scaled_sum,
+    sum_addends,
+)
 from gradpress.core.packet import Packet
 from gradpress.core.registry import Registry, check_params_of, format_spec
 from gradpress.core.rng import Context
-from gradpress.kernels.dispatch import as_numpy, use_numba
-from gradpress.kernels.warm import large_only
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class NonFiniteError(ValueError):
-    """A gradient holds NaN or Inf: reported instead of spread into every worker
-    (invariant: dtype/shape/device preserved; NaN/Inf reported, docs/design.md).
-
-    ``ranks``: in a distributed exchange, the ranks whose gradients held them (the same list, and the
-    same message, on every rank); None where a single process found them."""
-
-    ranks: list[int] | None = None
-
+__all__ = [
+    # the contract
+    "Compressor", "Preliminary", "PreliminaryOp", "FACTS", "Compose",
+    # the registry of methods
+    "registry", "register", "make", "compressor_names",
+    # the numeric passes (gradpress.core.numerics), where the methods have always found them
+    "FLOAT_DTYPES", "NonFiniteError", "add_into", "any_nonfinite", "check_finite", "count_nonfinite",
+    "divide", "divide_counting_nonfinite", "finish_fold", "float32_output", "nonfinite_error", "saturate",
+    "scaled_sum", "sum_addends",
+]
 
 PreliminaryOp = Literal["sum", "max", "min", "broadcast"]
 
@@ -61,7 +80,7 @@ class Preliminary:
             raise ValueError(f"preliminary op must be sum, max, min or broadcast, got {self.op!r}")
 
 
-class Compressor:
+class Compressor(FusedPaths):
     """Base class of every compressor.
 
     Class-level facts (an instance may refine them from its parameters):
@@ -126,6 +145,10 @@ class Compressor:
       gives exactly the mean of what each worker sent (THC's homomorphism, random-k with shared
       indices). S2's count sketches are summable but not linear: the median over rows and the bitmap
       mask make the decoded sum an estimate of the summed gradient, not the sum of the estimates.
+
+    Fused fast paths (optional, inherited from :class:`gradpress.core.fused.FusedPaths`, whose defaults
+    compose the steps above): ``compress_sum``, ``compress_residual_sum``, ``prepare_sum``,
+    ``compress_divided`` and ``accumulate_into``, which a method overrides to do two passes in one.
     """
 
     name: ClassVar[str] = ""
@@ -190,71 +213,6 @@ class Compressor:
         packet.shape, packet.dtype = x.shape, x.dtype
         return packet
 
-    def compress_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
-                     ctx: Context | None = None, beta: float = 1.0, gamma: float = 1.0) -> Packet:
-        """``compress(memory * beta + grad * gamma)`` with that sum φ = β·m + γ·g (GRACE Eq. 5; torch's
-        bits, :func:`scaled_sum`) formed in ``out`` (float32, contiguous, their shape), which holds φ
-        afterwards whatever happens (the memory's update reads it). The default forms the sum, then
-        compresses; a method whose first pass reads every element of its input forms the sum in that pass
-        instead (one pass over the gradient fewer: the fused error feedback), with the same bits."""
-        scaled_sum(memory, grad, beta, gamma, out)
-        return self.compress(out, ctx)
-
-    def compress_residual_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
-                              ctx: Context | None = None, beta: float = 1.0,
-                              gamma: float = 1.0) -> tuple[Packet, bool]:
-        """:meth:`compress_sum`, for a memory whose update is :meth:`residual` of φ and the packet (the
-        ``residual`` memory, :attr:`~gradpress.core.feedback.Feedback.keeps_residual`): ``(packet, True)``
-        when ``out`` holds that residual e = φ − C⁻¹(C(φ)) afterwards in place of φ, the same bits
-        (an element-wise method forms it in its one pass: the memory's update has nothing left to do),
-        ``(packet, False)`` when it holds φ (the default: :meth:`compress_sum`). On an error ``out``
-        holds φ, as :meth:`compress_sum` leaves it."""
-        return self.compress_sum(memory, grad, out, ctx, beta, gamma), False
-
-    def compress_divided(self, x: torch.Tensor, count: int, ctx: Context | None = None, *,
-                         inplace: bool = False) -> Packet:
-        """The packet of ``x / count`` for a :attr:`divides_first` method, formed in the pass that checks
-        ``x`` for NaN/Inf (which raise :class:`NonFiniteError`); ``inplace``: ``x`` may be overwritten
-        (a DDP bucket), and is divided in place where it is contiguous (left divided in part on a
-        raise). :meth:`decode_sum` of such packets' sum checks it and divides no more
-        (``meta["divided"]``)."""
-        if not self.divides_first:
-            raise TypeError(f"{self.spec}: its summands cannot be divided before the exchange")
-        if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{self.spec}: expected a float32, float16 or bfloat16 tensor, got "
-                            f"{getattr(x, 'dtype', type(x).__name__)}")
-        flat = x.detach().reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        if flat.numel():
-            divided = flat if inplace and flat.data_ptr() == x.data_ptr() else torch.empty_like(flat)
-            bad = divide_counting_nonfinite(flat, count, out=divided)
-            if bad:
-                raise nonfinite_error(self.spec, bad, flat.numel())
-            flat = divided
-        packet = self._compress(flat, ctx or Context()) if flat.numel() else Packet({}, x.shape, x.dtype)
-        packet.shape, packet.dtype = x.shape, x.dtype
-        packet.meta["divided"] = count
-        return packet
-
-    def _divided_mean(self, packet: Packet, summed: list[torch.Tensor], count: int) -> torch.Tensor:
-        """:meth:`decode_sum` of the sum of :meth:`compress_divided`'s packets: already the mean (in the
-        gradient's own dtype, as DDP's), checked for an overflow of the sum."""
-        if packet.meta["divided"] != count:
-            raise ValueError(f"{self.spec}: the summands were divided by {packet.meta['divided']} before "
-                             f"the exchange, but the sum is of {count} workers")
-        mean = self._decompress(packet.with_wire(summed))
-        # two halves of finite values add to at most the format's largest exactly (x / 2 is exact, but for
-        # subnormals), so rounding cannot overflow: only a mean over three or more is checked
-        if count > 2 and any_nonfinite(mean.reshape(-1)):
-            flat = mean.reshape(-1)
-            raise OverflowError(f"{self.spec}: the sum of the workers' values overflowed: the aggregate holds "
-                                f"{count_nonfinite(flat)} Inf/NaN value(s) out of {flat.numel()} (a worker's "
-                                "NaN/Inf gradient is flagged before it is sent)")
-        if mean.dtype != packet.dtype:
-            mean = mean.to(packet.dtype)
-        return mean if mean.shape == packet.shape else mean.view(packet.shape)
-
     def decompress(self, packet: Packet) -> torch.Tensor:
         """The tensor a packet stands for, with the shape and dtype that were compressed."""
         if packet.numel == 0:
@@ -301,20 +259,6 @@ class Compressor:
         SketchML) to decode into ``total`` in one pass on the CPU, without a decoded temporary."""
         total += self._decompress(packet).float()
 
-    def accumulate_into(self, total: torch.Tensor, packet: Packet, store: bool = False,
-                        count: int = 0) -> int:
-        """One step of :meth:`aggregate`'s sum on a flat float32 ``total``: ``total += decompress(packet)``,
-        or (``store``, the first packet) ``total = 0.0 + decompress(packet)`` whatever ``total`` held, then
-        (``count`` > 0, the last packet) ``total /= count``, the same bits as those steps one by one; returns
-        how many of the results are NaN/Inf when ``count`` (else 0). This default zeroes, accumulates and
-        divides in passes of their own; the fused decoders (natural, the dithering family, 8-bit, 1-bit)
-        take :func:`gradpress.kernels.jit.fold_mode` and do it all in the decode's one pass
-        (:func:`finish_fold` reads their result)."""
-        if store:
-            total.zero_()
-        self.accumulate(total, packet)
-        return divide_counting_nonfinite(total, count) if count else 0
-
     def residual(self, x: torch.Tensor, packet: Packet, owned: bool = False) -> torch.Tensor:
         """``x − decompress(packet)`` in float32, what compression dropped (GRACE Eq. 5's memory update),
         the same bits. ``packet`` is ``compress(x)`` (or of ``x`` cast to the gradient's dtype);
@@ -359,16 +303,6 @@ class Compressor:
         It may run on one thread while another decodes an earlier tensor: keep state per key.
         """
         return None
-
-    def prepare_sum(self, memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, ctx: Context,
-                    world_size: int, beta: float = 1.0, gamma: float = 1.0) -> Preliminary | None:
-        """:meth:`prepare` of φ = β·m + γ·g (GRACE Eq. 5; torch's bits, :func:`scaled_sum`) formed in
-        ``out`` (float32, contiguous, their shape), which holds φ afterwards whatever happens (it is what
-        is compressed next): :meth:`compress_sum` for a method with a preliminary exchange. The default
-        forms the sum, then prepares; a method whose preliminary pass reads every element forms φ in that
-        pass instead (THC's norm: one pass over the gradient fewer)."""
-        scaled_sum(memory, grad, beta, gamma, out)
-        return self.prepare(out, ctx, world_size)
 
     def summands(self, packet: Packet) -> list[torch.Tensor]:
         """The tensors an aggregator adds element-wise over the workers (default: the wire tensors).
@@ -484,44 +418,6 @@ def compressor_names() -> list[str]:
     return registry.names()
 
 
-_ABBREVIATIONS = re.compile(r"(?:\bet al|\bApp|\bDef|\bThm|\bSec|\bEq|\bFig|\be\.g|\bi\.e|\bvs|\bcf|\bAlg)\.$")
-
-
-def summary(cls: type) -> str:
-    """The first sentence of a method's docstring, on one line (abbreviations such as "et al." and
-    "App." do not end it)."""
-    paragraph = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
-    for match in re.finditer(r"\.(?=\s+[A-Z(`]|$)", paragraph):
-        if not _ABBREVIATIONS.search(paragraph[:match.end()]):
-            return paragraph[:match.end()]
-    return paragraph
-
-
-def markdown_table(numel: int = 1 << 20) -> str:
-    """The README's compressor table, generated from the registry: each method's first sentence, its
-    bits per value measured on ``numel`` N(0, 1) float32 values (``Packet.nbytes``, seed 0), and its
-    facts. ``gradpress list --markdown`` prints it; a test checks the README holds it as printed."""
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    rows = ["| name | method (docstring's first sentence) | bits/value on 2^20 N(0,1) fp32 | unbiased | exchange "
-            "| default feedback |", "|---|---|---:|---|---|---|"]
-    for name in compressor_names():
-        c = make(name)
-        packet = c.compress(x, Context(seed=0, step=0, key="table"), **_alone(c, x))
-        bits = f"{packet.nbytes * 8 / numel:.3g}"
-        method = summary(type(c)).replace("|", "\\|")
-        rows.append(f"| `{name}` | {method} | {bits} | {'yes' if c.unbiased else 'no'} | {c.exchange} "
-                    f"| `{c.default_feedback}` |")
-    return "\n".join(rows)
-
-
-def _alone(c: Compressor, x: torch.Tensor) -> dict[str, Any]:
-    """A one-worker preliminary exchange, for methods that have one."""
-    if not c.prepares:
-        return {}
-    pre = c.prepare(x, Context(seed=0, step=0, key="table"), 1)
-    return {"prepared": None if pre is None else pre.values}
-
-
 @dataclass(repr=False)
 class Compose(Compressor):
     """``A+B``: compress with ``A``, then compress the values ``A`` keeps with ``B``.
@@ -589,172 +485,3 @@ class Compose(Compressor):
         tensors = dict(packet.tensors)
         tensors[self.kept] = self.second.decompress(inner)
         return self.first._decompress(Packet(tensors, packet.shape, packet.dtype, packet.meta))
-
-
-# -- output range ---------------------------------------------------------------------------------
-_STREAMED = 1 << 21  # values (8 MiB): sums at least this large are written past the caches
-
-
-def add_into(memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``torch.add(memory, grad, out=out)``, the same bits (error feedback's φ = m + g); float32 CPU
-    tensors larger than the caches in one numba pass whose stores bypass them (measured on the 13 MB
-    gradient of ``mlp-wide``: 1.4 ms against torch's 1.7, the norm that reads the sum next included)."""
-    if (out.numel() >= _STREAMED and memory.dtype == grad.dtype == out.dtype == torch.float32
-            and memory.shape == grad.shape == out.shape and use_numba(memory) and use_numba(grad)
-            and memory.is_contiguous() and grad.is_contiguous() and out.is_contiguous()):
-        _kernels().add_streamed(as_numpy(memory.view(-1)), as_numpy(grad.view(-1)), as_numpy(out.view(-1)))
-        return out
-    return torch.add(memory, grad, out=out)
-
-
-@large_only
-def _compile_streamed_sum() -> None:
-    """:func:`add_into`'s kernel, compiled on a few values (it runs on 2^21 and more)."""
-    values = np.zeros(16, np.float32)
-    _kernels().add_streamed(values, values, np.empty_like(values))
-
-
-def scaled_sum(memory: torch.Tensor, grad: torch.Tensor, beta: float, gamma: float,
-               out: torch.Tensor) -> torch.Tensor:
-    """out = ``memory * beta + grad * gamma`` with torch's bits, fl32(fl32(m·β) + fl32(g·γ)) (β and γ
-    rounded to float32; a factor of 1 is exact, so β = γ = 1 gives m + g): one numba pass for
-    contiguous float32 CPU tensors, else torch's products and sum. Returns ``out``."""
-    if beta == 1.0 and gamma == 1.0:
-        return add_into(memory, grad, out)  # (past the caches for large tensors)
-    if (use_numba(out) and memory.dtype == grad.dtype == out.dtype == torch.float32 and memory.is_contiguous()
-            and grad.is_contiguous() and out.is_contiguous()):
-        _kernels().scaled_sum(as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta),
-                              np.float32(gamma), as_numpy(out).reshape(-1))
-    else:
-        torch.add(memory * beta if beta != 1.0 else memory, grad * gamma if gamma != 1.0 else grad, out=out)
-    return out
-
-
-def sum_addends(memory: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, beta: float = 1.0,
-                gamma: float = 1.0) -> tuple | None:
-    """The ``addends`` (m, g, β, γ) a kernel takes to form φ = β·m + γ·g in its first pass (numpy views,
-    β and γ as float32), or None where the kernels don't apply (then :meth:`Compressor.compress_sum`'s
-    default): contiguous float32 CPU tensors, non-empty."""
-    if not (use_numba(out) and out.numel() and memory.dtype == grad.dtype == out.dtype == torch.float32
-            and memory.is_contiguous() and grad.is_contiguous() and out.is_contiguous()):
-        return None
-    return as_numpy(memory).reshape(-1), as_numpy(grad).reshape(-1), np.float32(beta), np.float32(gamma)
-
-
-def float32_output(out: torch.Tensor | None, numel: int) -> torch.Tensor | None:
-    """``out`` flattened where a float32 result of ``numel`` values can be written into it (a contiguous
-    float32 tensor of that many values), else None: the ``out`` of :meth:`Compressor.aggregate` and
-    :meth:`Compressor.decode_sum`."""
-    if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel:
-        return out.view(-1)
-    return None
-
-
-def saturate(flat: torch.Tensor, dtype: torch.dtype, inplace: bool = True) -> torch.Tensor:
-    """``flat`` (a float32 decode) clamped to ±``finfo(dtype).max``: decoded values beyond the range of
-    the gradient's dtype become its largest finite value (±Inf too; NaN stays NaN). ``flat`` itself for
-    a float32 ``dtype``: nothing to do but for an overflow, which the caller reports or avoids."""
-    if dtype == torch.float32 and flat.dtype == torch.float32:
-        return flat
-    if flat.dtype != torch.float32:
-        if torch.finfo(flat.dtype).max <= torch.finfo(dtype).max:  # e.g. bf16 wire values, fp32 out
-            return flat
-        flat, inplace = flat.float(), True  # a copy of its own
-    largest = torch.finfo(dtype).max
-    return flat.clamp_(-largest, largest) if inplace else flat.clamp(-largest, largest)
-
-
-# -- input checks ---------------------------------------------------------------------------------
-def check_finite(flat: torch.Tensor, where: str) -> None:
-    """Raise :class:`NonFiniteError` if ``flat`` holds NaN or Inf (one read-only pass; a second one
-    counts them, only when there is something to count)."""
-    if any_nonfinite(flat):
-        raise nonfinite_error(where, count_nonfinite(flat), flat.numel())
-
-
-def nonfinite_error(where: str, bad: int, numel: int) -> NonFiniteError:
-    """The error for a gradient of ``numel`` values of which ``bad`` are NaN/Inf."""
-    return NonFiniteError(f"{where}: the gradient holds {bad} NaN/Inf value(s) out of {numel}")
-
-
-def _kernels():  # noqa: ANN202
-    """The numba kernels of these passes (:mod:`gradpress.kernels.passes`), imported with the first call
-    that runs one, so that importing the core loads no numba."""
-    from gradpress.kernels import passes
-
-    return passes
-
-
-# exponent-field masks: a float is NaN or Inf exactly when its exponent bits are all ones
-_EXPONENT_MASKS = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
-
-
-def count_nonfinite(flat: torch.Tensor) -> int:
-    """Number of NaN/Inf entries of a 1-D contiguous float tensor."""
-    if use_numba(flat):
-        bits = as_numpy(flat).view("uint32" if flat.dtype == torch.float32 else "uint16")
-        return int(_kernels().count_exponent_all_ones(bits, _EXPONENT_MASKS[flat.dtype]))
-    return int((~torch.isfinite(flat)).sum())
-
-
-def any_nonfinite(flat: torch.Tensor) -> bool:
-    """Whether a 1-D contiguous float tensor holds a NaN or Inf: the largest exponent field of its values
-    is all ones (an integer max vectorizes; a count costs about a third more, measured on 16 MB)."""
-    if use_numba(flat) and flat.dtype in _EXPONENT_MASKS:
-        bits = as_numpy(flat).view("uint32" if flat.dtype == torch.float32 else "uint16")
-        mask = _EXPONENT_MASKS[flat.dtype]
-        return int(_kernels().top_exponent(bits, mask)) == mask
-    return not bool(torch.isfinite(flat).all())
-
-
-def finish_fold(total: torch.Tensor, top: int, store: bool, count: int) -> int:
-    """What :meth:`Compressor.accumulate_into` returns after a fused decoder ran with
-    ``fold_mode(store, count)`` and returned ``top`` (the largest exponent field it stored when finishing):
-    how many results are NaN/Inf. A single packet (``store`` and ``count``) was only stored: divided here."""
-    if store:
-        return divide_counting_nonfinite(total, count) if count else 0
-    return count_nonfinite(total) if count and top == _EXPONENT_MASKS[torch.float32] else 0
-
-
-def divide(t: torch.Tensor, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``t / count``, correctly rounded on every device (into ``out``, which may be ``t``): the same bits
-    on a GPU as on the CPU. CUDA divides by a Python number as a product with its reciprocal, which is
-    off by one unit in the last place now and then; by a 0-dim tensor on the device it divides. A
-    power-of-two ``count``: the product is exact, and a number is passed as it is."""
-    divisor: float | torch.Tensor = count
-    if t.is_cuda and count & (count - 1):
-        divisor = _device_number(float(count), t.device)
-    return torch.div(t, divisor, out=out)
-
-
-_DEVICE_NUMBERS: dict[tuple[float, torch.device], torch.Tensor] = {}
-
-
-def _device_number(value: float, device: torch.device) -> torch.Tensor:
-    """A 0-dim float32 tensor holding ``value`` on ``device``, made once (a fill kernel, no copy)."""
-    key = (value, device)
-    number = _DEVICE_NUMBERS.get(key)
-    if number is None:
-        number = _DEVICE_NUMBERS[key] = torch.full((), value, dtype=torch.float32, device=device)
-    return number
-
-
-def divide_counting_nonfinite(flat: torch.Tensor, count: int, out: torch.Tensor | None = None) -> int:
-    """``flat /= count`` in place (the same bits as ``flat.div_(count)``) for a 1-D contiguous float
-    tensor, or into ``out`` (a tensor like it), returning how many results are NaN/Inf: one pass for the
-    mean and the check (a second one counts, only when there is something to count). A power-of-two
-    ``count`` multiplies by its reciprocal instead: both are the correctly rounded x/count, and a
-    product is cheaper."""
-    if out is not None and out.data_ptr() == flat.data_ptr():
-        out = None
-    if use_numba(flat) and flat.dtype == torch.float32:
-        exact = count & (count - 1) == 0
-        top = _kernels().divide_top_exponent(as_numpy(flat), None if out is None else as_numpy(out),
-                                             np.float32(count), np.float32(1 / count), exact)
-    else:
-        divide(flat, count, out=flat if out is None else out)
-        top = None
-    result = flat if out is None else out
-    if top is None:
-        return count_nonfinite(result)
-    return count_nonfinite(result) if top == _EXPONENT_MASKS[torch.float32] else 0

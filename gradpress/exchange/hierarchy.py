@@ -343,10 +343,20 @@ class HierarchicalPipeline:
         return self._protocol(items, splits, offsets, chunk, mine, parts, inner, writable, step)
 
     def _protocol(self, items, splits, offsets, chunk, mine, parts, inner, writable, step) -> Protocol:
+        """The three steps of a two-level exchange: sum inside the node, exchange this rank's shard
+        between nodes, gather the averaged shards inside the node."""
+        flagged = yield from self._sum_in_node(items, splits, offsets, chunk, mine, parts, step)
+        mine[chunk], failure = yield from self._across_nodes(items, flagged, parts, inner)
+        stack = yield from self._gather_in_node(items, mine, chunk, failure)
+        with self.stats.timer(step, "decompress_s"):
+            return self._averages(items, splits, offsets, stack, writable)
+
+    def _sum_in_node(self, items, splits, offsets, chunk, mine, parts, step) -> Protocol:
+        """1. Inside the node: the sum of every rank's parts, local rank j receiving shard j (divided by
+        k into ``mine``), and the node's fault flags (slot i: local rank i's gradients held NaN/Inf; it
+        sends zeros). Returns the flagged local ranks."""
         k, j = self.layout.local_size, self.layout.local
         like = items[0][1]
-        # 1. inside the node: the sum of every rank's parts, local rank j receiving shard j, and the
-        #    node's fault flags (slot i: local rank i's gradients held NaN/Inf; it sends zeros)
         with self.stats.timer(step, "compress_s"):
             send = torch.zeros(k, chunk + k, dtype=like.dtype, device=like.device)
             faulty = any(t.is_floating_point() and t.numel() and any_nonfinite(t.detach().reshape(-1))
@@ -364,53 +374,66 @@ class HierarchicalPipeline:
         flagged = [i for i, value in enumerate(row[chunk:].tolist()) if value != 0]
         shard = mine[:sum(part.numel() for _, _, part in parts)]
         torch.div(row[:shard.numel()], k, out=shard)
-        # 2. between nodes: this shard, by the method's own strategy
-        failure: Exception | None
-        status, failure = _OK, None
-        if inner:
-            if flagged:  # every rank of this node marks its shard: every shard's exchange flags the node
-                for _, _, part in parts:
-                    part.view(-1)[0] = math.nan
-            try:
-                averages = yield from _between_nodes(parallel([group.protocol for group in inner]))
-            except NonFiniteError as error:
-                ranks = yield from self._faulty_ranks(flagged, like.device)
-                if ranks:
-                    raise self._nonfinite(items, ranks) from None
-                status, failure = _NONFINITE, error  # a sum of finite gradients that overflowed
-            except OverflowError as error:
-                status, failure = _OVERFLOW, error
-            except Exception as error:  # noqa: BLE001 - every rank of the node raises it after the all-gather
-                status, failure = _FAILED, error
-            else:
-                views = [part for _, _, part in parts]
-                for group, averaged in zip(inner, averages, strict=True):
-                    outputs = [group.flat] if group.flat is not None else [views[i] for i in group.members]
-                    for output, average in zip(outputs, averaged, strict=True):
-                        if average.data_ptr() != output.data_ptr() or average.dtype != output.dtype:
-                            output.copy_(average.view(output.shape))
-        else:  # no part of any tensor here: the nodes' flags travel alone
+        return flagged
+
+    def _across_nodes(self, items, flagged, parts, inner) -> Protocol:
+        """2. Between nodes: this shard, by the method's own strategy, its averages written into the
+        shard. Returns this rank's status (:data:`_OK`, or what failed), which travels with the shard,
+        and its error (None if it did not fail), the cause of the error every rank raises after the
+        gather."""
+        like = items[0][1]
+        if not inner:  # no part of any tensor here: the nodes' flags travel alone
             ranks = yield from self._faulty_ranks(flagged, like.device)
             if ranks:
                 raise self._nonfinite(items, ranks) from None
-        mine[chunk] = status
-        # 3. inside the node: every rank's averaged shard
+            return _OK, None
+        if flagged:  # every rank of this node marks its shard: every shard's exchange flags the node
+            for _, _, part in parts:
+                part.view(-1)[0] = math.nan
+        try:
+            averages = yield from _between_nodes(parallel([group.protocol for group in inner]))
+        except NonFiniteError as error:
+            ranks = yield from self._faulty_ranks(flagged, like.device)
+            if ranks:
+                raise self._nonfinite(items, ranks) from None
+            return _NONFINITE, error  # a sum of finite gradients that overflowed
+        except OverflowError as error:
+            return _OVERFLOW, error
+        except Exception as error:  # noqa: BLE001 - every rank of the node raises it after the all-gather
+            return _FAILED, error
+        views = [part for _, _, part in parts]
+        for group, averaged in zip(inner, averages, strict=True):
+            outputs = [group.flat] if group.flat is not None else [views[i] for i in group.members]
+            for output, average in zip(outputs, averaged, strict=True):
+                if average.data_ptr() != output.data_ptr() or average.dtype != output.dtype:
+                    output.copy_(average.view(output.shape))
+        return _OK, None
+
+    def _gather_in_node(self, items, mine, chunk, failure: Exception | None) -> Protocol:
+        """3. Inside the node: every rank's averaged shard and status; every rank raises the same error
+        if a shard's exchange between nodes failed (``failure``: this rank's own, its cause). Returns
+        the (k, chunk + 1) stack."""
         (stack,) = yield Round([AllGather(mine)], final=True, scope="node")
         statuses = [int(value) for value in stack[:, chunk].tolist()]
         if any(statuses):
             raise self._failed(items, statuses) from failure
-        with self.stats.timer(step, "decompress_s"):
-            out = []
-            for i, ((_, tensor), split) in enumerate(zip(items, splits, strict=True)):
-                target = tensor.detach() if writable and tensor.is_contiguous() else torch.empty(
-                    tensor.shape, dtype=tensor.dtype, device=tensor.device)
-                for rank in range(k):
-                    n = split.numel(rank)
-                    if n:
-                        split.part(target, rank).copy_(
-                            stack[rank, offsets[rank][i]:offsets[rank][i] + n].view(split.part_shape(rank)))
-                out.append(target)
-            return out
+        return stack
+
+    @staticmethod
+    def _averages(items, splits, offsets, stack, writable) -> list[torch.Tensor]:
+        """Each tensor's average, assembled from the gathered shards (into the tensor where ``writable``
+        and it is contiguous)."""
+        out = []
+        for i, ((_, tensor), split) in enumerate(zip(items, splits, strict=True)):
+            target = tensor.detach() if writable and tensor.is_contiguous() else torch.empty(
+                tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            for rank in range(len(offsets)):
+                n = split.numel(rank)
+                if n:
+                    split.part(target, rank).copy_(
+                        stack[rank, offsets[rank][i]:offsets[rank][i] + n].view(split.part_shape(rank)))
+            out.append(target)
+        return out
 
     def _faulty_ranks(self, flagged: list[int], device: torch.device) -> Protocol:
         """Every node's flagged local ranks (one all-gather between nodes): the faulty ranks."""

@@ -14,298 +14,37 @@ tensor), a DDP bucket's gradients travel as one flat view of the bucket: one pac
 
 The :class:`~gradpress.exchange.driver.Driver` runs the protocols on a process group in an order that is the same
 on every rank (invariant: collective order, docs/design.md); :mod:`gradpress.exchange.state` checks a saved
-state before it loads.
+state before it loads. Beside this module: the steps of one group's exchange
+(:mod:`gradpress.exchange.steps`), the options (:mod:`gradpress.exchange.options`), the statistics
+(:mod:`gradpress.exchange.stats`) and a DDP bucket's plain exchange formed once
+(:mod:`gradpress.exchange.flat`), all importable from here as well.
 """
 from __future__ import annotations
 
 import fnmatch
 import functools
-import math
-import threading
 import time
 from dataclasses import dataclass, fields
-from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
 
-from gradpress.core.compressor import (
-    Compressor,
-    NonFiniteError,
-    any_nonfinite,
-    divide_counting_nonfinite,
-    make,
-    saturate,
-    scaled_sum,
-)
-from gradpress.core.feedback import SumParts, make_feedback
-from gradpress.core.packet import Packet, adjacent
-from gradpress.core.rng import Context
+from gradpress.core.compressor import Compressor, NonFiniteError, make
+from gradpress.core.feedback import Feedback, make_feedback
+from gradpress.core.packet import adjacent
 from gradpress.exchange.agreement import agree
-from gradpress.exchange.protocol import AllReduce, Protocol, Round, flagged_ranks, raise_flagged
+from gradpress.exchange.flat import FlatAllReduce
+from gradpress.exchange.options import HIERARCHIES, Options, changed_options, describe
+from gradpress.exchange.protocol import Protocol
 from gradpress.exchange.state import FORMAT, check, own_part, shapes_of
-from gradpress.exchange.strategy import MODES, OVERFLOW, Strategy, check_partial
+from gradpress.exchange.stats import COUNTERS, Stats, flat_stats
+from gradpress.exchange.steps import Batch, compensate, compress_all, named, prepare_all, unexchanged
+from gradpress.exchange.strategy import Strategy
 
-
-# -- options ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Options:
-    """Options shared by the DDP hook, the Communicator and ``simulate`` (keyword arguments).
-
-    * ``feedback``: error-feedback memory spec (default: the compressor's ``default_feedback``:
-      ``residual`` for biased methods, ``none`` for unbiased ones).
-    * ``min_numel``: tensors with fewer elements go uncompressed.
-    * ``exclude``: name patterns (``fnmatch``, e.g. ``"conv1.*"``, ``"*.bias"``) left uncompressed.
-    * ``warmup_steps``: the first steps of each tensor go uncompressed.
-    * ``seed``: seed of the shared and private random streams (invariant: explicit randomness,
-      docs/design.md).
-    * ``timeout``: seconds (or a timedelta) a collective waits for its peers before it raises;
-      gradpress then talks on its own process group with that timeout: every round of every
-      exchange, the ranks' agreement and a gathered state (``state_dict(gathered=True)``). Not bounded
-      by it: ``auto``'s decision, where the other ranks wait for rank 0 to measure the candidates
-      (once per decision; on the process group gradpress was given, under that group's timeout), the
-      group's creation, and DDP's own collectives. Default: the process group's own.
-    * ``mode``: ``"collective"`` (all-reduce / all-gather), ``"ps"`` (parameter server at ``root``) or
-      ``"switch"`` (integer-only aggregation at ``root``, as a programmable switch).
-    * ``master``: spec of the master compressor C_M re-compressing the aggregate in ``ps`` mode
-      (bidirectional compression, Natural compression paper Algorithm 1).
-    * ``root``: rank of the parameter server / switch.
-    * ``overflow``: ``"widen"`` integer sums to a dtype that holds them, or ``"raise"``; never wrap.
-    * ``partial``: q ∈ (0, 1], ``ps`` and ``switch`` modes only: partial aggregation for stragglers
-      (THC Sections 6 and 8.4). The server combines ⌈q·n⌉ workers' packets per tensor and every
-      worker divides by that count, not n. The "first arrivals" are drawn per tensor and step from
-      the stream shared by every rank (Section 8.4's random stragglers), not timed, so every rank
-      knows them and ``simulate`` equals a real run; the others' contributions are dropped for that
-      step (their error-feedback memory is updated as if sent). Uncompressed tensors (``exclude``,
-      ``min_numel``, warm-up) meet at the same server and are aggregated partially too.
-    * ``deterministic``: float sums over 3+ workers in rank order (bit-reproducible, equal to
-      ``simulate``); ``False`` uses the backend's all-reduce, whose order depends on the algorithm.
-    * ``hierarchy``: ``None`` (one level: every rank exchanges its compressed gradients with every
-      other) or ``"node"``: a two-level exchange that compresses only what crosses between nodes
-      (:mod:`gradpress.exchange.hierarchy`); ``root`` then names the node of the servers.
-    * ``local_size``: with ``hierarchy="node"``, the ranks of one node (default: torchrun's
-      ``LOCAL_WORLD_SIZE``).
-    """
-
-    feedback: str | None = None
-    min_numel: int = 0
-    exclude: tuple[str, ...] = ()
-    warmup_steps: int = 0
-    seed: int = 0
-    timeout: float | None = None
-    mode: str = "collective"
-    master: str | None = None
-    root: int = 0
-    overflow: str = "widen"
-    deterministic: bool = True
-    partial: float = 1.0
-    hierarchy: str | None = None
-    local_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.exclude, str):
-            object.__setattr__(self, "exclude", (self.exclude,))
-        else:
-            object.__setattr__(self, "exclude", tuple(self.exclude))
-        if isinstance(self.timeout, timedelta):
-            object.__setattr__(self, "timeout", self.timeout.total_seconds())
-        for name in ("min_numel", "warmup_steps", "root", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"option {name} must be an integer >= 0, got {value!r}")
-        if self.timeout is not None and not self.timeout > 0:
-            raise ValueError(f"option timeout must be a positive number of seconds, got {self.timeout!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"option mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.overflow not in OVERFLOW:
-            raise ValueError(f"option overflow must be 'widen' or 'raise', got {self.overflow!r}")
-        check_partial(self.partial, self.mode)
-        if self.feedback is not None:
-            make_feedback(self.feedback)  # unknown names raise here, listing the known ones
-        if self.hierarchy not in HIERARCHIES:
-            raise ValueError(f"option hierarchy must be None or 'node', got {self.hierarchy!r}")
-        if self.local_size is not None:
-            size = self.local_size
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"option local_size must be an integer >= 1, got {self.local_size!r}")
-            if self.hierarchy is None:
-                raise ValueError("option local_size (the ranks of a node) needs hierarchy='node'")
-
-    @classmethod
-    def of(cls, **options: Any) -> Options:
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are: {', '.join(known)}")
-        return cls(**options)
-
-
-#: the values of the ``hierarchy`` option
-HIERARCHIES = (None, "node")
-
-
-# -- statistics ----------------------------------------------------------------------------------------
-COUNTERS = ("raw_bytes", "packet_bytes", "sent_bytes", "received_bytes", "collectives",
-            "compress_s", "decompress_s", "comm_s", "control_bytes",
-            "intra_node_sent_bytes", "intra_node_received_bytes")
-
-
-class Stats:
-    """Per-step and cumulative figures of one rank (thread-safe: decoding runs on backend threads).
-
-    * ``raw_bytes``: bytes of the gradients handed in; ``packet_bytes``: ``Packet.nbytes`` of this
-      rank's packets (the compressor's output, GRACE's "data volume").
-    * ``sent_bytes`` / ``received_bytes``: what the strategy's collectives move for this rank, from
-      their traffic pattern (:func:`gradpress.exchange.strategy.traffic`): headers, widened integer sums and
-      the downstream direction included.
-    * ``control_bytes``: bytes sent and received for the ranks' agreement on what they exchange
-      (:mod:`gradpress.exchange.agreement`, once per set of keys), not counted in the figures above.
-    * with ``hierarchy="node"`` (:mod:`gradpress.exchange.hierarchy`): ``sent_bytes`` and
-      ``received_bytes`` are the exchange between nodes (the compressed shards), and
-      ``intra_node_sent_bytes`` / ``intra_node_received_bytes`` the uncompressed reduce-scatter and
-      all-gather inside the node (zero in a one-level exchange); ``raw_bytes`` and ``packet_bytes``
-      are those of this rank's shard.
-    * ``compress_s`` (compensate, prepare, compress, feedback update), ``decompress_s`` (decoding and
-      aggregation), ``comm_s`` (from issuing each round of collectives to its completion; rounds of
-      different buckets overlap, so this is not wall time).
-
-    The figures are saved with the pipeline's state (:meth:`state_dict`): after a resume ``total`` goes on
-    from where it was, as the step counters do, so ``total`` over ``steps`` stays a mean per step.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._total: dict[str, float] = dict.fromkeys(COUNTERS, 0)
-        self._steps: dict[int, dict[str, float]] = {}
-
-    def add(self, step: int, **values: float) -> None:
-        with self._lock:
-            current = self._steps.get(step)
-            if current is None:
-                current = self._steps[step] = dict.fromkeys(COUNTERS, 0)
-                while len(self._steps) > 2:
-                    del self._steps[min(self._steps)]
-            total = self._total
-            for name, value in values.items():
-                current[name] += value
-                total[name] += value
-
-    def add_traffic(self, step: int, scope: str, sent: int, received: int) -> None:
-        """One collective's bytes, as :func:`gradpress.exchange.protocol.traffic` counts them, issued in a
-        round of ``scope`` (:class:`gradpress.exchange.protocol.Round`): inside the node, or not."""
-        if scope == "node":
-            self.add(step, intra_node_sent_bytes=sent, intra_node_received_bytes=received, collectives=1)
-        else:
-            self.add(step, sent_bytes=sent, received_bytes=received, collectives=1)
-
-    def timer(self, step: int, name: str) -> _Timer:
-        """A context manager adding the seconds it encloses to ``name``."""
-        return _Timer(self, step, name)
-
-    def report(self, pattern: str = "") -> dict[str, Any]:
-        """``{"pattern": traffic pattern, "steps": count, "step": index of the latest step, "last": its
-        figures, "total": cumulative figures}``."""
-        with self._lock:
-            latest = max(self._steps) if self._steps else None
-            return {
-                "pattern": pattern,
-                "steps": 0 if latest is None else latest + 1,
-                "step": latest,
-                "last": dict(self._steps[latest]) if latest is not None else dict.fromkeys(COUNTERS, 0),
-                "total": dict(self._total),
-            }
-
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"total": cumulative figures, "steps": {step: its figures}}`` (the latest steps kept)."""
-        with self._lock:
-            return {"total": dict(self._total), "steps": {step: dict(f) for step, f in self._steps.items()}}
-
-    @staticmethod
-    def check_state(state: Any) -> None:
-        """Raise ``ValueError`` unless ``state`` is a :meth:`state_dict`: figures named as :data:`COUNTERS`,
-        each a finite number >= 0, and steps numbered by integers >= 0."""
-        if not isinstance(state, dict) or not isinstance(state.get("total"), dict) \
-                or not isinstance(state.get("steps"), dict):
-            raise ValueError("gradpress state: stats must be a dict of 'total' and 'steps'")
-        tables = [("stats['total']", state["total"])]
-        for step, figures in state["steps"].items():
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0 \
-                    or not isinstance(figures, dict):
-                raise ValueError(f"gradpress state: stats['steps'] must map step numbers to figures, "
-                                 f"got {step!r}")
-            tables.append((f"stats['steps'][{step}]", figures))
-        for where, figures in tables:
-            for name, value in figures.items():
-                if name not in COUNTERS:
-                    raise ValueError(f"gradpress state: {where} names {name!r}, not one of "
-                                     f"{', '.join(COUNTERS)}")
-                if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                        or value < 0):
-                    raise ValueError(f"gradpress state: {where}[{name!r}] must be a finite number >= 0, "
-                                     f"got {value!r}")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (checked by :meth:`check_state` first)."""
-        self.check_state(state)
-        with self._lock:
-            self._total = {**dict.fromkeys(COUNTERS, 0), **state["total"]}
-            self._steps = {step: {**dict.fromkeys(COUNTERS, 0), **figures}
-                           for step, figures in sorted(state["steps"].items())[-2:]}
-
-
-_SECONDS = ("compress_s", "decompress_s", "comm_s")
-
-
-def flat_stats(report: dict[str, Any], prefix: str = "gradpress/") -> dict[str, float]:
-    """A :meth:`Stats.report` (or a front end's ``stats()``) as one flat dict of numbers, ready for a
-    metrics logger (TensorBoard, Weights & Biases, Lightning's ``log_dict``): the latest step's figures as
-    ``<prefix><name>`` and the cumulative ones as ``<prefix>total/<name>``, times in milliseconds
-    (``compress_ms``, ``decompress_ms``, ``comm_ms``), byte counts and ``collectives`` as counted, and
-    ``compression_ratio``: the gradients' bytes over the packets' (``raw_bytes / packet_bytes``, the
-    compressor's ratio; left out while nothing was compressed), plus ``<prefix>steps``."""
-    flat: dict[str, float] = {f"{prefix}steps": float(report.get("steps", 0))}
-    for part, head in (("last", prefix), ("total", f"{prefix}total/")):
-        figures = report.get(part) or {}
-        for name in COUNTERS:
-            value = float(figures.get(name, 0))
-            if name in _SECONDS:
-                flat[f"{head}{name[:-2]}_ms"] = value * 1e3
-            else:
-                flat[f"{head}{name}"] = value
-        if figures.get("packet_bytes"):
-            flat[f"{head}compression_ratio"] = float(figures["raw_bytes"]) / float(figures["packet_bytes"])
-    return flat
-
-
-def changed_options(*option_sets: Any) -> dict[str, Any]:
-    """The fields of option dataclasses (:class:`Options`, :class:`gradpress.auto.AutoOptions`) whose value
-    differs from the class's default, in field order: what a front end's ``repr`` shows."""
-    out: dict[str, Any] = {}
-    for options in option_sets:
-        if options is None:
-            continue
-        default = type(options)()
-        out.update({f.name: getattr(options, f.name) for f in fields(options)
-                    if getattr(options, f.name) != getattr(default, f.name)})
-    return out
-
-
-def describe(spec: Any, *option_sets: Any) -> str:
-    """``'spec', name=value, …`` (the non-default options): the inside of a front end's ``repr``."""
-    changed = changed_options(*option_sets)
-    return ", ".join([repr(spec), *(f"{name}={value!r}" for name, value in changed.items())])
-
-
-class _Timer:
-    def __init__(self, stats: Stats, step: int, name: str) -> None:
-        self.stats, self.step, self.name = stats, step, name
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *_: Any) -> None:
-        self.stats.add(self.step, **{self.name: time.perf_counter() - self.start})
+__all__ = ["Pipeline", "Group", "build",
+           # the pieces it runs with, where the front ends have always found them
+           "Options", "HIERARCHIES", "changed_options", "describe", "Stats", "COUNTERS", "flat_stats",
+           "FlatAllReduce"]
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------
@@ -443,7 +182,7 @@ class Pipeline:
                 groups.append(Group(members, protocol, step, flat))
         if empty:  # nothing to send: the same on every rank, whose shapes agree
             tensors = [items[i][1] for i in empty]
-            groups.append(Group(empty, _unexchanged(tensors), max(steps[i] for i in empty)))
+            groups.append(Group(empty, unexchanged(tensors), max(steps[i] for i in empty)))
         return groups
 
     def scatter_groups(self, rows: Sequence[Sequence[tuple[str, torch.Tensor]]],
@@ -523,101 +262,53 @@ class Pipeline:
 
     def _protocol(self, items, steps, compressed: bool, writable: bool,
                   members: Sequence[str] | None = None, scatter: bool = False) -> Protocol:
-        """GRACE Algorithm 1 lines 4-14 for a group of tensors, THC's preliminary stage included.
-        ``members``: the keys of the tensors one flat item stands for (see :meth:`_as_one`), which
-        errors name. ``scatter``: the items are n rows, row j averaged at rank j only (see
-        :meth:`scatter_groups`).
+        """GRACE Algorithm 1 lines 4-14 for a group of tensors, THC's preliminary stage included, in the
+        steps of :mod:`gradpress.exchange.steps`: compensate, prepare (and the preliminary exchange),
+        compress and update the memory, exchange. ``members``: the keys of the tensors one flat item
+        stands for (see :meth:`_as_one`), which errors name. ``scatter``: the items are n rows, row j
+        averaged at rank j only (see :meth:`scatter_groups`).
 
         A gradient holding NaN/Inf does not end this rank's part: its input becomes zeros, its feedback
         memory is left as it was, and the exchange carries the rank's fault flag in-band, so every
-        rank raises the same :class:`NonFiniteError`, naming the faulty ranks, at the same point."""
+        rank raises the same :class:`NonFiniteError`, naming the faulty ranks, at the same point. On
+        any error the memory goes back to before the step (the step never happened)."""
         strategy = self.strategy if compressed else self.plain
         feedback = self.feedback if compressed else self.no_feedback
-        compressor, stats, step = strategy.compressor, self.stats, max(steps)
-        ctxs = [Context(self.options.seed, s, key, self.rank)
-                for (key, _), s in zip(items, steps, strict=True)]
-        grads = [grad.detach() for _, grad in items]
         keys = [key for key, _ in items]
         before = feedback.snapshot(keys) if feedback.updates else None
         start = time.perf_counter()
-        # φ = β·m + γ·g formed by the compressor's first pass (its preliminary one, if it has one) where
-        # the memory and the method allow it
-        sums = ([feedback.sum_parts(key, grad) for key, grad in zip(keys, grads, strict=True)]
-                if feedback.updates else [None] * len(items))
-        xs = [feedback.compensate(key, grad) if parts is None else parts.out
-              for (key, _), grad, parts in zip(items, grads, sums, strict=True)]
-        inputs = [x if x.dtype == grad.dtype else x.to(grad.dtype) for x, grad in zip(xs, grads, strict=True)]
-        faulty, carried = False, False
-        prepared: list[torch.Tensor | None] = [None] * len(items)
+        batch = compensate(feedback, items, steps, self.options.seed, self.rank)
         try:
-            if compressor.prepares:
-                prelims = []
-                for i, (x, ctx, grad, parts) in enumerate(zip(inputs, ctxs, grads, sums, strict=True)):
-                    pre = _prepare(compressor, x, ctx, self.world_size, grad, parts)
-                    if pre is _FAULTY:  # the gradient's NaN/Inf, or φ's own overflow (then saturated)
-                        saturated = _saturated(xs[i], grad)
-                        pre = _FAULTY if saturated is None else _prepare(compressor, saturated, ctx,
-                                                                         self.world_size)
-                        if saturated is None or pre is _FAULTY:
-                            faulty, saturated = True, torch.zeros_like(x)
-                            pre = _prepare(compressor, saturated, ctx, self.world_size)
-                        inputs[i] = saturated
-                    prelims.append(pre)
-                sums = [None] * len(items)  # φ is formed
-                stats.add(step, compress_s=time.perf_counter() - start)
-                prepared, carried = yield from strategy.preliminary(prelims, faulty)
-                start = time.perf_counter()
-            # the mean's division by n in the pass that checks the input (a bucket this may overwrite)
-            divided = self.world_size if feedback.inert and strategy.divides_first else None
-            packets, formed = [], [False] * len(items)  # formed: out holds the residual, not φ
-            # a method with a preliminary exchange forms the residual in φ's own storage where φ is the
-            # memory's (not the gradient) and is what is compressed (no cast): THC
-            fuse = feedback.updates and feedback.keeps_residual and compressor.fuses_residual
-            for i, (given, x, ctx, ready, grad, parts) in enumerate(zip(inputs, xs, ctxs, prepared, grads, sums, strict=True)):
-                target = x if fuse and given is x and x is not grad and x.dtype == torch.float32 else None
-                try:
-                    if parts is not None and feedback.keeps_residual:
-                        packet, formed[i] = compressor.compress_residual_sum(parts.memory, grad, parts.out, ctx,
-                                                                             parts.beta, parts.gamma)
-                    elif parts is not None:
-                        packet = compressor.compress_sum(parts.memory, grad, parts.out, ctx, parts.beta, parts.gamma)
-                    else:
-                        packet = _compress(compressor, given, ctx, ready, divided, writable, target)
-                except NonFiniteError:
-                    if carried:  # not seen before the preliminary exchange: no flag can travel now
-                        raise
-                    retried: Packet | None = None
-                    saturated = _saturated(x, grad)  # φ (out holds it after an error) overflowed?
-                    if saturated is not None:
-                        try:
-                            retried = _compress(compressor, saturated, ctx, ready, divided, writable)
-                        except NonFiniteError:  # (a flag then travels: no rank waits for this one)
-                            retried = None
-                    if retried is None:
-                        faulty = True
-                        retried = _compress(compressor, torch.zeros_like(given), ctx, ready, divided, True)
-                    packet = retried
-                packets.append(packet)
-            if feedback.updates and not faulty:
-                for (key, _), grad, x, packet, done in zip(items, grads, xs, packets, formed, strict=True):
-                    if done:
-                        feedback.update_residual(key, x)
-                    else:
-                        feedback.update_from(key, x, packet, compressor, owned=x is not grad)
-            stats.add(step, compress_s=time.perf_counter() - start,
-                      raw_bytes=sum(g.numel() * g.element_size() for g in grads),
-                      packet_bytes=sum(p.nbytes for p in packets))
-            timer = lambda: stats.timer(step, "decompress_s")
-            if scatter:
-                return (yield from strategy.reduce_scatter(packets, timer, None if carried else faulty))
-            return (yield from strategy.exchange(packets, ctxs, grads if writable else None, timer,
-                                                 None if carried else faulty))
+            return (yield from self._exchange(strategy, feedback, batch, max(steps), start, writable, scatter))
         except Exception as error:  # the step never happened: the memory goes back to before it
             if before is not None:
                 feedback.restore(before)
             if not isinstance(error, NonFiniteError):
                 raise
-            raise _named(error, members if members is not None else keys) from None
+            raise named(error, members if members is not None else keys) from None
+
+    def _exchange(self, strategy: Strategy, feedback: Feedback, batch: Batch, step: int, start: float,
+                  writable: bool, scatter: bool) -> Protocol:
+        """The steps after φ: the preliminary exchange (methods that have one), the packets and the
+        memory's update, then the strategy's exchange of the packets."""
+        compressor, stats, carried = strategy.compressor, self.stats, False
+        if compressor.prepares:
+            prelims = prepare_all(compressor, batch, self.world_size)
+            stats.add(step, compress_s=time.perf_counter() - start)
+            batch.prepared, carried = yield from strategy.preliminary(prelims, batch.faulty)
+            start = time.perf_counter()
+        # the mean's division by n in the pass that checks the input (a bucket this may overwrite)
+        divided = self.world_size if feedback.inert and strategy.divides_first else None
+        packets = compress_all(compressor, feedback, batch, divided, writable, carried)
+        stats.add(step, compress_s=time.perf_counter() - start,
+                  raw_bytes=sum(g.numel() * g.element_size() for g in batch.grads),
+                  packet_bytes=sum(p.nbytes for p in packets))
+        timer = lambda: stats.timer(step, "decompress_s")
+        faulty = None if carried else batch.faulty
+        if scatter:
+            return (yield from strategy.reduce_scatter(packets, timer, faulty))
+        return (yield from strategy.exchange(packets, batch.ctxs, batch.grads if writable else None, timer,
+                                             faulty))
 
     def report(self) -> dict[str, Any]:
         """This worker's statistics (see :class:`Stats`), with the strategy's traffic pattern."""
@@ -681,129 +372,3 @@ def _steps_text(keys: Sequence[str], steps: dict[str, int]) -> str:
         return str(counts[0]) if counts else "none"
     return ", ".join(f"{key!r} {count}" for key, count in zip(keys, counts, strict=True))
 
-
-def _names(keys: Sequence[str]) -> str:
-    return ", ".join(repr(key) for key in keys)
-
-
-def _named(error: NonFiniteError, keys: Sequence[str]) -> NonFiniteError:
-    """``error`` (the ranks whose gradients held NaN/Inf) naming the gradients of the exchange."""
-    named = NonFiniteError(f"gradients {_names(keys)}: {error}")
-    named.ranks = error.ranks
-    return named
-
-
-class FlatAllReduce:
-    """A DDP bucket's exchange formed once (:meth:`Pipeline.flat_allreduce`): each step divides the bucket
-    by n in place in the pass that checks it (a rank whose gradient holds NaN/Inf sends zeros with a NaN
-    at its own position, as :mod:`gradpress.exchange.strategy.allreduce` carries the flag), all-reduces it in
-    place, reads the n flags and decodes the sum (``none``'s :meth:`~gradpress.core.compressor.Compressor.
-    decode_sum`: the mean as summed, checked for overflow over three or more workers) — the steps of
-    :meth:`Pipeline._protocol` for this case, the same bits, statistics and errors, without forming the
-    per-step keys, groups, contexts, packets and protocol around them (about 0.4 ms of Python per bucket,
-    which a small model's step feels: the hook's own cost)."""
-
-    def __init__(self, pipeline: Pipeline, keys: tuple[str, ...], flat: torch.Tensor) -> None:
-        self.pipeline, self.keys, self.flat = pipeline, keys, flat
-        self.pointer, self.nbytes = flat.data_ptr(), flat.numel() * flat.element_size()
-        self.packet = Packet({"values": flat}, flat.shape, flat.dtype, meta={"divided": pipeline.world_size})
-
-    def fits(self, bucket: torch.Tensor) -> bool:
-        """Whether ``bucket`` is the buffer this plan was formed for (DDP keeps a bucket's buffer)."""
-        return bucket.data_ptr() == self.pointer and bucket.numel() == self.flat.numel() and bucket.dtype == self.flat.dtype
-
-    def start(self, driver: Any, then: Any) -> torch.futures.Future:
-        """Start this step's exchange on ``driver``; a future of ``then(the bucket's mean)``."""
-        p, flat, n = self.pipeline, self.flat, self.pipeline.world_size
-        steps = p.steps
-        step = max(steps.get(key, 0) for key in self.keys)
-        for key in self.keys:
-            steps[key] = steps.get(key, 0) + 1
-        started = time.perf_counter()
-        faulty = divide_counting_nonfinite(flat, n) > 0
-        if faulty:  # the step's packet is of zeros; the flag travels as a NaN at this rank's position
-            flat.zero_()
-            flat[p.rank] = float("nan")
-        p.stats.add(step, compress_s=time.perf_counter() - started, raw_bytes=self.nbytes, packet_bytes=self.nbytes)
-
-        def finish(results: list) -> Any:
-            (summed,) = results
-            try:
-                raise_flagged(flagged_ranks(summed[:n], "nan"))
-            except NonFiniteError as error:
-                raise _named(error, self.keys) from None
-            with p.stats.timer(step, "decompress_s"):
-                return then(p.strategy.compressor.decode_sum(self.packet, [summed], n))
-
-        return driver.start_round(Round([AllReduce(flat)], final=True), step, finish)
-
-
-def _saturated(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
-    """What to compress in place of φ = β·m + γ·g (``x``, formed by the feedback memory) when φ, or its
-    cast to the gradient's dtype, holds NaN/Inf: None when the finite gradient is not the cause (``x``
-    is the gradient itself, or the gradient holds NaN/Inf: a fault the exchange reports), else φ
-    saturated. A finite memory and gradient overflow only to ±Inf, with the sign of the exact sum: ``x``
-    is clamped in place to its dtype's largest finite value (what lies beyond float32's range is lost:
-    the memory cannot hold it), and the input is ``x`` cast to the gradient's dtype saturating at that
-    dtype's largest value; the memory's update keeps what this leaves unsent (an fp16/bf16 φ beyond the
-    gradient's range stays in the float32 memory for later steps: error feedback, GRACE Eq. 5)."""
-    if x is grad or any_nonfinite(grad.reshape(-1).contiguous()):
-        return None
-    largest = torch.finfo(x.dtype).max
-    x.clamp_(-largest, largest)
-    if x.dtype == grad.dtype:
-        return x
-    return saturate(x.reshape(-1), grad.dtype, inplace=False).to(grad.dtype).view(grad.shape)
-
-
-def _unexchanged(tensors: list[torch.Tensor]) -> Protocol:
-    """The protocol of empty tensors: no round, their averages empty tensors like them."""
-    return [torch.empty_like(t) for t in tensors]
-    yield  # (a generator: a protocol that issues no round)
-
-
-_FAULTY = object()
-
-
-def _prepare(compressor: Compressor, x: torch.Tensor, ctx: Context, world_size: int,
-             grad: torch.Tensor | None = None, parts: SumParts | None = None) -> Any:
-    """This worker's :class:`~gradpress.core.compressor.Preliminary` for ``x`` (None for an empty tensor or
-    a method that sends none for it), or ``_FAULTY`` when ``x`` holds NaN/Inf: found by a check pass,
-    or, for a method that finds them in its own passes, in its preliminary values (a max norm, P = MQ).
-    Preliminary values that are not finite although ``x`` is (PowerSGD's P of values near float32's
-    largest) travel as they are: every rank then holds the combined values and the method raises its
-    ``OverflowError`` (naming this worker or another) on every rank at the same point. ``parts``: x is
-    ``parts.out``, where φ = β·m + γ·``grad`` is formed first — by the method's own preliminary pass
-    (:meth:`~gradpress.core.compressor.Compressor.prepare_sum`) where it finds NaN/Inf itself."""
-    if parts is not None and not compressor.checks_finite:
-        assert grad is not None  # (the parts of φ come with its gradient)
-        scaled_sum(parts.memory, grad, parts.beta, parts.gamma, x)
-        parts = None
-    flat = x.reshape(-1).contiguous()
-    if flat.numel() == 0:
-        return None
-    if not compressor.checks_finite and any_nonfinite(flat):
-        return _FAULTY
-    if parts is None:
-        pre = compressor.prepare(flat.view(x.shape), ctx, world_size)
-    else:
-        assert grad is not None  # (the parts of φ come with its gradient)
-        pre = compressor.prepare_sum(parts.memory, grad, x, ctx, world_size, parts.beta, parts.gamma)
-    if pre is None and compressor.checks_finite and any_nonfinite(flat):
-        return _FAULTY  # (a tensor the method sends as it is: PowerSGD's vectors)
-    if (pre is not None and pre.op != "broadcast" and pre.values.is_floating_point()
-            and not bool(torch.isfinite(pre.values).all()) and any_nonfinite(flat)):
-        return _FAULTY
-    return pre
-
-
-def _compress(compressor: Compressor, x: torch.Tensor, ctx: Context, prepared: torch.Tensor | None,
-              divided: int | None = None, writable: bool = False,
-              residual: torch.Tensor | None = None) -> Packet:
-    if divided is not None:
-        return compressor.compress_divided(x, divided, ctx, inplace=writable)
-    if not compressor.prepares:
-        return compressor.compress(x, ctx)
-    if residual is None:  # (a method that overrides compress need not know the argument)
-        return compressor.compress(x, ctx, prepared=prepared)
-    return compressor.compress(x, ctx, prepared=prepared, residual=residual)

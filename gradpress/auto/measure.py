@@ -1,0 +1,184 @@
+"""What the running job records for ``auto``'s decisions: each step's buckets and the compute between
+steps (:class:`Recorder`), each round of collectives as the cost model's phases (:func:`phases_of`),
+and the link's α and β fitted to the fastest arrivals (:func:`fit_link`)."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+
+from gradpress.auto.base import AutoBase
+from gradpress.auto.options import FALLBACK_LATENCY, KEPT_ARRIVALS
+from gradpress.exchange.protocol import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    Gather,
+    Protocol,
+    ReduceScatter,
+    Round,
+)
+
+if TYPE_CHECKING:
+    from gradpress.costmodel import ComputeProfile
+
+
+# -- the link: rounds of collectives as the cost model's phases, and the fit ------------------------
+def phases_of(round_: Round) -> tuple[tuple[str, float], ...]:
+    """A round's collectives as (strategy, bytes per worker) of :data:`gradpress.costmodel.STRATEGIES`."""
+    out = []
+    for r in round_.requests:
+        size = float(r.tensor.numel() * r.tensor.element_size())
+        if isinstance(r, AllReduce):
+            out.append(("allreduce", size))
+        elif isinstance(r, ReduceScatter):  # (n−1) messages of 1/n of it: an all-gather of one chunk
+            out.append(("allgather", size / max(1, r.tensor.shape[0])))
+        elif isinstance(r, Broadcast):
+            out.append(("broadcast", size))
+        elif isinstance(r, (AllGather, Gather)):
+            out.append(("allgather", size))
+    return tuple(out)
+
+
+def fit_link(arrivals: Mapping[tuple, float], n: int,
+             fallback: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(α seconds per message, bandwidth bits/s) from the fastest arrival of each kind of round
+    (phases -> seconds). Both by non-negative least squares where the sizes allow
+    (:func:`~gradpress.costmodel.fit_alpha_beta`); otherwise α = :data:`FALLBACK_LATENCY` (at most
+    half of the smallest round) and the bandwidth of the largest round, or ``fallback``."""
+    from gradpress.costmodel import Observation, Phase, communication_cost, fit_alpha_beta
+
+    observations = []
+    for phases, seconds in arrivals.items():
+        cost_phases = [Phase(strategy, nbytes) for strategy, nbytes in phases]
+        if seconds > 0 and communication_cost(cost_phases, n).messages > 0:
+            observations.append(Observation(cost_phases, n, seconds))
+    if not observations:
+        return fallback if fallback is not None else (0.0, 1e13)
+    try:
+        alpha, bandwidth = fit_alpha_beta(observations)
+        if math.isfinite(bandwidth) and bandwidth > 0:
+            return alpha, min(bandwidth, 1e13)
+    except ValueError:
+        pass
+    costs = [(communication_cost(o.phases, n), o.seconds) for o in observations]
+    alpha = min([FALLBACK_LATENCY] + [0.5 * s / c.messages for c, s in costs])
+    cost, seconds = max(costs, key=lambda cs: cs[0].nbytes)
+    remaining = seconds - alpha * cost.messages
+    if cost.nbytes <= 0 or remaining <= 0:
+        return fallback if fallback is not None else (alpha, 1e13)
+    return alpha, min(8.0 * cost.nbytes / remaining, 1e13)
+
+
+# -- what the running job records -------------------------------------------------------------------
+@dataclass
+class _BucketRecord:
+    keys: tuple[str, ...]
+    numel: int
+    nbytes: int
+    start: float
+    hook_end: float = 0.0
+    done: float = 0.0
+
+
+@dataclass
+class _StepRecord:
+    step: int
+    first: float
+    buckets: list[_BucketRecord] = field(default_factory=list)
+    gap: float | None = None  # from the end of this step's exchange to the next step's first bucket
+
+    @property
+    def layout(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(b.keys for b in self.buckets)
+
+    def end(self) -> float:
+        return max([self.first] + [max(b.done, b.hook_end) for b in self.buckets])
+
+    def ready(self) -> list[float]:
+        """When each bucket reached the hook, after the first, less the hook's time on earlier buckets."""
+        out, spent = [], 0.0
+        for b in self.buckets:
+            out.append(max(0.0, b.start - self.first - spent))
+            spent += max(0.0, b.hook_end - b.start)
+        return out
+
+
+class Recorder(AutoBase):
+    """The recording side of :class:`~gradpress.auto.AutoPipeline`: when each bucket reaches the hook
+    and is decoded, each round's time on the link, and the profile and link a decision reads."""
+
+    def _begin(self, step: int) -> None:
+        now = time.perf_counter()
+        if self._records and self._records[-1].step == self._current_step:
+            last = self._records[-1]
+            last.gap = max(0.0, now - last.end())
+        self._current_step = step
+        self._records.append(_StepRecord(step, now))
+
+    def _timed(self, protocol: Protocol, record: _BucketRecord) -> Protocol:
+        """``protocol``, recording when its compression ends (its first round is issued), each round's
+        time on the link, and when it has decoded."""
+        try:
+            round_ = next(protocol)
+        except StopIteration as stop:
+            record.hook_end = record.done = time.perf_counter()
+            return stop.value
+        record.hook_end = max(record.hook_end, time.perf_counter())
+        while True:
+            issued = time.perf_counter()
+            results = yield round_
+            arrived = time.perf_counter()
+            if round_.final:  # (a non-final round is resumed later, at a point the same on every rank)
+                self._observe(round_, issued, arrived)
+            try:
+                round_ = protocol.send(results)
+            except StopIteration as stop:
+                record.done = max(record.done, time.perf_counter())
+                return stop.value
+
+    def _observe(self, round_: Round, issued: float, arrived: float) -> None:
+        """One round's time on the link: from its issue, or the arrival of the round before (rounds
+        share one link and queue), to its arrival."""
+        began = max(issued, self._link_free)
+        self._link_free = max(self._link_free, arrived)
+        kind = phases_of(round_)
+        if kind and arrived > began:
+            kept = self._arrivals.get(kind)
+            if kept is None:
+                kept = self._arrivals[kind] = deque(maxlen=KEPT_ARRIVALS)
+            kept.append(arrived - began)
+
+    def _layout(self) -> tuple[tuple[str, ...], ...]:
+        complete = [r for r in self._records if r.gap is not None]
+        return complete[-1].layout
+
+    def _link(self) -> tuple[float, float]:
+        arrivals = {kind: min(kept) for kind, kept in self._arrivals.items() if kept}
+        previous = self.why.get("link") or {}
+        latency, bandwidth = previous.get("latency_s"), previous.get("bits_per_second")
+        fallback = None
+        if isinstance(latency, float) and isinstance(bandwidth, float) and math.isfinite(bandwidth):
+            fallback = (latency, bandwidth)
+        return fit_link(arrivals, self.world_size, fallback)
+
+    def profile(self, layout: tuple[tuple[str, ...], ...]) -> ComputeProfile:
+        """The compute and buckets of the recorded steps of ``layout`` (medians), as ``advise`` profiles
+        them: ``forward_s`` is the time from the end of a step's exchange to the next step's first bucket
+        (optimizer, forward, backward up to the first bucket), ``ready_s`` counts from the first bucket."""
+        from gradpress.costmodel import Bucket, ComputeProfile
+
+        same = [r for r in self._records if r.gap is not None and r.layout == layout]
+        readies = [r.ready() for r in same]
+        ready = [statistics.median(row[b] for row in readies) for b in range(len(layout))]
+        last = same[-1]
+        buckets = tuple(Bucket(b, keys, rec.numel, rec.nbytes, ready[b])
+                        for b, (keys, rec) in enumerate(zip(layout, last.buckets, strict=True)))
+        forward = statistics.median(r.gap for r in same if r.gap is not None)  # (all of them)
+        return ComputeProfile(forward, ready[-1] if ready else 0.0, 0.0, buckets, "measured", 0,
+                              torch.get_num_threads(), sum(b.numel for b in buckets))

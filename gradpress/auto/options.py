@@ -1,0 +1,71 @@
+"""``auto``'s spec, its constants and its own options (:class:`AutoOptions`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Iterable
+
+from gradpress.core.compressor import make
+
+#: the spec that selects this module
+AUTO = "auto"
+#: the uncompressed method: what the measurement steps run, and the reference of every prediction
+UNCOMPRESSED = "none"
+#: methods that pay in different regimes (GRACE Section 6; the README's demo set and sparser top-k)
+DEFAULT_CANDIDATES = ("none", "fp16", "natural", "qsgd", "thc", "topk:ratio=0.01", "topk:ratio=0.001",
+                      "powersgd")
+#: seconds per message when the observed sizes cannot separate it from the bandwidth
+FALLBACK_LATENCY = 1e-4
+#: arrivals kept per size of round (the fastest of them is the link's time for that size)
+KEPT_ARRIVALS = 8
+#: what rank 0 broadcasts at a decision point (the payload's last value)
+NEED_GRADIENTS, DECIDED, KEPT = 0.0, 1.0, 2.0
+
+
+def is_auto(spec: Any) -> bool:
+    return isinstance(spec, str) and spec.strip() == AUTO
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """``auto``'s own options (keyword arguments beside :class:`gradpress.exchange.pipeline.Options`).
+
+    * ``candidates``: the specs it chooses among (``none`` is always one: it measures with it).
+    * ``settle_steps``: steps before measuring (DDP rebuilds its buckets after the first step).
+    * ``measure_steps``: steps measured before the first decision.
+    * ``recheck_every``: steps between decisions after the first (0: never re-check).
+    * ``margin``: a change of methods must be predicted to shorten the step by more than this fraction.
+    """
+
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    settle_steps: int = 2
+    measure_steps: int = 5
+    recheck_every: int = 500
+    margin: float = 0.05
+
+    def __post_init__(self) -> None:
+        given = (self.candidates,) if isinstance(self.candidates, str) else self.candidates
+        if not isinstance(given, Iterable) or not all(isinstance(c, str) for c in given):
+            raise ValueError(f"option candidates must be spec strings, got {self.candidates!r}")
+        specs: list[str] = []
+        for text in [UNCOMPRESSED, *given]:
+            if is_auto(text):
+                raise ValueError("option candidates: 'auto' cannot be its own candidate")
+            spec = make(text).spec  # an unknown spec raises ValueError here
+            if spec not in specs:
+                specs.append(spec)
+        object.__setattr__(self, "candidates", tuple(specs))
+        for name, low in (("settle_steps", 0), ("measure_steps", 1), ("recheck_every", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"option {name} must be an integer >= {low}, got {value!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
+            raise ValueError(f"option margin must be a number in [0, 1), got {self.margin!r}")
+
+    @classmethod
+    def pop_from(cls, options: dict[str, Any]) -> AutoOptions:
+        """The auto options among ``options``, removed from it (the rest are the runtime's)."""
+        names = [f.name for f in fields(cls)]
+        return cls(**{name: options.pop(name) for name in names if name in options})
+
+    def text(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
