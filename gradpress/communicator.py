@@ -21,7 +21,7 @@ from gradpress.core.compressor import Compressor
 from gradpress.exchange.distributed import NodeExecutor, ProcessGroupExecutor, gather_objects, spans_world
 from gradpress.exchange.distributed import process_group as resolve_group
 from gradpress.exchange.driver import Driver
-from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
+from gradpress.exchange.hierarchy import HierarchicalPipeline, auto_layout, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, build, describe, flat_stats
 from gradpress.exchange.state import gathered as _gathered
 
@@ -75,7 +75,8 @@ class Communicator:
         self.rank, self.world_size = executor.rank, executor.world_size
         self._pipeline: Pipeline | AutoPipeline | HierarchicalPipeline
         if auto is not None:  # a pipeline per chosen method (gradpress.auto)
-            self._pipeline = AutoPipeline(auto, self.options, self.rank, self.world_size)
+            found = auto_layout(self.options, self.rank, self.world_size, spans_world(process_group))
+            self._pipeline = AutoPipeline(auto, self.options, self.rank, self.world_size, found)
             self._spec = "auto"
         else:
             assert compressor is not None  # (built above)
@@ -84,8 +85,10 @@ class Communicator:
                                            whole_world=whole)
             self._spec = compressor.spec
         talk: ProcessGroupExecutor | NodeExecutor = executor
-        if isinstance(self._pipeline, HierarchicalPipeline):  # rounds inside the node and between nodes
-            talk = NodeExecutor(executor, self._pipeline.layout.local_size, self.options.timeout)
+        pipeline = self._pipeline
+        layout = pipeline.layout if isinstance(pipeline, (HierarchicalPipeline, AutoPipeline)) else None
+        if layout is not None:  # rounds inside the node and between nodes (auto's two-level candidates too)
+            talk = NodeExecutor(executor, layout.local_size, self.options.timeout)
         self._driver = Driver(talk, self._pipeline.stats)
         self._auto = auto
 

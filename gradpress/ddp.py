@@ -53,7 +53,7 @@ from gradpress.exchange.distributed import (
 )
 from gradpress.exchange.distributed import process_group as resolve_group
 from gradpress.exchange.driver import Driver, failed_future
-from gradpress.exchange.hierarchy import HierarchicalPipeline, check_options, make_pipeline
+from gradpress.exchange.hierarchy import HierarchicalPipeline, auto_layout, check_options, make_pipeline
 from gradpress.exchange.pipeline import Options, Pipeline, Stats, build, describe, flat_stats
 from gradpress.exchange.state import check_world_size_change, gathered, own_state, shapes_of
 
@@ -120,7 +120,10 @@ class GradpressState:
     def _setup(self) -> None:
         executor: ProcessGroupExecutor | NodeExecutor = self._executor()
         pipeline = self._pipeline = self._new_pipeline(executor.rank, executor.world_size)
-        if isinstance(pipeline, HierarchicalPipeline):  # rounds inside the node and between nodes
+        if isinstance(pipeline, HierarchicalPipeline) or (isinstance(pipeline, AutoPipeline)
+                                                          and pipeline.layout is not None):
+            # rounds inside the node and between nodes (auto's two-level candidates too)
+            assert pipeline.layout is not None
             executor = NodeExecutor(self._executor(), pipeline.layout.local_size, self.options.timeout)
         self._driver = Driver(executor, pipeline.stats)
         if self._loaded is not None:
@@ -268,7 +271,8 @@ class GradpressState:
 
     def _new_pipeline(self, rank: int, world_size: int) -> Pipeline | AutoPipeline | HierarchicalPipeline:
         if self.auto is not None:
-            return AutoPipeline(self.auto, self.options, rank, world_size)
+            found = auto_layout(self.options, rank, world_size, spans_world(self._group))
+            return AutoPipeline(self.auto, self.options, rank, world_size, found)
         whole = self.options.hierarchy is None or spans_world(self._group)
         assert self.compressor is not None  # (a spec's, when not auto)
         return make_pipeline(self.compressor, self.options, rank, world_size, self.master, whole)

@@ -251,3 +251,156 @@ def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice
     assert first["rechecked"]["buckets"] == second["rechecked"]["buckets"]
     for mine, theirs in zip(first["params"], second["params"], strict=True):
         assert torch.equal(mine, theirs)
+
+
+# -- the decision by time to a quality target, and on several nodes (pure functions) -----------------------
+def _aggressive(profile: ComputeProfile, ratio: float, spec: str) -> MethodCost:
+    return MethodCost(spec, "allgather", "residual", tuple(
+        BucketCost(2e-3, 2e-4, b.nbytes * ratio, (Transfer("allgather", 16.0), Transfer("allgather", b.nbytes * ratio)))
+        for b in profile.buckets), decode_grows=True)
+
+
+def test_the_quality_model_prefers_the_gentler_method_when_the_aggressive_one_is_slower_to_the_target() -> None:
+    from gradpress.costmodel import CompressionError, steps_factor
+
+    profile = _profile()
+    none = _costs(profile)[0]
+    costs = [none, _aggressive(profile, 1 / 50, "topk:ratio=0.01"), _aggressive(profile, 1 / 500, "topk:ratio=0.001")]
+    # the measured errors: top 1 % keeps half the gradient's energy, top 0.1 % a twentieth (δ = 0.5, 0.05)
+    # (the small bucket holds a thousandth of the gradient's energy)
+    errors = {spec: [CompressionError(1e-3 * e, 1e-3, spec == "none"), CompressionError(e, 1.0, spec == "none")]
+              for spec, e in (("none", 0.0), ("topk:ratio=0.01", 0.5), ("topk:ratio=0.001", 0.95))}
+    by_step = choose(profile, costs, n=8, bandwidth="100mbit", latency=1e-4)  # the step alone (rank_by="step")
+    assert by_step.specs[1] == "topk:ratio=0.001" and by_step.factor == 1.0
+    by_quality = choose(profile, costs, n=8, bandwidth="100mbit", latency=1e-4, errors=errors)
+    assert by_quality.specs[1] == "topk:ratio=0.01"
+    assert by_quality.predicted_s > by_step.predicted_s  # a slower step, but fewer of them to the target
+    assert by_quality.factor == pytest.approx(2.0, rel=1e-2) and by_quality.target_s < by_step.predicted_s * 19
+    # the model: 1/δ for error feedback, 1 + ω/n for an unbiased method without memory, their product mixed
+    assert steps_factor([CompressionError(0.75, 1.0, False)], 4) == pytest.approx(4.0)
+    assert steps_factor([CompressionError(2.0, 1.0, True)], 4) == pytest.approx(1.5)
+    assert steps_factor([CompressionError(0.5, 1.0, False), CompressionError(2.0, 1.0, True)], 4) == \
+        pytest.approx((1 / (1 - 0.25)) * (1 + 1.0 / 4))
+    assert AutoOptions().rank_by == "quality" and AutoOptions(rank_by="step").rank_by == "step"
+    with pytest.raises(ValueError, match="rank_by"):
+        AutoOptions(rank_by="loss")
+    with pytest.raises(ValueError, match="intra_bandwidth"):
+        AutoOptions(intra_bandwidth="fast")
+
+
+def test_on_several_nodes_each_method_is_priced_flat_and_in_two_levels() -> None:
+    from gradpress.costmodel import Topology
+
+    profile = _profile()
+    costs = [_costs(profile)[0], _aggressive(profile, 1 / 50, "topk:ratio=0.01")]
+    nodes = Topology(4, 2, "100gbit")
+    both = choose(profile, costs, n=8, bandwidth="100mbit", latency=1e-4, topology=nodes)
+    # a slow node link: the all-gather crosses it k times less in two levels (costmodel.nodes)
+    assert both.specs[1] == "topk:ratio=0.01@node"
+    assert len(both.levels_s) == 2 and both.levels_s[1][1] < both.levels_s[1][0]
+    assert "none@node" in both.uniform_s and "topk:ratio=0.01" in both.uniform_s
+    only = choose(profile, costs, n=8, bandwidth="100mbit", latency=1e-4, topology=nodes, levels=(True,))
+    assert all(name.endswith("@node") for name in only.specs) and all(s.endswith("@node") for s in only.uniform_s)
+    one = choose(profile, costs, n=8, bandwidth="100mbit", latency=1e-4)
+    assert one.levels_s == () and not any(s.endswith("@node") for s in one.specs)
+    with pytest.raises(ValueError, match="two-level"):
+        choose(profile, costs, n=8, bandwidth="100mbit", levels=(True,))
+
+
+# -- 4 ranks, 2 nodes of 2: two-level candidates, switches between levels ----------------------------------
+LEVEL_PLAN = {1: "topk:ratio=0.1", 3: "topk:ratio=0.1@node", 5: "topk:ratio=0.3@node", 7: "topk:ratio=0.1",
+              9: "none@node", 11: "topk:ratio=0.3@node"}
+
+
+def _left_levels(auto: AutoPipeline, key: str) -> torch.Tensor:
+    """What ``key`` has not sent yet, as this rank's share of the whole (a shard's memory k·e on it)."""
+    total = torch.zeros(SHAPES[key], dtype=torch.float64)
+    for name, pipeline in auto._pipelines.items():
+        memory = getattr(pipeline.feedback, "_memory", {}).get(key)
+        if memory is not None:
+            total += auto._whole(key, memory.double()) if name.endswith("@node") else memory.double()
+    if key in auto._flush:
+        total += auto._flush[key].double()
+    return total
+
+
+def _levels_plan(rank: int) -> dict:
+    """The mixed levels (torchrun's layout) with rank 0 forcing ``LEVEL_PLAN``; a NaN at the last step."""
+    comm = gradpress.Communicator("auto", candidates=["topk:ratio=0.1", "topk:ratio=0.3"], settle_steps=0,
+                                  measure_steps=1, recheck_every=2, seed=0)
+    auto = comm._pipeline
+    if rank == 0:
+        def forced(layout):  # noqa: ANN001, ANN202
+            specs = tuple(LEVEL_PLAN[auto._current_step] for _ in layout)
+            return auto._payload(layout, DECIDED, Decision(specs, 1.0, 2.0, 2.0, tuple(2.0 for _ in layout)))
+
+        auto._rank0_payload = forced
+    generator = torch.Generator().manual_seed(100 + rank)
+    averaged = {k: torch.zeros(s, dtype=torch.float64) for k, s in SHAPES.items()}
+    given = {k: torch.zeros(s, dtype=torch.float64) for k, s in SHAPES.items()}
+    rows = []
+    for step in range(11):
+        grads = {k: torch.randn(s, generator=generator) * (1 + step % 3) for k, s in SHAPES.items()}
+        out = comm.reduce_many(grads)
+        for k in SHAPES:
+            averaged[k] += out[k].double()
+            given[k] += grads[k].double()
+        rows.append({"spec": auto.choice.get("w", "none"), "averaged": {k: v.clone() for k, v in averaged.items()},
+                     "given": {k: v.clone() for k, v in given.items()},
+                     "left": {k: _left_levels(auto, k) for k in SHAPES}})
+    report = comm.stats()["auto"]
+    grads = {k: torch.randn(s, generator=generator) for k, s in SHAPES.items()}
+    if rank == 1:
+        grads["w"][3, 4] = math.nan
+    try:
+        comm.reduce_many(grads)
+        raised = None
+    except gradpress.NonFiniteError as error:
+        raised = error.ranks
+    return {"rows": rows, "report": report, "raised": raised}
+
+
+def _levels_decided(rank: int, **options: object) -> dict:
+    comm = gradpress.Communicator("auto", candidates=["topk:ratio=0.1"], settle_steps=0, measure_steps=2,
+                                  recheck_every=0, seed=0, **options)
+    generator = torch.Generator().manual_seed(7 + rank)
+    outs = [comm.reduce_many({k: torch.randn(s, generator=generator) for k, s in SHAPES.items()})
+            for _ in range(4)]
+    return {"report": comm.stats()["auto"], "outs": outs}
+
+
+def _levels_worker(rank: int, world_size: int) -> dict:
+    import os
+
+    os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2))
+    return {"plan": _levels_plan(rank), "mixed": _levels_decided(rank),
+            "node": _levels_decided(rank, hierarchy="node", local_size=2, intra_bandwidth="10gbit")}
+
+
+def test_two_level_auto_on_two_nodes_decides_alike_switches_levels_exactly_and_stays_bit_identical() -> None:
+    results = run_workers(_levels_worker, 4, timeout=180)
+    plans = [r["plan"] for r in results]
+    expected = ["none", *[LEVEL_PLAN[max(s for s in LEVEL_PLAN if s <= step)] for step in range(1, 11)]]
+    for plan in plans:
+        assert [row["spec"] for row in plan["rows"]] == expected
+        assert plan["raised"] == [1]
+        assert [b["level"] for b in plan["report"]["buckets"]] == ["two levels"]
+    for step, rows in enumerate(zip(*(p["rows"] for p in plans), strict=True)):
+        for key in SHAPES:
+            # Σ averaged + mean of what the ranks have left = Σ mean of the gradients, to fp32 rounding
+            lhs = rows[0]["averaged"][key] + sum(row["left"][key] for row in rows) / 4
+            rhs = sum(row["given"][key] for row in rows) / 4
+            scale = max(1.0, float(rhs.abs().max()), max(float(row["left"][key].abs().max()) for row in rows))
+            torch.testing.assert_close(lhs, rhs, rtol=0, atol=32 * (step + 1) * EPS * scale)
+            assert all(torch.equal(rows[0]["averaged"][key], row["averaged"][key]) for row in rows)
+    for run in ("mixed", "node"):
+        reports = [r[run]["report"] for r in results]
+        assert reports[0]["phase"] == "decided" and reports[0]["decided"]
+        assert all(report["buckets"] == reports[0]["buckets"] for report in reports)
+        for bucket in reports[0]["buckets"]:
+            assert bucket["level"] in ("flat", "two levels") and set(bucket["levels_s"]) == {"flat", "two levels"}
+        assert reports[0]["link"]["intra_bits_per_second"] > 0 and "steps to a quality target" in reports[0]["reason"]
+        for outs in zip(*(r[run]["outs"] for r in results), strict=True):
+            assert all(torch.equal(outs[0][k], out[k]) for out in outs for k in SHAPES)
+    assert all(b["spec"].endswith("@node") for b in results[0]["node"]["report"]["buckets"])
+    assert results[0]["node"]["report"]["link"]["intra_bits_per_second"] == pytest.approx(1e10)

@@ -1,6 +1,7 @@
-"""What :class:`~gradpress.auto.AutoPipeline` holds: a pipeline per candidate (built when first
-chosen), sharing the step counters, shapes and statistics; the choice of a method per key; and the
-switch of a key from one method to another, which carries or flushes its residual."""
+"""What :class:`~gradpress.auto.AutoPipeline` holds: a pipeline per candidate and level (built when first
+chosen; ``spec@node`` a two-level one on several nodes), sharing the step counters, shapes and
+statistics; the choice of a method per key; and the switch of a key from one method to another, which
+carries or flushes its residual."""
 from __future__ import annotations
 
 import math
@@ -9,8 +10,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from gradpress.auto.options import UNCOMPRESSED, AutoOptions
+from gradpress.auto.options import NODE, UNCOMPRESSED, AutoOptions, level_of, method_of
 from gradpress.core.compressor import make
+from gradpress.exchange.hierarchy import HierarchicalPipeline, Layout, Split
 from gradpress.exchange.pipeline import Options, Pipeline, Stats
 
 if TYPE_CHECKING:
@@ -22,8 +24,20 @@ class AutoBase:
     state are :class:`~gradpress.auto.measure.Recorder`'s, :class:`~gradpress.auto.decision.Decider`'s
     and :class:`~gradpress.auto.state.AutoState`'s."""
 
-    def __init__(self, auto: AutoOptions, options: Options, rank: int, world_size: int) -> None:
+    def __init__(self, auto: AutoOptions, options: Options, rank: int, world_size: int,
+                 layout: Layout | None = None) -> None:
         self.auto, self.options, self.rank, self.world_size = auto, options, rank, world_size
+        #: several nodes of several ranks (``layout.two_level``): the levels its candidates run on
+        self.layout = layout if layout is not None and layout.two_level else None
+        if self.layout is None:
+            self.levels: tuple[bool, ...] = (False,)
+        else:
+            self.levels = (True,) if options.hierarchy is not None else (False, True)
+        #: every name a bucket can run: a candidate's spec (flat), or with ``@node`` (two levels); and the
+        #: measurement's (``none``, on several nodes ``none@node`` too)
+        names = [spec + (NODE if two else "") for two in self.levels for spec in auto.candidates]
+        measured = [UNCOMPRESSED] + ([UNCOMPRESSED + NODE] if self.layout is not None else [])
+        self.names = tuple(dict.fromkeys([*measured, *names]))
         self.stats = Stats()
         self.steps: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -39,6 +53,7 @@ class AutoBase:
         self._link_free = 0.0
         self._current_step = -1
         self._costs: dict[str, Any] | None = None  # rank 0: spec -> MethodCost, for _costs_layout
+        self._errors: dict[str, Any] | None = None  # rank 0: spec -> a CompressionError per bucket
         self._costs_layout: tuple | None = None
         self._captured: dict[str, torch.Tensor] | None = None
         self.skipped: dict[str, str] = {}  # rank 0: candidates that failed to measure, with why
@@ -53,8 +68,15 @@ class AutoBase:
             pipeline = self._pipelines[spec] = self._fresh(spec)
         return pipeline
 
-    def _fresh(self, spec: str) -> Pipeline:
-        pipeline = Pipeline(make(spec), self.options, self.rank, self.world_size)
+    def _fresh(self, name: str) -> Pipeline:
+        if level_of(name):
+            if self.layout is None:
+                raise ValueError(f"{name!r}: a two-level exchange needs several nodes of several ranks")
+            node = NodePipeline(make(method_of(name)), self.options, self.layout)
+            node.stats = node.inner.stats = self.stats
+            node.steps = self.steps
+            return node  # type: ignore[return-value]  # (Pipeline's interface)
+        pipeline = Pipeline(make(name), self.options, self.rank, self.world_size)
         pipeline.stats, pipeline.steps, pipeline.shapes = self.stats, self.steps, self.shapes
         return pipeline
 
@@ -63,32 +85,90 @@ class AutoBase:
         ``auto``'s choice, ``auto``'s options and its schedule (a rank that decides alone waits forever)."""
         decided = "not decided yet" if self.decided_at is None else f"decided at step {self.decided_at}"
         next_check = "never" if math.isinf(self.next_decision) else f"step {int(self.next_decision)}"
+        levels = "one level" if self.layout is None else \
+            f"{'two levels' if self.levels == (True,) else 'flat or two levels'}, {self.layout.text}"
         return {"the compressor": f"'auto' (now {spec!r})", "auto": self.auto.text(),
-                "auto's schedule": f"{decided}, next decision at {next_check}"}
+                "auto's schedule": f"{decided}, next decision at {next_check}", "auto's levels": levels}
+
+    def _default(self) -> str:
+        """What a key without a choice runs: ``none``; on several nodes, while measuring, every other
+        step in two levels (``none@node``: the all-gathers inside the node time the rate there)."""
+        measuring = self.decided_at is None and self._current_step >= self.auto.settle_steps
+        if self.layout is not None and measuring and (self._current_step - self.auto.settle_steps) % 2:
+            return UNCOMPRESSED + NODE
+        return UNCOMPRESSED if self.levels[0] is False or not self.choice else UNCOMPRESSED + NODE
 
     def _split(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, list[int]]]:
         """The items' positions by chosen method, methods in order of first appearance."""
         by_spec: dict[str, list[int]] = {}
         for i, (key, _) in enumerate(items):
-            by_spec.setdefault(self.choice.get(key, UNCOMPRESSED), []).append(i)
+            by_spec.setdefault(self.choice.get(key) or self._default(), []).append(i)
         return list(by_spec.items())
 
     def _switch(self, key: str, old: str, new: str) -> None:
-        """``key`` goes from ``old``'s pipeline to ``new``'s: its residual is carried or flushed."""
+        """``key`` goes from ``old``'s pipeline to ``new``'s: its residual is carried or flushed.
+
+        On one level the residual e moves into ``new``'s memory, or is added once to the key's next
+        gradient. A two-level memory holds local rank j's residual of its node's mean shard j: between
+        two-level methods it moves as it is; otherwise it becomes this rank's share of the whole, k·e
+        on shard j and zero elsewhere (the node's reduce-scatter divides by k), which a one-level memory
+        takes over or the next exchange sends once. A one-level residual entering two levels is sent
+        once (a shard's memory holds the node's sum, which no rank has alone)."""
         if old == new:
             return
         self.choice[key] = new
         residual = self._pipelines[old].feedback.take(key) if old in self._pipelines else None
         pending = self._flush.pop(key, None)
-        if pending is not None:
-            residual = pending if residual is None else residual + pending
-        if residual is None:
+        if residual is None and pending is None:
             return
-        target = self.pipeline(new)
+        if residual is not None and pending is None and level_of(old) == level_of(new) \
+                and self._carried(key, new, residual):
+            return
+        if residual is not None and level_of(old):
+            residual = self._whole(key, residual)
+        parts = [t for t in (residual, pending) if t is not None]
+        total = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        if level_of(new) or not self._carried(key, new, total):
+            self._flush[key] = total
+
+    def _carried(self, key: str, name: str, residual: torch.Tensor) -> bool:
+        """Whether ``name``'s memory took ``residual`` over (it compresses ``key`` and keeps a residual)."""
+        target = self.pipeline(name)
+        if isinstance(target, NodePipeline):
+            shape = self.shapes.get(key)
+            if shape is None:
+                return False
+            target.inner.whole.setdefault(key, math.prod(shape))
+            part = target.split(key, shape)
+            inner = target.inner
+            meta = torch.empty(part.part_shape(target.layout.local), device="meta")
+            return inner.compresses(key, meta) and inner.feedback.give(key, residual)
         shape = self.shapes.get(key, tuple(residual.shape))
-        compressed = target.compresses(key, torch.empty(shape, device="meta"))
-        if not (compressed and target.feedback.give(key, residual)):
-            self._flush[key] = residual
+        return target.compresses(key, torch.empty(shape, device="meta")) and target.feedback.give(key, residual)
+
+    def _whole(self, key: str, shard: torch.Tensor) -> torch.Tensor:
+        """A two-level residual of ``key``'s shard as this rank's share of the whole (k·e on its shard)."""
+        assert self.layout is not None  # (a two-level memory exists)
+        shape = self.shapes[key]
+        split = Split.of(key, shape, self.layout.local_size)
+        whole = torch.zeros(shape, dtype=shard.dtype, device=shard.device)
+        j = self.layout.local
+        split.part(whole, j).copy_(shard.reshape(split.part_shape(j)) * self.layout.local_size)
+        return whole
 
     def _in_use(self) -> list[str]:
         return list(dict.fromkeys(self.choice.values())) or [UNCOMPRESSED]
+
+
+class NodePipeline(HierarchicalPipeline):
+    """A two-level pipeline of :class:`AutoBase`: its per-tensor step counters are ``auto``'s (shared
+    with every level), and its shards' counters follow them, so a method chosen late continues the
+    job's steps (warm-up, random streams) in two levels as on one."""
+
+    def split(self, key: str, shape: tuple[int, ...]) -> Split:
+        return self._split(key, shape)
+
+    def _exchange(self, items: list[tuple[str, torch.Tensor]], writable: bool, step: int) -> Any:
+        for key, _ in items:
+            self.inner.steps[key] = self.steps[key] - 1  # (the outer count already includes this step)
+        return super()._exchange(items, writable, step)

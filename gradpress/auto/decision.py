@@ -1,95 +1,23 @@
-"""The decision: a pure function of a profile and the candidates' measured costs (:func:`choose`), and
-how rank 0 makes it at a decision point and every rank follows it (:class:`Decider`)."""
+"""The decision: how rank 0 makes it at a decision point (:func:`~gradpress.auto.ranking.choose`, a pure
+function of a profile, the candidates' measured costs and compression errors) and every rank follows
+it (:class:`Decider`)."""
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from gradpress.auto.measure import Recorder
-from gradpress.auto.options import DECIDED, FALLBACK_LATENCY, KEPT, NEED_GRADIENTS, UNCOMPRESSED
+from gradpress.auto.options import DECIDED, KEPT, NEED_GRADIENTS, UNCOMPRESSED, level_of
+from gradpress.auto.ranking import Decision, choose
 from gradpress.exchange.protocol import Broadcast, Protocol, Round
 
 if TYPE_CHECKING:
-    from gradpress.costmodel import ComputeProfile, MethodCost
+    from gradpress.costmodel import ComputeProfile, Topology
 
-
-@dataclass(frozen=True)
-class Decision:
-    """What :func:`choose` decided: a spec per bucket, the predicted step with it (``predicted_s``), with
-    every bucket uncompressed (``uncompressed_s``), with the methods in use before (``current_s``), with
-    each bucket alone uncompressed (``bucket_uncompressed_s``), and with each candidate on every bucket
-    (``uniform_s``)."""
-
-    specs: tuple[str, ...]
-    predicted_s: float
-    uncompressed_s: float
-    current_s: float
-    bucket_uncompressed_s: tuple[float, ...]
-    uniform_s: dict[str, float] = field(default_factory=dict)
-
-
-def _mixed(by_spec: Mapping[str, MethodCost], specs: Sequence[str], n: int) -> MethodCost:
-    """One bucket's cost of each bucket's method (decoding already scaled to ``n`` workers)."""
-    from gradpress.costmodel import BucketCost, MethodCost
-
-    buckets = []
-    for b, spec in enumerate(specs):
-        cost = by_spec[spec]
-        c = cost.buckets[b]
-        buckets.append(BucketCost(c.compress_s, cost.decompress_at(c, n), c.packet_bytes, c.transfers))
-    return MethodCost("+".join(sorted(set(specs))), "mixed", "mixed", tuple(buckets), measured_workers=1)
-
-
-def choose(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, bandwidth: float | str,
-           latency: float = FALLBACK_LATENCY, current: Sequence[str] | None = None,
-           margin: float = 0.05, passes: int = 2) -> Decision:
-    """The methods per bucket for the shortest predicted step (:func:`gradpress.costmodel.predict`)
-    among ``n`` workers on a link of ``bandwidth`` bits/s and ``latency`` s per message.
-
-    Starts from the best single method, then changes one bucket's method at a time while that shortens
-    the prediction (``passes`` rounds over the buckets). ``current`` (a spec per bucket; default: every
-    bucket ``none``) is kept unless the best is predicted faster by more than ``margin`` of its step
-    (timings on a shared machine vary: a switch must pay clearly). ``costs`` must include ``none``."""
-    from gradpress.costmodel import predict
-
-    by_spec = {c.spec: c for c in costs}
-    if UNCOMPRESSED not in by_spec:
-        raise ValueError(f"choose needs the cost of {UNCOMPRESSED!r} (the reference)")
-    nb = len(profile.buckets)
-    for cost in costs:
-        if len(cost.buckets) != nb:
-            raise ValueError(f"{cost.spec}: costs of {len(cost.buckets)} buckets for a profile of {nb}")
-
-    def step_of(specs: Sequence[str]) -> float:
-        return predict(profile, _mixed(by_spec, specs, n), n=n, bandwidth=bandwidth, latency=latency).total
-
-    uniform = {spec: step_of([spec] * nb) for spec in by_spec}
-    best_spec = min(uniform, key=lambda s: (uniform[s], s != UNCOMPRESSED))
-    best, best_s = [best_spec] * nb, uniform[best_spec]
-    for _ in range(passes):
-        improved = False
-        for b in range(nb):
-            for spec in by_spec:
-                if spec == best[b]:
-                    continue
-                trial = [*best[:b], spec, *best[b + 1:]]
-                seconds = step_of(trial)
-                if seconds < best_s * (1 - 1e-9):
-                    best, best_s, improved = trial, seconds, True
-        if not improved:
-            break
-    now = [s if s in by_spec else UNCOMPRESSED for s in current] if current is not None else [UNCOMPRESSED] * nb
-    if len(now) != nb:
-        now = [UNCOMPRESSED] * nb
-    current_s = step_of(now)
-    if not best_s < current_s * (1 - margin):
-        best, best_s = now, current_s
-    alone = tuple(step_of([*best[:b], UNCOMPRESSED, *best[b + 1:]]) for b in range(nb))
-    return Decision(tuple(best), best_s, uniform[UNCOMPRESSED], current_s, alone, uniform)
+__all__ = ["Decision", "choose", "Decider"]
 
 
 class Decider(Recorder):
@@ -118,79 +46,109 @@ class Decider(Recorder):
                 yield from group.protocol
 
     def _measure(self, profile: ComputeProfile) -> tuple[dict[str, Any], dict[str, str]]:
-        """Each candidate's cost on the captured gradients (rank 0), as ``advise`` measures it."""
-        from gradpress.costmodel import measure_method
+        """Each candidate's cost on the captured gradients (rank 0), as ``advise`` measures it, and
+        (``rank_by="quality"``) its compression error on each bucket (kept in ``_errors``)."""
+        from gradpress.costmodel import compression_errors, measure_method
 
         grads = self._captured or {}
-        costs, skipped = {}, {}
+        buckets = [{key: grads[key] for key in bucket.keys if key in grads} for bucket in profile.buckets]
+        costs, skipped, errors = {}, {}, {}
         for spec in self.auto.candidates:
             try:
                 self.pipeline(spec)  # a method these options cannot run (a mode it lacks) is left out
                 costs[spec] = measure_method(spec, profile, [grads, grads], repeats=2, seed=self.options.seed)
+                if self.auto.rank_by == "quality":
+                    errors[spec] = compression_errors(spec, buckets, seed=self.options.seed,
+                                                      feedback=self.options.feedback)
             except Exception as error:  # noqa: BLE001 - one method that fails is left out, with its reason
+                costs.pop(spec, None)
                 skipped[spec] = f"{type(error).__name__}: {error}"[:200]
+        self._errors = errors if self.auto.rank_by == "quality" else None
         return costs, skipped
 
     def _payload(self, layout: tuple[tuple[str, ...], ...], status: float, decision: Decision | None = None,
-                 link: tuple[float, float] = (0.0, 0.0), compute: float = 0.0) -> torch.Tensor:
-        """What rank 0 broadcasts: [candidate index per bucket, predicted step with each bucket alone
-        uncompressed, predicted step, uncompressed step, α, seconds per byte, compute, status]."""
+                 link: tuple[float, float] = (0.0, 0.0), compute: float = 0.0, intra: float = 0.0) -> torch.Tensor:
+        """What rank 0 broadcasts: [name index per bucket (:attr:`names`), predicted step with each
+        bucket alone uncompressed, with each bucket's method flat, in two levels, predicted step,
+        uncompressed step, α, seconds per byte, compute, seconds per byte inside a node, steps factor,
+        status]."""
         nb = len(layout)
+        flat, node = [0.0] * nb, [0.0] * nb
         if decision is None:
             specs = [self.choice.get(keys[0], UNCOMPRESSED) if keys else UNCOMPRESSED for keys in layout]
-            alone, predicted, uncompressed = [0.0] * nb, 0.0, 0.0
+            alone, predicted, uncompressed, factor = [0.0] * nb, 0.0, 0.0, 1.0
         else:
             specs, alone = list(decision.specs), list(decision.bucket_uncompressed_s)
-            predicted, uncompressed = decision.predicted_s, decision.uncompressed_s
-        indices = [float(self.auto.candidates.index(s)) if s in self.auto.candidates else 0.0 for s in specs]
+            predicted, uncompressed, factor = decision.predicted_s, decision.uncompressed_s, decision.factor
+            if decision.levels_s:
+                flat, node = [f for f, _ in decision.levels_s], [t for _, t in decision.levels_s]
+        indices = [float(self.names.index(s)) if s in self.names else 0.0 for s in specs]
         alpha, bandwidth = link
         per_byte = 8.0 / bandwidth if bandwidth > 0 else 0.0
-        return torch.tensor([*indices, *alone, predicted, uncompressed, alpha, per_byte, compute, status],
-                            dtype=torch.float64)
+        intra_per_byte = 8.0 / intra if intra > 0 else 0.0
+        return torch.tensor([*indices, *alone, *flat, *node, predicted, uncompressed, alpha, per_byte, compute,
+                             intra_per_byte, factor, status], dtype=torch.float64)
+
+    def _topology(self, intra: float) -> Topology | None:
+        from gradpress.costmodel import Topology
+
+        if self.layout is None:
+            return None
+        return Topology(self.layout.nodes, self.layout.local_size, intra)
 
     def _rank0_payload(self, layout: tuple[tuple[str, ...], ...]) -> torch.Tensor:
         current = [self.choice.get(keys[0], UNCOMPRESSED) if keys else UNCOMPRESSED for keys in layout]
         link = self._link()
+        intra = self._intra_link() if self.layout is not None else 0.0
         profile = self.profile(layout)
         compute = profile.forward_s + profile.backward_s
         if self._costs is None or self._costs_layout != layout:
             captured = self._captured
             self._captured, self._costs = None, None
             if captured is None or not all(k in captured for keys in layout for k in keys):
-                return self._payload(layout, NEED_GRADIENTS, link=link, compute=compute)
+                return self._payload(layout, NEED_GRADIENTS, link=link, compute=compute, intra=intra)
             self._captured = captured
             self._costs, self.skipped = self._measure(profile)
             self._costs_layout, self._captured = layout, None
         if UNCOMPRESSED not in self._costs:
-            return self._payload(layout, KEPT, link=link, compute=compute)
+            return self._payload(layout, KEPT, link=link, compute=compute, intra=intra)
         decision = choose(profile, list(self._costs.values()), n=self.world_size, bandwidth=link[1],
-                          latency=link[0], current=current, margin=self.auto.margin)
-        return self._payload(layout, DECIDED, decision, link, compute)
+                          latency=link[0], current=current, margin=self.auto.margin, errors=self._errors,
+                          topology=self._topology(intra), levels=self.levels)
+        return self._payload(layout, DECIDED, decision, link, compute, intra)
 
     def _apply(self, payload: torch.Tensor, layout: tuple[tuple[str, ...], ...], step: int) -> None:
         """Every rank: follow rank 0's choice from now on, moving the memory of every key that changes
         method (module docstring), and keep the reasons for :meth:`report`."""
         nb = len(layout)
         values = payload.tolist()
-        specs = [self.auto.candidates[int(round(v))] for v in values[:nb]]
-        alone = values[nb:2 * nb]
-        predicted, uncompressed, alpha, per_byte, compute, status = values[2 * nb:]
+        specs = [self.names[int(round(v))] for v in values[:nb]]
+        alone, flat, node = values[nb:2 * nb], values[2 * nb:3 * nb], values[3 * nb:4 * nb]
+        predicted, uncompressed, alpha, per_byte, compute, intra_per_byte, factor, status = values[4 * nb:]
         if status == NEED_GRADIENTS:  # rank 0 has no costs yet: it keeps this step's gradients, decides next
             self.next_decision = step + 1
             return
         for keys, spec in zip(layout, specs, strict=True):
             for key in keys:
-                self._switch(key, self.choice.get(key, UNCOMPRESSED), spec)
+                self._switch(key, self.choice.get(key) or self._default(), spec)
         self.decided_at = step
         self.next_decision = step + self.auto.recheck_every if self.auto.recheck_every else math.inf
         decided = status == DECIDED
+        link = {"seconds_per_byte": per_byte, "latency_s": alpha,
+                "bits_per_second": 8.0 / per_byte if per_byte > 0 else math.inf}
+        if self.layout is not None:
+            link["intra_bits_per_second"] = 8.0 / intra_per_byte if intra_per_byte > 0 else math.inf
+        buckets = []
+        for keys, spec, a, f, t in zip(layout, specs, alone, flat, node, strict=True):
+            bucket = {"keys": list(keys), "spec": spec,
+                      "predicted_s": {"chosen": predicted, UNCOMPRESSED: a} if decided else {}}
+            if self.layout is not None:
+                bucket["level"] = "two levels" if level_of(spec) else "flat"
+                bucket["levels_s"] = {"flat": f, "two levels": t} if decided else {}
+            buckets.append(bucket)
         self.why = {
-            "decided": decided,
+            "decided": decided, "rank_by": self.auto.rank_by,
             "predicted_s": {"chosen": predicted, UNCOMPRESSED: uncompressed} if decided else {},
-            "link": {"seconds_per_byte": per_byte, "latency_s": alpha,
-                     "bits_per_second": 8.0 / per_byte if per_byte > 0 else math.inf},
-            "compute_s": compute,
-            "buckets": [{"keys": list(keys), "spec": spec,
-                         "predicted_s": {"chosen": predicted, UNCOMPRESSED: a} if decided else {}}
-                        for keys, spec, a in zip(layout, specs, alone, strict=True)],
+            "steps_factor": factor if decided else 1.0,
+            "link": link, "compute_s": compute, "buckets": buckets,
         }

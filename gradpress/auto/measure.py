@@ -148,10 +148,11 @@ class Recorder(AutoBase):
         began = max(issued, self._link_free)
         self._link_free = max(self._link_free, arrived)
         kind = phases_of(round_)
-        if kind and arrived > began:
-            kept = self._arrivals.get(kind)
+        if kind and arrived > began:  # (keyed by the group it ran on: "" all ranks, "node" inside a node)
+            key = (round_.scope, kind)
+            kept = self._arrivals.get(key)
             if kept is None:
-                kept = self._arrivals[kind] = deque(maxlen=KEPT_ARRIVALS)
+                kept = self._arrivals[key] = deque(maxlen=KEPT_ARRIVALS)
             kept.append(arrived - began)
 
     def _layout(self) -> tuple[tuple[str, ...], ...]:
@@ -159,13 +160,31 @@ class Recorder(AutoBase):
         return complete[-1].layout
 
     def _link(self) -> tuple[float, float]:
-        arrivals = {kind: min(kept) for kind, kept in self._arrivals.items() if kept}
+        arrivals = {kind: min(kept) for (scope, kind), kept in self._arrivals.items() if kept and not scope}
         previous = self.why.get("link") or {}
         latency, bandwidth = previous.get("latency_s"), previous.get("bits_per_second")
         fallback = None
         if isinstance(latency, float) and isinstance(bandwidth, float) and math.isfinite(bandwidth):
             fallback = (latency, bandwidth)
         return fit_link(arrivals, self.world_size, fallback)
+
+    def _intra_link(self) -> float:
+        """The rate inside a node (bits/s): the ``intra_bandwidth`` option, else fitted to the fastest
+        all-gathers inside the node (:func:`fit_link` among its k ranks), else the last one measured,
+        else :data:`gradpress.costmodel.DEFAULT_INTRA_BANDWIDTH`."""
+        from gradpress.costmodel import DEFAULT_INTRA_BANDWIDTH
+        from gradpress.costmodel.network import _bits_per_second
+
+        if self.auto.intra_bandwidth is not None:
+            return _bits_per_second(self.auto.intra_bandwidth)
+        arrivals = {kind: min(kept) for (scope, kind), kept in self._arrivals.items() if kept and scope == "node"}
+        previous = (self.why.get("link") or {}).get("intra_bits_per_second")
+        default = previous if isinstance(previous, float) and math.isfinite(previous) and previous > 0 \
+            else _bits_per_second(DEFAULT_INTRA_BANDWIDTH)
+        if not arrivals or self.layout is None:
+            return default
+        _, bandwidth = fit_link(arrivals, self.layout.local_size, (FALLBACK_LATENCY, default))
+        return bandwidth if bandwidth < 1e13 else default
 
     def profile(self, layout: tuple[tuple[str, ...], ...]) -> ComputeProfile:
         """The compute and buckets of the recorded steps of ``layout`` (medians), as ``advise`` profiles

@@ -19,6 +19,20 @@ FALLBACK_LATENCY = 1e-4
 KEPT_ARRIVALS = 8
 #: what rank 0 broadcasts at a decision point (the payload's last value)
 NEED_GRADIENTS, DECIDED, KEPT = 0.0, 1.0, 2.0
+#: the suffix of a candidate run in two levels (``hierarchy="node"``; ``compare``'s and ``advise``'s too)
+NODE = "@node"
+#: what ``rank_by`` accepts: time to a quality target (the default), or the step alone
+RANK_BY = ("quality", "step")
+
+
+def level_of(name: str) -> bool:
+    """Whether the candidate ``name`` runs in two levels (it ends in :data:`NODE`)."""
+    return name.endswith(NODE)
+
+
+def method_of(name: str) -> str:
+    """The method's spec of the candidate ``name`` (without :data:`NODE`)."""
+    return name[:-len(NODE)] if level_of(name) else name
 
 
 def is_auto(spec: Any) -> bool:
@@ -33,7 +47,13 @@ class AutoOptions:
     * ``settle_steps``: steps before measuring (DDP rebuilds its buckets after the first step).
     * ``measure_steps``: steps measured before the first decision.
     * ``recheck_every``: steps between decisions after the first (0: never re-check).
-    * ``margin``: a change of methods must be predicted to shorten the step by more than this fraction.
+    * ``margin``: a change of methods must be predicted to shorten the objective by more than this fraction.
+    * ``rank_by``: ``"quality"`` (the predicted time to a quality target: the step times the steps factor
+      of each method's compression error measured on the job's gradients,
+      :mod:`gradpress.costmodel.quality`) or ``"step"`` (the predicted step alone).
+    * ``intra_bandwidth``: on several nodes, the rate inside a node (bits/s, or a tc rate such as
+      ``"100gbit"``); None: measured on the all-gathers inside the node of the measurement steps run in
+      two levels (:data:`gradpress.costmodel.DEFAULT_INTRA_BANDWIDTH` until one is measured).
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -41,6 +61,8 @@ class AutoOptions:
     measure_steps: int = 5
     recheck_every: int = 500
     margin: float = 0.05
+    rank_by: str = "quality"
+    intra_bandwidth: float | str | None = None
 
     def __post_init__(self) -> None:
         given = (self.candidates,) if isinstance(self.candidates, str) else self.candidates
@@ -60,6 +82,15 @@ class AutoOptions:
                 raise ValueError(f"option {name} must be an integer >= {low}, got {value!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
             raise ValueError(f"option margin must be a number in [0, 1), got {self.margin!r}")
+        if self.rank_by not in RANK_BY:
+            raise ValueError(f"option rank_by must be one of {RANK_BY}, got {self.rank_by!r}")
+        if self.intra_bandwidth is not None:
+            from gradpress.costmodel.network import _bits_per_second
+
+            try:
+                _bits_per_second(self.intra_bandwidth)
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"option intra_bandwidth: {error}") from None
 
     @classmethod
     def pop_from(cls, options: dict[str, Any]) -> AutoOptions:

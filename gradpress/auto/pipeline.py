@@ -118,10 +118,16 @@ class AutoPipeline(Decider, AutoState):
                            for spec, count in counts.items()) or UNCOMPRESSED
         if not explained.get("decided"):
             return f"kept {chosen} at step {explained['decided_at']}: no candidate costs to decide with"
+        factor = _number(explained.get("steps_factor", 1.0))
+        quality = (f", ×{factor:.2f} the steps to a quality target" if explained.get("rank_by") == "quality"
+                   else " (ranked by step time)")
+        inside = ""
+        if "intra_bits_per_second" in link:
+            inside = f", {_number(link['intra_bits_per_second']) / 1e9:.1f} Gbit/s inside a node"
         return (f"{chosen} at step {explained['decided_at']}: predicted step "
-                f"{_number(predicted.get('chosen')) * 1e3:.2f} ms against "
+                f"{_number(predicted.get('chosen')) * 1e3:.2f} ms{quality}, against "
                 f"{_number(predicted.get(UNCOMPRESSED)) * 1e3:.2f} ms uncompressed (link "
-                f"{_number(link.get('bits_per_second')) / 1e6:.0f} Mbit/s, "
+                f"{_number(link.get('bits_per_second')) / 1e6:.0f} Mbit/s{inside}, "
                 f"{_number(link.get('latency_s')) * 1e6:.0f} µs per message; compute "
                 f"{_number(explained.get('compute_s')) * 1e3:.2f} ms)")
 

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from gradpress.auto.base import AutoBase
-from gradpress.auto.options import AUTO, UNCOMPRESSED
+from gradpress.auto.options import AUTO, UNCOMPRESSED, level_of
 from gradpress.exchange.pipeline import Pipeline, Stats
 from gradpress.exchange.state import FORMAT, _check_keyed, own_state, resized, shapes_of, warn_resized
 
@@ -55,6 +55,9 @@ class AutoState(AutoBase):
             if isinstance(saved, dict):
                 pipelines = {}
                 for spec, sub in saved.items():
+                    if level_of(spec):  # a shard's memory, of a layout this world may not have
+                        dropped.append(f"{spec}: the memory of a shard in two levels")
+                        continue
                     if spec in self.auto.candidates:  # (else refused when loaded)
                         sub, lost, _ = resized(own_state(sub, self.rank, self.world_size), self.rank,
                                                self.world_size, self._fresh(spec).shared_sections())
@@ -99,7 +102,7 @@ class AutoState(AutoBase):
         self._records.clear()
         self._arrivals.clear()
         self._current_step = -1
-        self._costs, self._costs_layout, self._captured = None, None, None
+        self._costs, self._costs_layout, self._captured, self._errors = None, None, None, None
 
     def _checked_section(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
         """``state``'s ``"auto"`` section and its shapes, once its header, step counters, choice, residuals
@@ -118,10 +121,10 @@ class AutoState(AutoBase):
         choice = section.get("choice")
         if not isinstance(choice, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in choice.items()):
             raise ValueError("gradpress state: auto.choice must map keys to specs")
-        outside = sorted({v for v in choice.values() if v not in self.auto.candidates})
+        outside = sorted({v for v in choice.values() if v not in self.names})
         if outside:
             raise ValueError(f"gradpress state: auto.choice uses {', '.join(map(repr, outside))}, not among "
-                             f"this runtime's candidates {list(self.auto.candidates)}")
+                             f"this runtime's candidates {list(self.names)}")
         _check_keyed("auto.flush", {"flush": section.get("flush", {})}, shapes)
         for name in ("decided_at", "next_decision"):
             given = section.get(name)
@@ -136,9 +139,9 @@ class AutoState(AutoBase):
             raise ValueError("gradpress state: auto.pipelines must map specs to pipeline states")
         pipelines = {}
         for spec, sub in saved.items():
-            if spec not in self.auto.candidates:
+            if spec not in self.names:
                 raise ValueError(f"gradpress state: auto.pipelines holds {spec!r}, not among this runtime's "
-                                 f"candidates {list(self.auto.candidates)}")
+                                 f"candidates {list(self.names)}")
             pipeline = self._fresh(spec)
             pipeline.stats = Stats()  # (the statistics are this state's own, loaded below)
             pipeline.load_state_dict(_without_stats(sub))  # checked (gradpress.exchange.state.check): ValueError

@@ -4,9 +4,13 @@
 costs, token buckets, fits of α and β to measured exchanges); :mod:`~gradpress.costmodel.profile` holds a
 step's compute and DDP's buckets; :mod:`~gradpress.costmodel.method` a method's measured compression and
 wire costs per bucket; :mod:`~gradpress.costmodel.nodes` prices an exchange on N nodes of k ranks, flat or
-in two levels; :mod:`~gradpress.costmodel.predict` puts them together into a predicted step.
+in two levels; :mod:`~gradpress.costmodel.predict` puts them together into a predicted step;
+:mod:`~gradpress.costmodel.levels` prices a step whose buckets each run their own method and level;
+:mod:`~gradpress.costmodel.quality` turns a method's measured compression error into a factor on the
+steps to a quality target.
 Every name is importable from the package.
 """
+from gradpress.costmodel.levels import level_steps, predict_levels, priced_steps
 from gradpress.costmodel.method import (
     BASELINE,
     BucketCost,
@@ -57,6 +61,13 @@ from gradpress.costmodel.nodes import (
 )
 from gradpress.costmodel.predict import calibrated, predict
 from gradpress.costmodel.profile import FIRST_BUCKET_BYTES, Bucket, ComputeProfile, assign_buckets
+from gradpress.costmodel.quality import (
+    MIN_DELTA,
+    CompressionError,
+    compression_errors,
+    runs_unbiased,
+    steps_factor,
+)
 
 __all__ = [
     "BASELINE", "DEFAULT_INTRA_BANDWIDTH", "DEFAULT_LATENCY", "FIRST_BUCKET_BYTES", "FLAT", "STRATEGIES",
@@ -67,4 +78,6 @@ __all__ = [
     "flat_cost", "level_costs", "link_phases", "measure_method", "node_exchange", "node_link_bytes",
     "node_transfer_seconds", "predict", "predict_bucketed_step", "predict_step_time", "rate_bits_per_second",
     "refill", "shard_phases", "steady_tokens", "transfer_seconds", "transfers_of",
+    "MIN_DELTA", "CompressionError", "compression_errors", "runs_unbiased", "steps_factor",
+    "level_steps", "predict_levels", "priced_steps",
 ]

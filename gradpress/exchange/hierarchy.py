@@ -154,11 +154,30 @@ def make_pipeline(compressor: Compressor, options: Options, rank: int, world_siz
 
 
 def check_options(options: Options, auto: bool) -> None:
-    """Raise ``ValueError`` for what the two-level exchange does not run (``"auto"``, which chooses a
-    method per bucket on one level)."""
-    if auto and options.hierarchy is not None:
-        raise ValueError("hierarchy='node' runs one method: spec 'auto' chooses per bucket on one level; "
-                         "pass a method's spec")
+    """Raise ``ValueError`` for what the two-level exchange does not run: nothing now (``"auto"`` with
+    ``hierarchy="node"`` chooses among two-level candidates, :mod:`gradpress.auto`)."""
+    del options, auto
+
+
+def auto_layout(options: Options, rank: int, world_size: int, whole_world: bool = True,
+                env: Mapping[str, str] | None = None) -> Layout | None:
+    """The nodes ``"auto"`` ranks flat against two-level exchanges on (:mod:`gradpress.auto`): with
+    ``hierarchy="node"``, :func:`layout` (a node size that does not divide the world raises
+    ``ValueError``); without, torchrun's ``LOCAL_WORLD_SIZE`` where it describes these ranks (``env``:
+    default ``os.environ``), else None (one level)."""
+    if options.hierarchy is not None:
+        found = layout(options, rank, world_size, whole_world, env)
+        if found is not None and found.problem is not None:
+            raise ValueError(found.problem)
+        return found
+    env = os.environ if env is None else env
+    if not whole_world or "LOCAL_WORLD_SIZE" not in env:
+        return None
+    try:
+        found = layout(replace(options, hierarchy="node"), rank, world_size, whole_world, env)
+    except ValueError:
+        return None
+    return found if found is not None and found.problem is None and not found.placed else None
 
 
 def _agreed(parts: dict[str, str], world_size: int, device: torch.device, found: Layout) -> Protocol:
