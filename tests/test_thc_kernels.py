@@ -10,6 +10,7 @@ import gradpress
 from gradpress.compressors.thc import _affine
 from gradpress.core.rng import Context, mix32_torch, seed32
 from gradpress.kernels import simd as _simd
+from gradpress.kernels import simd_lanes
 from gradpress.kernels.bits import unpack_bits
 from gradpress.kernels.jit import numba_disabled
 from kernels import path
@@ -106,7 +107,7 @@ def test_permute32_without_avx512_gathers_the_same_lanes(monkeypatch):
     """V.permute32's fallback (no AVX-512: a gather from a copy of the table on the stack)."""
     from numba import njit
 
-    monkeypatch.setattr(_simd, "AVX512", False)
+    monkeypatch.setattr(simd_lanes, "AVX512", False)  # (permute32 reads it there)
 
     @njit
     def lookup(table, index, out):  # compiled now, with the fallback (not cached)
