@@ -10,19 +10,21 @@ run's files there (:data:`OUTPUTS`) when the new run starts, and leaves any othe
 
 With ``--nodes``, a spec in ``--compressors`` may end in ``@node``: that run exchanges in two levels
 (``hierarchy="node"``, :mod:`gradpress.exchange.hierarchy`), so the flat and the hierarchical exchange
-of one method are two rows of one report (``topk:ratio=0.01,topk:ratio=0.01@node``).
+of one method are two rows of one report (``topk:ratio=0.01,topk:ratio=0.01@node``). A spec ending in
+``@hsdp`` or ``@fsdp`` trains the model sharded with FSDP2's ``fully_shard`` instead of DDP, with
+``gradpress.fsdp.register`` on an HSDP mesh (replicas the nodes, shards a node's workers) or on a 1-D
+mesh; ``torch-hsdp`` and ``torch-fsdp`` are FSDP2's own reduction on the same meshes
+(:mod:`gradpress.testbed.training.rows`, :mod:`gradpress.testbed.training.sharded`).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from gradpress.testbed import arguments
 from gradpress.testbed.report import write_report
-from gradpress.testbed.results import HIERARCHICAL, REFERENCES, Run
+from gradpress.testbed.results import HIERARCHICAL, REFERENCES, SHARDED_REFERENCES, Run
 from gradpress.testbed.train import (
     TrainConfig,
     TrainFailed,
@@ -31,6 +33,10 @@ from gradpress.testbed.train import (
     checked_config,
     train,
 )
+from gradpress.testbed.training.rows import checked_ending, run_config, split_run
+
+__all__ = ["DEMO_SET", "OUTPUTS", "add_parser", "available", "check_out", "compare", "demo_set", "run_config",
+           "run_list", "split_run"]
 
 #: the README's demo set; methods not registered in this version are reported, not run
 DEMO_SET = ("none", "fp16", "topk:ratio=0.01", "qsgd", "natural", "thc", "powersgd", "torch-allreduce",
@@ -42,37 +48,12 @@ OUTPUTS = ("report.md", "results.json", "quality_vs_time.png", "quality_vs_bytes
            "run-*.json")
 
 
-def split_run(item: str) -> tuple[str, dict[str, Any]]:
-    """An item of ``--compressors`` as its spec and the runtime options of its own:
-    ``"topk:ratio=0.01@node"`` -> ``("topk:ratio=0.01", {"hierarchy": "node"})``, ``"topk"`` ->
-    ``("topk", {})``. ValueError for another suffix, or ``@node`` on a reference row (PyTorch's hooks)."""
-    spec, at, where = item.partition("@")
-    if not at:
-        return item, {}
-    spec = spec.strip()
-    if where.strip() != HIERARCHICAL[1:]:
-        raise ValueError(f"{item}: expected SPEC{HIERARCHICAL} (the two-level exchange, hierarchy=node), "
-                         f"got @{where.strip()}")
-    if spec in REFERENCES:
-        raise ValueError(f"{item}: {spec} is PyTorch's own hook, which has no hierarchy; {HIERARCHICAL} "
-                         "is for gradpress methods")
-    return spec, {"hierarchy": "node"}
-
-
-def run_config(base: TrainConfig, item: str) -> TrainConfig:
-    """``base`` for the run of ``--compressors`` item ``item`` (:func:`split_run`)."""
-    spec, options = split_run(item)
-    return replace(base, compressor=spec, options={**base.options, **options})
-
-
 def run_list(text: str) -> arguments.Specs:
     """The ``--compressors`` converter: :func:`gradpress.testbed.arguments.compressor_list`'s list
-    (references and the ``demo`` keyword included), where a spec may end in ``@node`` (:func:`split_run`)."""
-    def ending(item: str) -> tuple[str, str]:
-        spec, options = split_run(item)
-        return spec, HIERARCHICAL if options else ""
-
-    return arguments.compressor_list(references=REFERENCES, keywords={"demo": demo_set}, suffix=ending)(text)
+    (references and the ``demo`` keyword included), where a spec may end in ``@node``, ``@hsdp`` or
+    ``@fsdp`` (:func:`~gradpress.testbed.training.rows.split_run`)."""
+    return arguments.compressor_list(references=REFERENCES, keywords={"demo": demo_set},
+                                     suffix=checked_ending)(text)
 
 
 def check_out(out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -157,7 +138,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="comma-separated specs and references; 'demo' stands for: " + ", ".join(DEMO_SET)
                              + f"; a spec ending in {HIERARCHICAL} runs the two-level exchange "
                              "(--option hierarchy=node for that run alone), e.g. topk:ratio=0.01,"
-                             "topk:ratio=0.01@node with --nodes 2")
+                             "topk:ratio=0.01@node with --nodes 2; on a model sharded with FSDP2 "
+                             f"instead of DDP: {', '.join(SHARDED_REFERENCES)} (FSDP2's own reduction on "
+                             "an HSDP mesh of (--nodes, --workers), or (--workers, 1) on one node, and on "
+                             "a 1-D mesh of every rank), SPEC@hsdp (gradpress between the replicas) and "
+                             "SPEC@fsdp (gradpress's reduce-scatter: fsdp.scatter_methods() only), e.g. "
+                             "torch-hsdp,topk:ratio=0.01@hsdp")
     parser.add_argument("--out", type=arguments.output_dir, default="out/compare",
                         help="directory for report.md, results.json, the plots and each run's record; it "
                              "must be new or empty, so that it holds one run's files")

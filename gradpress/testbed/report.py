@@ -194,8 +194,9 @@ def render_markdown(runs: Sequence[Run], goal: Target | None, rows: Sequence[Row
          for r in rows],
         align="l" + "r" * (7 + len(traffic)))
     lines += ["", _NOTES.format(warmup=f"{WARMUP_FRACTION:.0%}", base=BASELINE, noop=UPPER_BOUND)]
-    if traffic:
-        lines += ["", _traffic_notes(rows, traffic)]
+    notes = _traffic_notes(rows, traffic)
+    if notes:
+        lines += ["", notes]
     lines += ["", "## Plots", ""]
     lines += [f"![{title}]({name})" for name, title in PLOTS.items()]
     lines += ["", "## Where the time goes", "",
@@ -304,6 +305,15 @@ _TWO_LEVELS_NOTE = (
     "node, uncompressed, and each exchanges a compressed 1/k of the sum with the other nodes; its "
     "bytes/step are those of that share."
 )
+_SHARDED_NOTE = (
+    "`torch-fsdp`, `torch-hsdp`, `@fsdp`, `@hsdp`: the model sharded with FSDP2's `fully_shard` instead of "
+    "DDP, on a 1-D mesh of every rank or an HSDP mesh (replicas the nodes, shards a node's workers); "
+    "their bytes/step count the gradients' reduction only, not FSDP's all-gathers of the parameters: the "
+    "reduce-scatter's input on the 1-D mesh (gradpress: its packets), the shard exchanged between the "
+    "replicas on the HSDP mesh (gradpress: its packets), and as intra-node bytes what FSDP's "
+    "reduce-scatter sends inside the node, (k−1)/k of its input; the link bytes hold all of it, the all-gathers "
+    "included."
+)
 _INTRA_NODE_NOTE = "intra-node bytes/step: what one worker sends inside its node (0 in one level)."
 _LINK_NOTE = (
     "link bytes/step: what left {who} over its emulated link per step, as the kernel counted it "
@@ -312,9 +322,11 @@ _LINK_NOTE = (
 
 
 def _traffic_notes(rows: Sequence[Row], columns: dict[str, Callable[[Run], str]]) -> str:
-    """What the traffic columns of the table hold, and ``@node`` where a run used two levels: only the
-    sentences about what the runs show."""
+    """What the traffic columns of the table hold, ``@node`` where a run used two levels, and what the
+    sharded runs count: only the sentences about what the runs show."""
     notes = [_TWO_LEVELS_NOTE] if any(r.run.hierarchy == "node" for r in rows) else []
+    if any(r.run.sharding is not None for r in rows):
+        notes.append(_SHARDED_NOTE)
     if "intra-node bytes/step" in columns:
         notes.append(_INTRA_NODE_NOTE)
     if "link bytes/step" in columns:

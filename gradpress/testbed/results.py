@@ -8,14 +8,18 @@ per-evaluation numbers; the summary properties derive those metrics from them wi
 Schema (JSON object, ``"schema": 1``; ``results.json`` is a JSON array of such objects):
 
 ``compressor``  spec (``"topk:ratio=0.01"``) or reference name: ``noop`` (no communication at all, the
-                compute-only upper bound), ``torch-allreduce``, ``torch-fp16``, ``torch-powersgd``
+                compute-only upper bound), ``torch-allreduce``, ``torch-fp16``, ``torch-powersgd``,
+                ``torch-fsdp``, ``torch-hsdp`` (FSDP2's own reduction, :data:`SHARDED_REFERENCES`)
 ``model``, ``data``  model spec and dataset name; ``workers`` (n ≥ 1: the ranks, all nodes together); ``seed``
 ``nodes``       the emulated nodes (``gradpress train --nodes``), ``workers / nodes`` ranks each; optional,
                 1 when absent
 ``bandwidth``   tc rate of every emulated link (``"100mbit"``), or ``null`` for loopback
 ``steps``       one :class:`Step` per optimizer step, in order
 ``evals``       one :class:`Eval` per quality measurement, in order (step 0 = before training is allowed)
-``info``        free-form facts (versions, batch size, …); not interpreted here
+``info``        free-form facts (versions, batch size, …); not interpreted here, but for ``options``
+                (the runtime options: ``hierarchy``, :attr:`Run.hierarchy`) and ``sharding``
+                (``"fsdp"``/``"hsdp"``: the model trained with FSDP2's ``fully_shard`` on that mesh
+                instead of DDP, :attr:`Run.sharding`)
 
 Clocks: ``wall_s`` everywhere is training wall-clock since training start, **excluding time spent in
 evaluation**, so that quality against wall-clock measures training only (GRACE Figure 1b).
@@ -27,6 +31,11 @@ rank's shard, exchanged between nodes; ``intra_node_bytes`` is what the rank sen
 uncompressed (:mod:`gradpress.exchange.hierarchy`). Over the emulated network, ``link_bytes`` is what
 left rank 0's node over its link during the step, as the kernel counted it (all the node's ranks,
 frame headers and the collectives' own traffic included): the bytes that crossed between nodes.
+Sharded runs (FSDP2) count their gradients' reduction, not FSDP's all-gathers of the parameters (which
+``link_bytes`` holds): on a 1-D mesh the reduce-scatter's input (``torch-fsdp``; gradpress: its packets);
+on an HSDP mesh the shard exchanged between the replicas (``torch-hsdp``: the all-reduce's input;
+gradpress: its packets), ``intra_node_bytes`` what FSDP's reduce-scatter sent inside the shard group,
+(k−1)/k of its input.
 
 Non-finite quality values (a diverged run: loss NaN, perplexity inf) are valid results and round-trip
 through JSON as Python writes them (``NaN``, ``Infinity``).
@@ -46,10 +55,17 @@ from gradpress.testbed.netem import rate_bits_per_second
 #: what ends the name of a run that exchanged in two levels (``hierarchy="node"``): ``compare``'s
 #: ``--compressors`` suffix, and ``advise``'s and ``sim cost``'s rows
 HIERARCHICAL = "@node"
+#: what ends the name of a gradpress run on a model sharded with FSDP2's ``fully_shard`` instead of DDP
+#: (``compare``'s ``--compressors`` suffix) -> the mesh: ``fsdp`` a 1-D mesh of every rank (the
+#: reduce-scatter compressed, :func:`gradpress.fsdp.scatter_methods`), ``hsdp`` a 2-D ("replicate",
+#: "shard") mesh, the replicas the nodes (the exchange between them compressed)
+SHARDED = {"@fsdp": "fsdp", "@hsdp": "hsdp"}
+#: the reference rows of FSDP2 itself (its own reduce-scatter, and all-reduce between replicas) -> the mesh
+SHARDED_REFERENCES = {"torch-fsdp": "fsdp", "torch-hsdp": "hsdp"}
 
 SCHEMA = 1
 #: reference rows of ``gradpress train`` that are not gradpress compressors
-REFERENCES = ("noop", "torch-allreduce", "torch-fp16", "torch-powersgd")
+REFERENCES = ("noop", "torch-allreduce", "torch-fp16", "torch-powersgd", *SHARDED_REFERENCES)
 #: metric -> whether higher is better (accuracy, perplexity, hit_rate@10), from the models' tasks
 METRICS: dict[str, bool] = dict(QUALITY.values())
 #: the fraction of a run's first steps left out of steady-state figures (see :func:`warmup_steps`)
@@ -223,10 +239,21 @@ class Run:
         return (self.info.get("options") or {}).get("hierarchy")
 
     @property
+    def sharding(self) -> str | None:
+        """The mesh of a run on a model sharded with FSDP2 (``"fsdp"``, ``"hsdp"``: :data:`SHARDED`),
+        None for DDP."""
+        return self.info.get("sharding")
+
+    @property
     def label(self) -> str:
         """The run as ``gradpress compare --compressors`` names it: the spec, ``@node`` added for the
-        two-level exchange (``"topk:ratio=0.01@node"``)."""
-        return self.compressor + (f"@{self.hierarchy}" if self.hierarchy is not None else "")
+        two-level exchange (``"topk:ratio=0.01@node"``), ``@hsdp``/``@fsdp`` for a gradpress method on
+        a sharded model; a reference row by its name (``torch-hsdp``)."""
+        if self.hierarchy is not None:
+            return f"{self.compressor}@{self.hierarchy}"
+        if self.sharding is not None and self.compressor not in REFERENCES:
+            return f"{self.compressor}@{self.sharding}"
+        return self.compressor
 
     @property
     def steady_steps(self) -> tuple[Step, ...]:

@@ -11,7 +11,11 @@ on its node (:func:`torchrun_environment`), so ``hierarchy="node"`` finds k rank
 The worker is a plain DDP training loop. The hook is the gradpress compressor named by the spec, or one
 of the reference rows (GRACE Section 5's baselines): ``noop`` (no communication: the compute-only upper
 bound), ``torch-allreduce`` (PyTorch's all-reduce hook), ``torch-fp16`` (``fp16_compress_hook``),
-``torch-powersgd`` (``powerSGD_hook``, Vogels et al. 2019, rank 1).
+``torch-powersgd`` (``powerSGD_hook``, Vogels et al. 2019, rank 1). The sharded rows train the model
+with FSDP2's ``fully_shard`` instead of DDP (:mod:`gradpress.testbed.training.sharded`): ``torch-fsdp``
+and ``torch-hsdp`` (FSDP2's own reduction on a 1-D mesh of every rank, or on a ("replicate", "shard")
+mesh of the nodes and a node's workers), and ``SPEC@fsdp``/``SPEC@hsdp`` (``gradpress.fsdp.register``
+on those meshes; ``SPEC@node`` is ``--option hierarchy=node``: :mod:`gradpress.testbed.training.rows`).
 
 Per step it records wall-clock (evaluation excluded), compute time, compression time, communication
 time and the bytes this rank handed to collectives (``Packet.nbytes``; for the reference rows, the
@@ -53,6 +57,7 @@ from gradpress.testbed.training.options import (
     runtime_option,
 )
 from gradpress.testbed.training.parser import add_arguments, config_from_args
+from gradpress.testbed.training.rows import row, run_config
 from gradpress.testbed.training.timing import copy_s, gradient_copy_s, last_level_cache_bytes
 from gradpress.testbed.training.worker import _Clock, _optimizer, metered_step, warm_up, worker
 
@@ -87,15 +92,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train a model on local workers with a compressor",
                                    description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    parser.add_argument("--compressor", type=arguments.compressor_or_reference(REFERENCES), default="none",
-                        help=f"gradpress spec or a reference: {', '.join(REFERENCES)}")
+    parser.add_argument("--compressor", type=row, default="none",
+                        help=f"gradpress spec or a reference: {', '.join(REFERENCES)} (torch-fsdp, torch-hsdp: "
+                             "the model sharded with FSDP2's fully_shard, FSDP2's own reduction on a 1-D mesh "
+                             "of every rank, or on an HSDP mesh of (--nodes, --workers), (--workers, 1) on "
+                             "one node); a spec may end in @node (--option hierarchy=node), @hsdp (FSDP2 on "
+                             "that HSDP mesh, gradpress.fsdp compressing the exchange between the replicas) "
+                             "or @fsdp (FSDP2 on the 1-D mesh, gradpress compressing its reduce-scatter: "
+                             "the methods of gradpress.fsdp.scatter_methods())")
     parser.add_argument("--json", type=arguments.output_file, help="write the run's record here")
     parser.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    config = checked_config(args, args.compressor)
+    config = checked_config(args, "none")
     try:
+        config = run_config(config, args.compressor)
         check_exchange(config)
     except ValueError as error:
         raise arguments.UsageError(f"--compressor {config.compressor}: {error}") from None

@@ -330,8 +330,9 @@ def kinds(run: Run, runs: Sequence[Run]) -> list[bool]:
 
 def load_results(*paths: str | Path) -> list[Run]:
     """Runs from ``results.json`` / run files, or from directories (their ``results.json``, else every
-    ``*.json`` in them)."""
-    return [run for path in paths for run in _load_results(Path(path))]
+    ``*.json`` in them). Runs of a model sharded with FSDP2 (``torch-fsdp``, ``torch-hsdp``, ``SPEC@hsdp``,
+    ``SPEC@fsdp``: :attr:`Run.sharding`) are left out: the cost model prices DDP's exchanges."""
+    return [run for path in paths for run in _load_results(Path(path)) if run.sharding is None]
 
 
 def _load_results(path: Path) -> list[Run]:

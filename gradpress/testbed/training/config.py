@@ -8,7 +8,7 @@ from typing import Any
 
 from gradpress.auto import is_auto
 from gradpress.testbed import netem
-from gradpress.testbed.results import REFERENCES
+from gradpress.testbed.results import REFERENCES, SHARDED, SHARDED_REFERENCES
 
 
 class TrainFailed(RuntimeError):
@@ -35,8 +35,11 @@ class TrainConfig:
     timeout: float = 300.0
     threads: int = 1
     nodes: int = 1
+    #: None: DDP; "fsdp"/"hsdp": the model sharded with FSDP2's fully_shard on that mesh (results.SHARDED)
+    sharding: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_sharding()
         for name in ("workers", "nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,6 +67,20 @@ class TrainConfig:
             import gradpress
 
             gradpress.make(self.compressor)  # unknown specs fail here, in the launcher
+
+    def _check_sharding(self) -> None:
+        """``sharding`` is a known mesh; FSDP2's reference rows set their own, DDP's take none."""
+        meshes = sorted(set(SHARDED.values()))
+        if self.sharding is not None and self.sharding not in meshes:
+            raise ValueError(f"sharding must be one of {', '.join(meshes)} or None, got {self.sharding!r}")
+        native = SHARDED_REFERENCES.get(self.compressor)
+        if native is not None:
+            if self.sharding not in (None, native):
+                raise ValueError(f"{self.compressor} shards on the {native} mesh, not {self.sharding}")
+            self.sharding = native
+        elif self.sharding is not None and self.compressor in REFERENCES:
+            raise ValueError(f"{self.compressor} is DDP's (PyTorch's hook): it trains no sharded model; "
+                             f"FSDP2's own rows are {', '.join(SHARDED_REFERENCES)}")
 
     @property
     def world_size(self) -> int:

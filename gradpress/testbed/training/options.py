@@ -105,22 +105,26 @@ def runtime_option(text: str) -> str:
 
 def check_exchange(config: TrainConfig) -> None:
     """Raise ValueError unless ``config``'s compressor, options and number of workers fit together: the
-    runtime's own checks, run in this process by :class:`gradpress.Simulator` (no worker starts)."""
+    runtime's own checks, run in this process by :class:`gradpress.Simulator` (no worker starts), and
+    a sharded run's (:func:`~.sharded.check_sharding`)."""
     import gradpress
     from gradpress.auto import AutoOptions
     from gradpress.exchange.hierarchy import Layout
     from gradpress.exchange.hierarchy import check_options as check_levels
     from gradpress.exchange.pipeline import Options
+    from gradpress.testbed.training.sharded import check_sharding, exchange_size
 
     check_options(config.options)
+    check_sharding(config)
     options = simulated_options(config)
     if config.compressor in REFERENCES:
         Options.of(**options)
     elif is_auto(config.compressor):  # its pipelines are built, and checked, per chosen method
         AutoOptions.pop_from(options)
         check_levels(Options.of(**options), auto=True)
-    else:
-        sim = gradpress.Simulator(config.compressor, config.world_size, **options)
+    else:  # a sharded run's exchange is among the replicas (HSDP) or every rank (the reduce-scatter)
+        ranks = config.world_size if config.sharding is None else exchange_size(config)
+        sim = gradpress.Simulator(config.compressor, ranks, **options)
         if sim.options.hierarchy is not None:  # (the ranks would find a bad layout at their first step)
             problem = Layout(0, config.world_size, options["local_size"]).problem
             if problem is not None:

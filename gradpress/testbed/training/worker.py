@@ -1,6 +1,7 @@
-"""One rank of ``gradpress train``: a plain DDP training loop through the hook under test, each step timed
-and metered (:func:`metered_step`), evaluations on rank 0 on a wall-clock that stands still while they
-run (:class:`_Clock`), and the time budget (``--seconds``)."""
+"""One rank of ``gradpress train``: a plain DDP training loop through the hook under test (or, for the
+sharded rows, the model sharded with FSDP2: :mod:`.sharded`), each step timed and metered
+(:func:`metered_step`), evaluations on rank 0 on a wall-clock that stands still while they run
+(:class:`_Clock`), and the time budget (``--seconds``)."""
 from __future__ import annotations
 
 import math
@@ -17,6 +18,7 @@ import torch
 from gradpress.auto import is_auto
 from gradpress.testbed import netem
 from gradpress.testbed.results import REFERENCES, Eval, Run, Step
+from gradpress.testbed.training import sharded
 from gradpress.testbed.training.config import TrainConfig, simulated_options
 from gradpress.testbed.training.hooks import Spent, _Meter, install_hook
 from gradpress.testbed.training.timing import gradient_copy_s
@@ -39,8 +41,10 @@ def worker(config: TrainConfig, rank: int, address: str, port: int, result: Path
 
 @dataclass
 class _Setup:
-    """What one rank trains with: its shard of the data, the model in DDP with the hook under test, the
-    optimizer and loss, and the training settings (the model's own unless the config gives them)."""
+    """What one rank trains with: its shard of the data, the model in DDP with the hook under test (``ddp``;
+    a sharded run: the model itself, sharded, and on rank 0 ``plain``, an unsharded copy that evaluates
+    its gathered parameters), the optimizer and loss, and the training settings (the model's own unless
+    the config gives them)."""
 
     dataset: Any
     shard: Any
@@ -52,6 +56,7 @@ class _Setup:
     loss_fn: Callable
     lr: float
     batch_size: int
+    plain: torch.nn.Module | None = None
 
 
 def _setup(config: TrainConfig, rank: int) -> _Setup:
@@ -64,11 +69,17 @@ def _setup(config: TrainConfig, rank: int) -> _Setup:
     settings = model_config(config.model, dataset)
     torch.manual_seed(config.seed)  # the same initial model on every rank (DDP also broadcasts rank 0's)
     model = settings.build()
-    ddp = DistributedDataParallel(model)
+    plain = None
+    if config.sharding is None:
+        ddp: Any = DistributedDataParallel(model)
+        meter = install_hook(ddp, config)
+    else:
+        ddp, meter = model, sharded.install(model, config)
+        plain = settings.build() if rank == 0 else None
     lr = config.lr if config.lr is not None else settings.lr
     return _Setup(dataset, dataset.shard(rank, config.world_size, seed=config.seed), settings, model, ddp,
-                  install_hook(ddp, config), _optimizer(settings.optimizer, model.parameters(), lr),
-                  criterion(dataset), lr, config.batch_size or settings.batch_size)
+                  meter, _optimizer(settings.optimizer, model.parameters(), lr),
+                  criterion(dataset), lr, config.batch_size or settings.batch_size, plain)
 
 
 def warm_up(config: TrainConfig) -> None:
@@ -140,7 +151,7 @@ class _Training:
                    seed=config.seed, steps=tuple(self.steps), evals=tuple(self.evals),
                    info={"batch_size": s.batch_size, "lr": s.lr, "optimizer": s.settings.optimizer,
                          "torch": torch.__version__, "options": config.options, "threads": config.threads,
-                         "copy_s": copy_s,
+                         "copy_s": copy_s, **({"sharding": config.sharding} if config.sharding else {}),
                          **({"auto": s.meter.choice()} if s.meter.choice is not None else {})})
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int, epoch: int) -> torch.Tensor:
@@ -172,8 +183,12 @@ class _Training:
 
         with self.clock.paused():
             wall_s = self.clock.elapsed()
+            model = self.s.model
+            if self.config.sharding is not None:  # every rank gathers the parameters; rank 0 evaluates them
+                sharded.gather_parameters(model, self.s.plain)
+                model = self.s.plain if self.s.plain is not None else model
             if self.rank == 0:
-                quality = models.evaluate(self.s.model, self.s.dataset)
+                quality = models.evaluate(model, self.s.dataset)
                 self.evals.append(Eval(epoch=epoch, step=step, wall_s=wall_s, bytes_total=self.bytes_total,
                                        metric=self.metric, value=quality[self.metric],
                                        higher_is_better=self.higher_is_better, loss=quality["loss"]))
@@ -187,7 +202,8 @@ class _Training:
 
 def metered_step(ddp: Any, meter: _Meter, optimizer: torch.optim.Optimizer, loss_fn: Callable, x: Any, y: Any,
                  grad_clip: float | None = None) -> tuple[torch.Tensor, float, Spent]:
-    """One DDP training step on batch ``(x, y)`` through the hook ``meter`` watches: the loss (detached),
+    """One DDP training step on batch ``(x, y)`` through the hook ``meter`` watches (or a sharded model's
+    step, ``ddp`` the model: its reductions add their time to ``meter.in_hooks``): the loss (detached),
     the step's compute (its time less the time inside hooks and the wait for the exchange after the last
     bucket was handed off) and what the hooks spent (:class:`Spent`)."""
     started = time.perf_counter()
@@ -197,7 +213,7 @@ def metered_step(ddp: Any, meter: _Meter, optimizer: torch.optim.Optimizer, loss
     loss.backward()
     waited = max(0.0, time.perf_counter() - meter.handed_off) if meter.handed_off > started else 0.0
     if grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), grad_clip)
+        torch.nn.utils.clip_grad_norm_(getattr(ddp, "module", ddp).parameters(), grad_clip)
     optimizer.step()
     elapsed = time.perf_counter() - started
     return loss.detach(), max(0.0, elapsed - (meter.in_hooks - hooked) - waited), meter.snapshot() - before
