@@ -493,7 +493,9 @@ def ddp_comm_hook(spec: str | Compressor, **options: Any) -> tuple[GradpressStat
       ``LOCAL_WORLD_SIZE``).
     * with spec ``"auto"`` (:mod:`gradpress.auto`): ``candidates`` (the specs it chooses among),
       ``settle_steps`` (2), ``measure_steps`` (5), ``recheck_every`` (500; 0: never) and ``margin``
-      (0.05: the predicted gain a change of methods needs).
+      (0.05: the predicted gain a change of methods needs), ``rank_by`` (``"quality"``: time to a
+      quality target; ``"step"``: step time alone) and ``intra_bandwidth`` (several nodes: the rate
+      inside a node; default measured).
     * ``process_group``: the group to talk on (default: the default group; pass the DDP's own if it
       has another).
     * ``model``: the module DDP wraps, for parameter names (keys of the state; needed by ``exclude``).
@@ -541,7 +543,9 @@ def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> Gradpres
       ``LOCAL_WORLD_SIZE``).
     * with spec ``"auto"`` (:mod:`gradpress.auto`): ``candidates`` (the specs it chooses among),
       ``settle_steps`` (2), ``measure_steps`` (5), ``recheck_every`` (500; 0: never) and ``margin``
-      (0.05: the predicted gain a change of methods needs).
+      (0.05: the predicted gain a change of methods needs), ``rank_by`` (``"quality"``: time to a
+      quality target; ``"step"``: step time alone) and ``intra_bandwidth`` (several nodes: the rate
+      inside a node; default measured).
     * ``process_group``: the group to talk on (default: the DDP's own).
     * ``on_world_size_change`` (default ``"raise"``): ``"reset"`` loads a state of another world size
       with the error-feedback memory started afresh (:class:`GradpressState`).
