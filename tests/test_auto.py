@@ -404,3 +404,30 @@ def test_two_level_auto_on_two_nodes_decides_alike_switches_levels_exactly_and_s
             assert all(torch.equal(outs[0][k], out[k]) for out in outs for k in SHAPES)
     assert all(b["spec"].endswith("@node") for b in results[0]["node"]["report"]["buckets"])
     assert results[0]["node"]["report"]["link"]["intra_bits_per_second"] == pytest.approx(1e10)
+
+
+def test_a_two_level_memory_is_saved_loaded_and_moves_to_one_level_as_its_share_of_the_whole() -> None:
+    from gradpress.exchange.hierarchy import Layout
+
+    two_nodes = Layout(1, 4, 2)
+
+    def fresh(rank: int = 1, world: int = 4, layout: Layout | None = two_nodes) -> AutoPipeline:
+        return AutoPipeline(AutoOptions(candidates=("topk:ratio=0.1",)), Options(), rank, world, layout)
+
+    auto = fresh()
+    assert auto.names == ("none", "none@node", "topk:ratio=0.1", "topk:ratio=0.1@node")
+    auto.shapes["w"] = (30, 20)
+    auto.pipeline("topk:ratio=0.1@node").inner.feedback.give("w", torch.ones(15, 20))  # local rank 1's shard
+    auto.choice["w"] = "topk:ratio=0.1@node"
+    state = auto.state_dict()
+    again = fresh()
+    again.load_state_dict(copy.deepcopy(state))
+    node = again._pipelines["topk:ratio=0.1@node"]
+    assert node.steps is again.steps and node.stats is again.stats and node.inner.stats is again.stats
+    again._switch("w", "topk:ratio=0.1@node", "topk:ratio=0.1")  # k·e on this rank's shard, carried
+    whole = again._pipelines["topk:ratio=0.1"].feedback._memory["w"]
+    assert float(whole.sum()) == 2 * 15 * 20 and float(whole.abs().sum()) == 2 * 15 * 20
+    with pytest.warns(UserWarning):
+        flat = fresh(1, 2, None)
+        flat.load_state_dict(copy.deepcopy(state), on_world_size_change="reset")
+    assert flat.choice == {"w": "topk:ratio=0.1"} and "topk:ratio=0.1@node" not in flat._pipelines

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gradpress.auto.base import AutoBase
-from gradpress.auto.options import AUTO, UNCOMPRESSED, level_of
+from gradpress.auto.base import AutoBase, NodePipeline
+from gradpress.auto.options import AUTO, UNCOMPRESSED, level_of, method_of
 from gradpress.exchange.pipeline import Pipeline, Stats
 from gradpress.exchange.state import FORMAT, _check_keyed, own_state, resized, shapes_of, warn_resized
 
@@ -65,6 +65,10 @@ class AutoState(AutoBase):
                     pipelines[spec] = sub
                 section["pipelines"] = pipelines
             section["next_decision"] = 0  # the choice was made for another n: measure and decide again
+            choice = section.get("choice")
+            if isinstance(choice, dict):  # a level this world lacks: its method, flat, until then
+                section["choice"] = {key: name if name in self.names or not isinstance(name, str)
+                                     else method_of(name) for key, name in choice.items()}
             kept.append("the choice of methods until it is made again for this world")
             out["auto"] = section
         warn_resized(part["world_size"], self.world_size, dropped, kept)
@@ -89,6 +93,10 @@ class AutoState(AutoBase):
         self._expected_shapes = dict(shapes)
         self.stats.load_state_dict(stats if stats is not None else Stats().state_dict())
         for pipeline in pipelines.values():
+            if isinstance(pipeline, NodePipeline):  # (its shards' own counters and shapes are its own)
+                pipeline.steps = self.steps
+                pipeline.stats = pipeline.inner.stats = self.stats
+                continue
             pipeline.steps, pipeline.shapes, pipeline._expected_shapes = self.steps, self.shapes, {}
             pipeline.stats = self.stats
         self._pipelines = pipelines
