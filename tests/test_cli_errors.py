@@ -204,8 +204,10 @@ BAD_WITH_DATA = [
     ("compare --compressors noop,topk --option mode=switch", "--compressors: topk: switch mode adds integers only"),
     ("train --nodes 2 --option hierarchy=node --option local_size=3",
      "--compressor none: hierarchy='node': a node of 3 ranks does not divide the world of 4 ranks"),
-    ("compare --nodes 2 --compressors noop,auto@node",
-     "--compressors: auto@node: hierarchy='node' runs one method"),
+    ("compare --nodes 2 --compressors noop,auto@hsdp",
+     "--compressors: auto@hsdp: gradpress.fsdp does not run 'auto': name a method"),
+    ("compare --compressors noop,qsgd@fsdp",
+     "--compressors: qsgd@fsdp: @fsdp compresses FSDP's reduce-scatter, whose summands must add element-wise"),
     ("sim quality --model ncf --data fashion-mnist", "--model ncf: model 'ncf' is for recommendation"),
     ("sim quality --compressor topk --option mode=switch", "--compressors topk with 1 worker: switch mode"),
     ("sim quality --workers 1024", "a shard of fashion-mnist for 1024 workers holds 58 samples"),
@@ -239,6 +241,7 @@ def test_bad_arguments_for_the_data_are_one_line_and_start_nothing(argv, expecte
     "train --steps 1 --compressor topk:ratio=0.1 --option min_numel=1024 --json out/run.json",
     "compare --compressors noop,topk:ratio=0.1,qsgd:levels=16,bucket=512 --steps 1 --out out/compare",
     "compare --nodes 2 --compressors topk:ratio=0.1,topk:ratio=0.1@node,qsgd:bucket=512@node --out out/c",
+    "compare --nodes 2 --compressors noop,auto@node --out out/c",  # auto picks among two-level methods
     "train --option hierarchy=node --compressor topk --steps 1",  # one node: one level
     "bench ops --compressors topk:ratio=0.1 --sizes 2^10,1000 --json out/ops.json",
     "sim nmse --compressors none,qsgd --numel 2^10 --workers 2,4 --json out/nmse.json",
