@@ -126,13 +126,16 @@ def _left(auto: AutoPipeline, key: str) -> torch.Tensor:
     return total
 
 
-def _forced_worker(rank: int, world_size: int) -> dict:
+def _run_plan(rank: int, plan: dict, left) -> dict:  # noqa: ANN001
+    """11 steps of ``auto`` with rank 0 forcing ``plan`` (step -> spec) at its decision points, the sums
+    of what was averaged and given, and what the memory holds (``left``) after each; at step 11 rank 1's
+    gradient holds a NaN."""
     comm = gradpress.Communicator("auto", candidates=["topk:ratio=0.1", "topk:ratio=0.3"], settle_steps=0,
                                   measure_steps=1, recheck_every=2, seed=0)
     auto = comm._pipeline
     if rank == 0:  # rank 0 decides (here: by plan); the others follow what it broadcasts
         def forced(layout):  # noqa: ANN001, ANN202
-            specs = tuple(PLAN[auto._current_step] for _ in layout)
+            specs = tuple(plan[auto._current_step] for _ in layout)
             return auto._payload(layout, DECIDED, Decision(specs, 1.0, 2.0, 2.0, tuple(2.0 for _ in layout)))
 
         auto._rank0_payload = forced
@@ -148,17 +151,21 @@ def _forced_worker(rank: int, world_size: int) -> dict:
             given[k] += grads[k].double()
         rows.append({"spec": auto.choice.get("w", "none"), "averaged": {k: v.clone() for k, v in averaged.items()},
                      "given": {k: v.clone() for k, v in given.items()},
-                     "left": {k: _left(auto, k) for k in SHAPES}})
+                     "left": {k: left(auto, k) for k in SHAPES}})
     report = comm.stats()["auto"]
     grads = {k: torch.randn(s, generator=generator) for k, s in SHAPES.items()}
     if rank == 1:
         grads["w"][3, 4] = math.nan
-    try:  # step 11: rank 0 switches to topk:ratio=0.3, and rank 1's gradient holds a NaN
+    try:  # step 11: rank 0 switches by the plan, and rank 1's gradient holds a NaN
         comm.reduce_many(grads)
         raised = None
     except gradpress.NonFiniteError as error:
         raised = error.ranks
     return {"rows": rows, "report": report, "raised": raised, "spec11": auto.choice.get("w")}
+
+
+def _forced_worker(rank: int, world_size: int) -> dict:
+    return _run_plan(rank, PLAN, _left)
 
 
 def test_forced_switches_carry_or_flush_the_residual_exactly_on_every_rank() -> None:
@@ -326,38 +333,7 @@ def _left_levels(auto: AutoPipeline, key: str) -> torch.Tensor:
 
 def _levels_plan(rank: int) -> dict:
     """The mixed levels (torchrun's layout) with rank 0 forcing ``LEVEL_PLAN``; a NaN at the last step."""
-    comm = gradpress.Communicator("auto", candidates=["topk:ratio=0.1", "topk:ratio=0.3"], settle_steps=0,
-                                  measure_steps=1, recheck_every=2, seed=0)
-    auto = comm._pipeline
-    if rank == 0:
-        def forced(layout):  # noqa: ANN001, ANN202
-            specs = tuple(LEVEL_PLAN[auto._current_step] for _ in layout)
-            return auto._payload(layout, DECIDED, Decision(specs, 1.0, 2.0, 2.0, tuple(2.0 for _ in layout)))
-
-        auto._rank0_payload = forced
-    generator = torch.Generator().manual_seed(100 + rank)
-    averaged = {k: torch.zeros(s, dtype=torch.float64) for k, s in SHAPES.items()}
-    given = {k: torch.zeros(s, dtype=torch.float64) for k, s in SHAPES.items()}
-    rows = []
-    for step in range(11):
-        grads = {k: torch.randn(s, generator=generator) * (1 + step % 3) for k, s in SHAPES.items()}
-        out = comm.reduce_many(grads)
-        for k in SHAPES:
-            averaged[k] += out[k].double()
-            given[k] += grads[k].double()
-        rows.append({"spec": auto.choice.get("w", "none"), "averaged": {k: v.clone() for k, v in averaged.items()},
-                     "given": {k: v.clone() for k, v in given.items()},
-                     "left": {k: _left_levels(auto, k) for k in SHAPES}})
-    report = comm.stats()["auto"]
-    grads = {k: torch.randn(s, generator=generator) for k, s in SHAPES.items()}
-    if rank == 1:
-        grads["w"][3, 4] = math.nan
-    try:
-        comm.reduce_many(grads)
-        raised = None
-    except gradpress.NonFiniteError as error:
-        raised = error.ranks
-    return {"rows": rows, "report": report, "raised": raised}
+    return _run_plan(rank, LEVEL_PLAN, _left_levels)
 
 
 def _levels_decided(rank: int, **options: object) -> dict:
