@@ -220,6 +220,7 @@ def _ddp_worker(rank: int, world_size: int) -> dict:
     measuring = state.stats()["auto"]
     _train(ddp, optimizer, generator, 3)  # decides at step 3
     decided = state.stats()
+    signal = state._pipeline._signal  # rank 0: ρ of steps 1 and 2 (the others: never measured, 0)
     saved = state.state_dict()
     resumed_model = copy.deepcopy(model)
     resumed = DDP(resumed_model)
@@ -232,7 +233,7 @@ def _ddp_worker(rank: int, world_size: int) -> dict:
     _train(resumed, optimizer, generator, 3)  # step 7: re-checks (on gradients rank 0 kept at step 6)
     rechecked = again.stats()["auto"]
     return {"measuring": measuring, "decided": decided, "loaded": loaded, "continued": continued,
-            "rechecked": rechecked, "params": [p.detach().clone() for p in resumed_model.parameters()]}
+            "rechecked": rechecked, "signal": signal, "params": [p.detach().clone() for p in resumed_model.parameters()]}
 
 
 def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice() -> None:
@@ -254,6 +255,8 @@ def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice
             assert result[view]["next_check"] == 7
         assert result["rechecked"]["decided_at"] == 7 and result["rechecked"]["decided"]
     first, second = results
+    # the quality model's signal fraction, read on rank 0 from two consecutive steps of the same model
+    assert 0 < first["signal"] < 1 and second["signal"] == 0
     assert first["decided"]["auto"]["buckets"] == second["decided"]["auto"]["buckets"]
     assert first["rechecked"]["buckets"] == second["rechecked"]["buckets"]
     for mine, theirs in zip(first["params"], second["params"], strict=True):
@@ -268,7 +271,7 @@ def _aggressive(profile: ComputeProfile, ratio: float, spec: str) -> MethodCost:
 
 
 def test_the_quality_model_prefers_the_gentler_method_when_the_aggressive_one_is_slower_to_the_target() -> None:
-    from gradpress.costmodel import CompressionError, steps_factor
+    from gradpress.costmodel import CompressionError, signal_fraction, steps_factor
 
     profile = _profile()
     none = _costs(profile)[0]
@@ -283,11 +286,25 @@ def test_the_quality_model_prefers_the_gentler_method_when_the_aggressive_one_is
     assert by_quality.specs[1] == "topk:ratio=0.01"
     assert by_quality.predicted_s > by_step.predicted_s  # a slower step, but fewer of them to the target
     assert by_quality.factor == pytest.approx(2.0, rel=1e-2) and by_quality.target_s < by_step.predicted_s * 19
-    # the model: 1/δ for error feedback, 1 + ω/n for an unbiased method without memory, their product mixed
-    assert steps_factor([CompressionError(0.75, 1.0, False)], 4) == pytest.approx(4.0)
-    assert steps_factor([CompressionError(2.0, 1.0, True)], 4) == pytest.approx(1.5)
-    assert steps_factor([CompressionError(0.5, 1.0, False), CompressionError(2.0, 1.0, True)], 4) == \
-        pytest.approx((1 / (1 - 0.25)) * (1 + 1.0 / 4))
+    # the model: 1/δ for error feedback, 1 + ω/(1 − ρ) for an unbiased method without memory (ρ the
+    # gradient's signal fraction; 1 + ω·(1 + k·ρ/(1 − ρ)) for a node's sum of k), their product mixed
+    assert steps_factor([CompressionError(0.75, 1.0, False)]) == pytest.approx(4.0)
+    assert steps_factor([CompressionError(0.75, 1.0, False)], signal=0.5) == pytest.approx(4.0)
+    assert steps_factor([CompressionError(2.0, 1.0, True)]) == pytest.approx(3.0)
+    assert steps_factor([CompressionError(2.0, 1.0, True)], signal=0.5) == pytest.approx(5.0)
+    assert steps_factor([CompressionError(2.0, 1.0, True)], signal=0.5, local_sizes=[4]) == pytest.approx(11.0)
+    assert steps_factor([CompressionError(0.5, 1.0, False), CompressionError(2.0, 1.0, True)], signal=0.5) == \
+        pytest.approx((1 / (1 - 0.25)) * (1 + 2.0 * 2 / 2))  # (errors over the norm of both buckets, 2)
+    with pytest.raises(ValueError, match="local_sizes"):
+        steps_factor([CompressionError(2.0, 1.0, True)], local_sizes=[0])
+    # ρ from two gradients: their inner product over their mean square, clamped to [0, 1)
+    generator = torch.Generator().manual_seed(0)
+    mean, noise = torch.randn(200_000, generator=generator), [torch.randn(200_000, generator=generator) for _ in range(2)]
+    # ‖∇f‖² = ‖mean‖², σ² = 3²·‖noise‖²: ρ = 1/10 within the sampling error of 200,000 coordinates
+    rho = signal_fraction({"w": mean + 3 * noise[0], "b": torch.zeros(3)}, {"w": mean + 3 * noise[1], "x": torch.ones(2)})
+    assert rho == pytest.approx(0.1, abs=0.01)
+    assert signal_fraction({"w": mean}, {"w": -mean}) == 0.0 and signal_fraction({"w": mean}, {"v": mean}) == 0.0
+    assert signal_fraction({"w": mean}, {"w": mean}) == pytest.approx(1 - 1e-3)
     assert AutoOptions().rank_by == "quality" and AutoOptions(rank_by="step").rank_by == "step"
     with pytest.raises(ValueError, match="rank_by"):
         AutoOptions(rank_by="loss")

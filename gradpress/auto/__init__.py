@@ -20,8 +20,9 @@ a run, on this machine; ``gradpress.register(model, "auto")`` (or ``ddp_comm_hoo
    ranked by its predicted time to a quality target: the step times a steps factor from each
    candidate's relative compression error ‖g − C(g)‖²/‖g‖² on each bucket's same gradients
    (:mod:`gradpress.costmodel.quality`: 1/δ, δ = 1 − error, for biased or error-feedback methods,
-   Stich & Karimireddy 2019 and Karimireddy et al. 2019; 1 + ω/n for unbiased methods without memory,
-   Alistarh et al. 2017; worst-case factors, so it errs towards gentler methods); ``rank_by="step"``
+   Stich & Karimireddy 2019 and Karimireddy et al. 2019; 1 + ω/(1 − ρ) for unbiased methods without
+   memory, Alistarh et al. 2017, ρ the gradient's signal fraction read from rank 0's gradients of the
+   two steps before the decision; worst-case factors, so it errs towards gentler methods); ``rank_by="step"``
    ranks by the step alone. :func:`choose` starts from the best single method and improves bucket by
    bucket; a change must be predicted to shorten the objective by more than ``margin``. Rank 0 broadcasts
    the choice (one small collective at decision points only; a steady-state step pays none) and every

@@ -56,6 +56,8 @@ class AutoBase:
         self._errors: dict[str, Any] | None = None  # rank 0: spec -> a CompressionError per bucket
         self._costs_layout: tuple | None = None
         self._captured: dict[str, torch.Tensor] | None = None
+        self._earlier: tuple[int, dict[str, torch.Tensor]] | None = None  # rank 0: (step, gradients) before
+        self._signal = 0.0  # rank 0: the signal fraction of the last measurement
         self.skipped: dict[str, str] = {}  # rank 0: candidates that failed to measure, with why
         self.error: str | None = None  # rank 0: why the last decision kept the methods as they were
         self.pipeline(UNCOMPRESSED)

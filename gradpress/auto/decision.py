@@ -48,7 +48,7 @@ class Decider(Recorder):
     def _measure(self, profile: ComputeProfile) -> tuple[dict[str, Any], dict[str, str]]:
         """Each candidate's cost on the captured gradients (rank 0), as ``advise`` measures it, and
         (``rank_by="quality"``) its compression error on each bucket (kept in ``_errors``)."""
-        from gradpress.costmodel import compression_errors, measure_method
+        from gradpress.costmodel import compression_errors, measure_method, signal_fraction
 
         grads = self._captured or {}
         buckets = [{key: grads[key] for key in bucket.keys if key in grads} for bucket in profile.buckets]
@@ -64,6 +64,8 @@ class Decider(Recorder):
                 costs.pop(spec, None)
                 skipped[spec] = f"{type(error).__name__}: {error}"[:200]
         self._errors = errors if self.auto.rank_by == "quality" else None
+        self._signal = signal_fraction(self._earlier[1], grads) if self._earlier is not None else 0.0
+        self._earlier = None
         return costs, skipped
 
     def _payload(self, layout: tuple[tuple[str, ...], ...], status: float, decision: Decision | None = None,
@@ -114,7 +116,7 @@ class Decider(Recorder):
             return self._payload(layout, KEPT, link=link, compute=compute, intra=intra)
         decision = choose(profile, list(self._costs.values()), n=self.world_size, bandwidth=link[1],
                           latency=link[0], current=current, margin=self.auto.margin, errors=self._errors,
-                          topology=self._topology(intra), levels=self.levels)
+                          topology=self._topology(intra), levels=self.levels, signal=self._signal)
         return self._payload(layout, DECIDED, decision, link, compute, intra)
 
     def _apply(self, payload: torch.Tensor, layout: tuple[tuple[str, ...], ...], step: int) -> None:

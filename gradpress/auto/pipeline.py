@@ -45,6 +45,22 @@ class AutoPipeline(Decider, AutoState):
                 protocols.append(group.protocol)
         return Group([], _chain(protocols), step) if protocols else None
 
+    def _capture(self, step: int, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Rank 0, before a decision that measures: this worker's gradients of the step before it (the
+        candidates are measured on them) and of the step before that (the signal fraction of the quality
+        model, :func:`gradpress.costmodel.signal_fraction`)."""
+        measuring = self._costs is None or self._captured is not None
+        if step == self.next_decision - 2 and self._costs is None:
+            earlier = self._earlier if self._earlier is not None and self._earlier[0] == step else (step, {})
+            earlier[1].update((key, tensor.detach().clone()) for key, tensor in items)
+            self._earlier = earlier
+        elif step == self.next_decision - 1 and measuring:
+            captured = self._captured = self._captured or {}
+            for key, tensor in items:
+                captured[key] = tensor.detach().clone()
+            if self._earlier is not None and self._earlier[0] != step - 1:
+                self._earlier = None  # (not the step just before: no pair to read the signal from)
+
     def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None,
                writable: bool = False) -> list[Group]:
         """:meth:`gradpress.exchange.pipeline.Pipeline.groups`, each key by its chosen method's pipeline."""
@@ -55,11 +71,8 @@ class AutoPipeline(Decider, AutoState):
                 raise ValueError(f"{key!r} has shape {tuple(tensor.shape)}; the loaded gradpress state was "
                                  f"saved for {expected}")
         step = max((self.steps.get(key, 0) for key, _ in items), default=0)
-        if (self.rank == 0 and step == self.next_decision - 1
-                and (self._costs is None or self._captured is not None)):
-            captured = self._captured = self._captured or {}
-            for key, tensor in items:
-                captured[key] = tensor.detach().clone()
+        if self.rank == 0:
+            self._capture(step, items)
         writable = writable or bucket is not None
         items = list(items)
         for i, (key, tensor) in enumerate(items):

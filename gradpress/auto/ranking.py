@@ -3,7 +3,7 @@ predicted time to a quality target (or step), from a profile, the candidates' me
 given, their measured compression errors."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from gradpress.auto.options import FALLBACK_LATENCY, NODE, UNCOMPRESSED, level_of, method_of
@@ -43,13 +43,13 @@ class _Pricer:
 
     def __init__(self, profile: ComputeProfile, costs: Sequence[MethodCost], n: int, bandwidth: float | str,
                  latency: float, topology: Topology | None,
-                 errors: Mapping[str, Sequence[CompressionError]] | None) -> None:
+                 errors: Mapping[str, Sequence[CompressionError]] | None, signal: float) -> None:
         from gradpress.costmodel import priced_steps
 
         self.profile, self.n, self.bandwidth, self.latency, self.topology = profile, n, bandwidth, latency, topology
         self.steps: dict[tuple[str, bool], list[BucketStep]] = priced_steps(profile, costs, n, topology)
-        self.errors = errors
-        self.nodes = topology.nodes if topology is not None else n
+        self.errors, self.signal = errors, signal
+        self.local_size = topology.local_size if topology is not None else 1
 
     def step(self, names: Sequence[str]) -> float:
         from gradpress.costmodel import predict_levels
@@ -64,13 +64,9 @@ class _Pricer:
 
         if self.errors is None:
             return 1.0
-        errors = []
-        for b, name in enumerate(names):
-            error = self.errors[method_of(name)][b]
-            if error.unbiased and level_of(name):  # in two levels the N nodes' estimates are averaged, not n
-                error = replace(error, squared_error=error.squared_error * self.n / self.nodes)
-            errors.append(error)
-        return steps_factor(errors, self.n)
+        errors = [self.errors[method_of(name)][b] for b, name in enumerate(names)]
+        sizes = [self.local_size if level_of(name) else 1 for name in names]  # a node compresses k ranks' sum
+        return steps_factor(errors, signal=self.signal, local_sizes=sizes)
 
     def objective(self, names: Sequence[str]) -> float:
         return self.step(names) * self.factor(names)
@@ -80,13 +76,15 @@ def choose(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, band
            latency: float = FALLBACK_LATENCY, current: Sequence[str] | None = None,
            margin: float = 0.05, passes: int = 2,
            errors: Mapping[str, Sequence[CompressionError]] | None = None,
-           topology: Topology | None = None, levels: Sequence[bool] | None = None) -> Decision:
+           topology: Topology | None = None, levels: Sequence[bool] | None = None,
+           signal: float = 0.0) -> Decision:
     """The methods (and levels) per bucket for the shortest predicted time to a quality target among
     ``n`` workers on a link of ``bandwidth`` bits/s and ``latency`` s per message: the predicted step
     (:func:`gradpress.costmodel.predict_levels`) times the steps factor of the methods' measured
     ``errors`` (spec -> a :class:`~gradpress.costmodel.CompressionError` per bucket;
-    :func:`gradpress.costmodel.steps_factor`: 1/δ for error feedback, 1 + ω/n for unbiased methods).
-    Without ``errors``: the shortest predicted step.
+    :func:`gradpress.costmodel.steps_factor`: 1/δ for error feedback, 1 + ω/(1 − ρ) for unbiased methods,
+    ρ the gradient's ``signal`` fraction, :func:`gradpress.costmodel.signal_fraction`). Without
+    ``errors``: the shortest predicted step.
 
     ``topology`` (N nodes of k ranks, :class:`~gradpress.costmodel.Topology`): each method is priced flat
     and in two levels (the name ``spec@node``), ``levels`` restricting them (``(True,)``: two levels
@@ -111,7 +109,7 @@ def choose(profile: ComputeProfile, costs: Sequence[MethodCost], *, n: int, band
     names = [spec + (NODE if two else "") for two in allowed for spec in by_spec
              if errors is None or spec in errors]
     reference = UNCOMPRESSED + (NODE if allowed[0] else "")
-    pricer = _Pricer(profile, costs, n, bandwidth, latency, topology, errors)
+    pricer = _Pricer(profile, costs, n, bandwidth, latency, topology, errors, signal)
     uniform = {name: pricer.step([name] * nb) for name in names}
     best = _improved(pricer, names, nb, reference, passes)
     best_t = pricer.objective(best)

@@ -66,7 +66,9 @@ from gradpress.costmodel.quality import (
     CompressionError,
     compression_errors,
     runs_unbiased,
+    signal_fraction,
     steps_factor,
+    variance_factor,
 )
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "flat_cost", "level_costs", "link_phases", "measure_method", "node_exchange", "node_link_bytes",
     "node_transfer_seconds", "predict", "predict_bucketed_step", "predict_step_time", "rate_bits_per_second",
     "refill", "shard_phases", "steady_tokens", "transfer_seconds", "transfers_of",
-    "MIN_DELTA", "CompressionError", "compression_errors", "runs_unbiased", "steps_factor",
+    "MIN_DELTA", "CompressionError", "compression_errors", "runs_unbiased", "signal_fraction", "steps_factor",
+    "variance_factor",
     "level_steps", "predict_levels", "priced_steps",
 ]

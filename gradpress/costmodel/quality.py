@@ -10,10 +10,15 @@ errors add: ε = Σ_b ‖g_b − C_b(g_b)‖² / Σ_b ‖g_b‖² (:class:`Compr
 **The model** (:func:`steps_factor`): how many times more steps the method needs than the exact mean.
 
 * An **unbiased** method without memory (QSGD, natural compression; E[C(g)] = g, E‖C(g) − g‖² ≤ ω‖g‖²)
-  adds ω‖g‖² to the variance of each worker's estimate; the mean of n workers' independent estimates
-  has n times less of it. SGD's steps to a target grow with the variance bound: the factor is
-  **1 + ω/n** (Alistarh et al., "QSGD", NeurIPS 2017, Theorem 3.4 and its corollaries), ω estimated
-  by the measured ε.
+  adds ω·E‖g‖² to the variance of each worker's estimate, where the exact mean has the minibatch noise
+  σ² = E‖g − ∇f‖² alone; both are averaged over the n workers alike, so SGD's steps to a target, which
+  grow with the variance bound (Alistarh et al., "QSGD", NeurIPS 2017, Theorem 3.4 and its corollaries),
+  grow by **1 + ω·E‖g‖²/σ² = 1 + ω/(1 − ρ)**, ρ = ‖∇f‖²/E‖g‖² the gradient's signal fraction (the
+  inverse of the "noise scale" of McCandlish et al., "An empirical model of large-batch training",
+  2018). ω is estimated by the measured ε, ρ by two consecutive steps' gradients of one worker
+  (:func:`signal_fraction`: ⟨g₁, g₂⟩ estimates ‖∇f‖² where their noises are independent). In two levels
+  a node compresses the sum of its k ranks' gradients, whose noise is k times smaller:
+  **1 + ω·(1 + k·ρ/(1 − ρ))**. Unknown ρ is taken as 0 (noise only: the smallest factor, 1 + ω).
 * A **biased** method (top-k, PowerSGD, THC, fp16), or any method run with error feedback, is read as
   a δ-contraction, ‖C(g) − g‖² ≤ (1 − δ)‖g‖², with δ = 1 − ε measured: error-feedback SGD converges
   at the rate of SGD with the compression's effect scaled by **1/δ** (Stich & Karimireddy, "The
@@ -26,8 +31,8 @@ errors add: ε = Σ_b ‖g_b − C_b(g_b)‖² / Σ_b ‖g_b‖² (:class:`Compr
 slowdown is usually smaller (top-k with memory often matches SGD after a delay, Stich et al.,
 "Sparsified SGD with memory", NeurIPS 2018), so the model errs towards gentler methods. ε is measured
 on one step's gradients, with the memory empty (a warm memory, or PowerSGD's warm start, does better
-over the steps); a method's effect on generalization, momentum or the learning rate's tuning is not
-modelled. ``rank_by="step"`` (:class:`gradpress.auto.AutoOptions`) ranks by step time alone.
+over the steps), ρ on one pair of steps; a method's effect on generalization, momentum or the learning
+rate's tuning is not modelled. ``rank_by="step"`` (:class:`gradpress.auto.AutoOptions`) ranks by step time alone.
 """
 from __future__ import annotations
 
@@ -89,18 +94,41 @@ def compression_errors(spec: str, buckets: Sequence[Mapping[str, torch.Tensor]],
     return tuple(out)
 
 
-def steps_factor(errors: Sequence[CompressionError], n: int) -> float:
+def signal_fraction(first: Mapping[str, torch.Tensor], second: Mapping[str, torch.Tensor]) -> float:
+    """ρ = ‖∇f‖²/E‖g‖² from two consecutive minibatch gradients of one worker (key -> gradient, the keys
+    both hold): ⟨g₁, g₂⟩ over the mean of ‖g₁‖² and ‖g₂‖², clamped to [0, 1 − :data:`MIN_DELTA`]; 0 when
+    they share no key or both are zero (module doc)."""
+    keys = [key for key in first if key in second]
+    dot = sum(float((first[k].double() * second[k].double()).sum()) for k in keys)
+    squares = sum(float(first[k].double().pow(2).sum() + second[k].double().pow(2).sum()) for k in keys) / 2
+    if not keys or not squares > 0 or not math.isfinite(dot / squares):
+        return 0.0
+    return min(max(dot / squares, 0.0), 1.0 - MIN_DELTA)
+
+
+def variance_factor(signal: float, local_size: int = 1) -> float:
+    """E‖x‖²/σ² of what a method compresses against the exact mean's noise (module doc): 1/(1 − ρ) for a
+    worker's gradient, 1 + k·ρ/(1 − ρ) for the sum of a node's k ranks (``local_size``)."""
+    rho = min(max(signal, 0.0), 1.0 - MIN_DELTA)
+    return 1.0 + local_size * rho / (1.0 - rho)
+
+
+def steps_factor(errors: Sequence[CompressionError], *, signal: float = 0.0,
+                 local_sizes: Sequence[int] | None = None) -> float:
     """How many times more steps to a quality target than the exact mean (module doc): 1/δ for the
     biased or error-feedback buckets (δ = 1 − their error over the whole gradient's norm, at least
-    :data:`MIN_DELTA`) times 1 + ω/n for the unbiased ones (ω their error over the whole norm),
-    ``n`` the workers whose independent estimates are averaged."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer ≥ 1, got {n!r}")
+    :data:`MIN_DELTA`) times 1 + ω for the unbiased ones, ω their error over the whole norm, each
+    bucket's amplified by :func:`variance_factor` of the signal fraction ``signal`` and its node size
+    (``local_sizes``, a bucket's k when it runs in two levels; default 1 each)."""
+    sizes = list(local_sizes) if local_sizes is not None else [1] * len(errors)
+    if len(sizes) != len(errors) or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in sizes):
+        raise ValueError(f"local_sizes must hold an integer ≥ 1 per bucket, got {local_sizes!r}")
     norm = sum(e.squared_norm for e in errors)
     if norm <= 0:
         return 1.0
     biased = sum(e.squared_error for e in errors if not e.unbiased) / norm
-    variance = sum(e.squared_error for e in errors if e.unbiased) / norm
+    variance = sum(e.squared_error * variance_factor(signal, k) for e, k in zip(errors, sizes, strict=True)
+                   if e.unbiased) / norm
     delta = max(MIN_DELTA, 1.0 - biased) if math.isfinite(biased) else MIN_DELTA
     omega = variance if math.isfinite(variance) else 1.0 / MIN_DELTA
-    return (1.0 / delta) * (1.0 + omega / n)
+    return (1.0 / delta) * (1.0 + omega)
