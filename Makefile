@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradpress-installed
 
-.PHONY: test demo clean kernels datasets lint wheel-venv wheel-check
+.PHONY: test demo clean lint wheel-check
 
 # pip byte-compiles what it installs on one core, most of the time torch's install takes; compileall does it
 # on every core (the few files it cannot compile, e.g. a package's Python 2 test data, are never imported;
@@ -24,25 +24,18 @@ $(STAMP): pyproject.toml
 
 # the kernels compiled for the suite are kept in one folder that the wheel check's virtualenv reads too
 # (installs of one version share a GRADPRESS_CACHE); set it to keep them elsewhere
-test kernels wheel-check: export GRADPRESS_CACHE ?= $(CURDIR)/build/cache
+test wheel-check: export GRADPRESS_CACHE ?= $(CURDIR)/build/cache
 
 test: $(STAMP)
-	# side by side (each mostly on one core): every method's kernels compiled once for the suite in two
-	# processes, the offline datasets, the checks of the code, and the wheel installed into a fresh virtualenv
-	$(MAKE) --no-print-directory -j 4 --output-sync=target kernels datasets lint wheel-venv
-	# the tests load the kernels from the disk cache, in three processes (pytest-xdist: many tests wait on
-	# worker processes of their own), a file each, the longest files first (tests/conftest.py; xdist's own
-	# order is by number of tests)
-	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
-	$(quickstart)
-
-# every method's kernels, two processes at a time (numba compiles on one core)
-kernels: $(STAMP)
-	$(PY) -m gradpress compile all --jobs 2 --dtypes float32
-
-# the offline datasets (apt-get as root; tests that need one skip with the reason when it is missing)
-datasets: $(STAMP)
+	# the offline datasets (apt-get as root; tests that need one skip with the reason when it is missing)
 	-$(PY) -m gradpress data fashion-mnist fortunes movielens-100k
+	# every method's kernels compiled once for the suite, two processes at a time (numba compiles on one
+	# core); the tests then load them from the disk cache, in two processes (pytest-xdist), a file each,
+	# the longest files first (tests/conftest.py; xdist's own order is by number of tests)
+	$(PY) -m gradpress compile all --jobs 2 --dtypes float32
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	# the lint (one core) beside the wheel check (mostly one core)
+	$(MAKE) --no-print-directory -j 2 --output-sync=target lint wheel-check
 
 # the checks of the code: pyflakes, bugbear and import order (ruff), types (mypy; configured in pyproject.toml)
 lint: $(STAMP)
@@ -52,18 +45,14 @@ lint: $(STAMP)
 # the wheel `python -m build` makes, installed into a fresh virtualenv (torch as above, no extras), runs
 # the README's quick-start from outside the checkout
 WHEEL_CHECK := build/wheel-check
-quickstart = cd $(WHEEL_CHECK) && venv/bin/python $(CURDIR)/tests/installed_quickstart.py $(CURDIR)/README.md
-
-wheel-check: wheel-venv
-	$(quickstart)
-
-wheel-venv: $(STAMP)
+wheel-check: $(STAMP)
 	rm -rf $(WHEEL_CHECK) && mkdir -p $(WHEEL_CHECK)
 	$(PY) -m build --wheel --outdir $(WHEEL_CHECK)/dist . > $(WHEEL_CHECK)/build.log 2>&1 || (cat $(WHEEL_CHECK)/build.log; exit 1)
 	$(PYTHON) -m venv $(WHEEL_CHECK)/venv
 	$(WHEEL_CHECK)/venv/bin/python -m pip install -q --no-compile torch==2.13.0
 	$(WHEEL_CHECK)/venv/bin/python -m pip install -q --no-compile $(WHEEL_CHECK)/dist/*.whl
 	$(call byte_compile,$(WHEEL_CHECK)/venv/bin/python)
+	cd $(WHEEL_CHECK) && venv/bin/python $(CURDIR)/tests/installed_quickstart.py $(CURDIR)/README.md
 
 # an emulated 100 Mbit/s star when root (network namespaces need it), loopback otherwise
 NETWORK := $(if $(filter 0,$(shell id -u)),--bandwidth 100mbit,)
