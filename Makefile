@@ -6,12 +6,10 @@ STAMP  := $(VENV)/.gradpress-installed
 
 .PHONY: test demo clean lint wheel-check
 
-# pip byte-compiles what it installs on one core, most of the time torch's install takes; compileall does it
-# on every core (the few files it cannot compile, e.g. a package's Python 2 test data, are never imported;
-# nor are transformers' model definitions, a fifth of the files, which the suite's Trainer never loads:
-# it imports models/auto/ alone)
-byte_compile = $(1) -m compileall -q -j 0 -x '/transformers/models/(?!auto/|__init__)' \
-	"$$($(1) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
+# pip installs without byte-compiling (on one core, every file of torch: most of its install time); Python
+# writes each module's bytecode the first time a process imports it, whatever the environment says, so the
+# suite's many processes read torch's compiled modules instead of compiling its sources each time
+unexport PYTHONDONTWRITEBYTECODE
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +17,6 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
 	# the extras (lightning, accelerate) must not replace that torch: pin the installed one
 	$(PY) -m pip install -q --no-compile -e ".[test]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
-	$(call byte_compile,$(PY))
 	touch $(STAMP)
 
 # the kernels compiled for the suite are kept in one folder that the wheel check's virtualenv reads too
@@ -51,7 +48,6 @@ wheel-check: $(STAMP)
 	$(PYTHON) -m venv $(WHEEL_CHECK)/venv
 	$(WHEEL_CHECK)/venv/bin/python -m pip install -q --no-compile torch==2.13.0
 	$(WHEEL_CHECK)/venv/bin/python -m pip install -q --no-compile $(WHEEL_CHECK)/dist/*.whl
-	$(call byte_compile,$(WHEEL_CHECK)/venv/bin/python)
 	cd $(WHEEL_CHECK) && venv/bin/python $(CURDIR)/tests/installed_quickstart.py $(CURDIR)/README.md
 
 # an emulated 100 Mbit/s star when root (network namespaces need it), loopback otherwise

@@ -199,8 +199,8 @@ def test_the_runtime_forms_thc_residuals_during_compression(monkeypatch):
 
     sim = gradpress.Simulator("thc", 2, seed=3)  # (its warm-up's own calls are not counted)
     calls = []
-    kernel = thc._thc_compress_residual
-    monkeypatch.setattr(thc, "_thc_compress_residual", lambda *args: calls.append(1) or kernel(*args))
+    kernel = thc._thc_compress
+    monkeypatch.setattr(thc, "_thc_compress", lambda *args: calls.extend([1] if args[20] else []) or kernel(*args))
     for step in range(3):
         sim.step([torch.randn(3000, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(2)])
     assert len(calls) == 2 * 2

@@ -85,10 +85,8 @@ from gradpress.compressors.thc_codes import (
 )
 from gradpress.compressors.thc_kernels import (
     _thc_compress,
-    _thc_compress_residual,
-    _thc_decode_packed,
+    _thc_decode,
     _thc_decode_sums,
-    _thc_residual_packed,
 )
 from gradpress.compressors.thc_table import thc_table
 from gradpress.core.compressor import (
@@ -440,7 +438,7 @@ class THC(_Homomorphic):
     def _compress(self, flat: torch.Tensor, ctx: Context, prepared: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None) -> Packet:
         """Algorithm 3 lines 9-15; on the CPU, with ``residual`` (:meth:`Compressor.compress`), also line 21's
-        e = x − RHT⁻¹(X), formed from the rotated values as they are quantized (:func:`_thc_compress_residual`)."""
+        e = x − RHT⁻¹(X), formed from the rotated values as they are quantized (:func:`_thc_compress` with ``fused``)."""
         if prepared is None or prepared.numel() != 1:
             raise ValueError(f"{self.spec}: expected the prepared largest norm, got "
                              f"{0 if prepared is None else prepared.numel()} values")
@@ -475,9 +473,9 @@ class THC(_Homomorphic):
             if fused and residual is not None:
                 factor = np.float32(2.0 * bound / self.granularity)  # the decoder's scale (count 1)
                 centred = self.grid.values32.astype(np.float32) - np.float32(self.granularity / 2)
-                exponent = _thc_compress_residual(*args, as_numpy(residual.view(-1)), centred, factor)
-            else:
-                exponent = _thc_compress(*args)
+                exponent = _thc_compress(*args, True, as_numpy(residual.view(-1)), centred, factor)
+            else:  # (the residual's arguments unread)
+                exponent = _thc_compress(*args, False, args[0], g.point_low, np.float32(0.0))
             if exponent == _MASK:
                 self._nonfinite(flat)
             if fused:
@@ -503,7 +501,7 @@ class THC(_Homomorphic):
         scale = float(np.float32(2.0 * packet.meta["M"] / (self.granularity * count)))
         layout = packet.meta["rht"]
         if _kernel_source(total, layout.padded_numel):
-            return self._kernel_decode(_thc_decode_sums, total.contiguous(), layout, count, scale, out=out)
+            return self._kernel_decode(False, total.contiguous(), layout, count, scale, out=out)
         centered = torch.sub(total, self.granularity * count / 2,
                              out=torch.empty(total.shape, dtype=torch.float32, device=total.device))
         transformed = inverse_rht(centered, layout)
@@ -514,7 +512,7 @@ class THC(_Homomorphic):
         if packed.numel() != packed_nbytes(layout.padded_numel, self.bits):
             raise ValueError(f"{packed.numel()} bytes cannot hold {layout.padded_numel} codes of {self.bits} bits")
         scale = float(np.float32(2.0 * packet.meta["M"] / self.granularity))
-        return self._kernel_decode(_thc_decode_packed, packed, layout, 1, scale)
+        return self._kernel_decode(True, packed, layout, 1, scale)
 
     def residual(self, x: torch.Tensor, packet: Packet, owned: bool = False) -> torch.Tensor:
         """x − decompress(packet), the residual memory's update (Algorithm 3 line 21): the one the compression
@@ -534,20 +532,25 @@ class THC(_Homomorphic):
             raise ValueError(f"{packed.numel()} bytes cannot hold {layout.padded_numel} codes of {self.bits} bits")
         scale = float(np.float32(2.0 * packet.meta["M"] / self.granularity))
         out = flat if owned else torch.empty(flat.numel(), dtype=torch.float32)
-        self._kernel_decode(_thc_residual_packed, packed, layout, 1, scale, minuend=flat, out=out)
+        self._kernel_decode(True, packed, layout, 1, scale, minuend=flat, out=out)
         return out.view(x.shape)
 
-    def _kernel_decode(self, kernel, source: torch.Tensor, layout, count: int, scale: float,  # noqa: ANN001
+    def _kernel_decode(self, packed: bool, source: torch.Tensor, layout, count: int, scale: float,  # noqa: ANN001
                        minuend: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``kernel`` (packed codes or sums) into ``out`` or a new float32 tensor: lines 18-20 in two passes
-        per partition (``minuend``: the residual kernel's x, subtracted from)."""
+        """:func:`_thc_decode` of packed codes (``packed``; ``minuend``: subtracted from, the residual's x)
+        or :func:`_thc_decode_sums` of sums, into ``out`` or a new float32 tensor: lines 18-20 in two
+        passes per partition."""
         if out is None:
             out = torch.empty(layout.numel, dtype=torch.float32)
         centre = np.float32(self.granularity * count / 2)
         centred = self.grid.values32.astype(np.float32) - centre  # float32 T[z] − centre: the kernel's own bits
-        first = () if minuend is None else (as_numpy(minuend),)
-        kernel(as_numpy(source), *first, as_numpy(out), *_kernel_args(layout, torch.float32), ONE, work_buffer(layout),
-               np.uint64(self.bits), centred, centre, np.float32(scale))
+        target = as_numpy(out)
+        args = (as_numpy(source), target, *_kernel_args(layout, torch.float32), ONE, work_buffer(layout),
+                np.uint64(self.bits), centred, centre, np.float32(scale))
+        if packed:
+            _thc_decode(*args, target if minuend is None else as_numpy(minuend), minuend is not None)
+        else:
+            _thc_decode_sums(*args)
         return out
 
 

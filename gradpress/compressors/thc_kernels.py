@@ -7,7 +7,7 @@ THC in two passes over each Hadamard block (:mod:`gradpress.kernels.hadamard`'s 
 stages across rows, the last four of them straight into 16 vectors of scratch, which the quantizer
 scales, rounds and packs (a NaN/Inf input shows in any vector of its block); with the residual memory
 (line 21) it also forms r' = v − (T[z] − g/2)·2M/g for each rotated value v, and inverts the transform of
-r' into the compensated tensor (:func:`_thc_compress_residual`). Decoding (lines 18-20), pass A unpacks the
+r' into the compensated tensor (:func:`_thc_compress` with ``fused``). Decoding (lines 18-20), pass A unpacks the
 codes and looks up their centred table values (or reads the sums and centres them) and runs the row
 stages; pass B the rest, then D, the scales and the output, row by row. Every value goes through the
 float32 operations of the torch path, in its order: the same bits (tests/test_thc_kernels.py).
@@ -49,27 +49,23 @@ from gradpress.kernels.jit import GOLDEN, bits_of_f32, jit, kernel, mix32
 
 @jit
 def _thc_compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
-                  point_gap, point_low, point_inv, seed, bits, codes):  # pragma: no cover - compiled
+                  point_gap, point_low, point_inv, seed, bits, codes, fused, res, centred,
+                  factor):  # pragma: no cover - compiled
     """THC's compression (Algorithm 3 lines 9-15) of float32 ``x``: the RHT (gradpress.kernels.hadamard's layout
     arguments and work buffer), Grid.quantize on the grid (pre, origin, qscale, top) and the packing of
     the b-bit codes into ``codes`` (zeroed where a block has fewer than 16 values). Returns the largest
-    exponent field of the transformed values (all ones: x held NaN or Inf)."""
-    return _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
-                     point_gap, point_low, point_inv, seed, bits, codes, False, x, point_low, np.float32(0.0))
+    exponent field of the transformed values (all ones: x held NaN or Inf).
 
-
-@jit
-def _thc_compress_residual(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale,
-                           top, point_gap, point_low, point_inv, seed, bits, codes, res, centred,
-                           factor):  # pragma: no cover - compiled
-    """:func:`_thc_compress`, and the residual x − C⁻¹(C(x)) into ``res`` (float32, x's length; may be x
+    With ``fused`` (line 21), also the residual x − C⁻¹(C(x)) into ``res`` (float32, x's length; may be x
     itself): in the rotated domain r' = v − (T[z] − g/2)·factor for each transformed value v and its code
     z (``centred``: float32 T[z] − g/2, at least 32 entries; factor = 2M/g, the decoder's), then
     res = RHT⁻¹(r') — the stages across rows on each panel of pass B while it is in the cache, those
     within a row, D and 1/√P in one more pass per block. Equal to x − decompress(packet) up to float
-    rounding (the decoder transforms T[z] − g/2 and subtracts the result from x)."""
+    rounding (the decoder transforms T[z] − g/2 and subtracts the result from x). Without it, ``res``,
+    ``centred`` and ``factor`` are not read (any float32 arrays and number). ``fused`` is a run-time
+    flag, not a compile-time one: one compiled kernel serves both."""
     return _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
-                     point_gap, point_low, point_inv, seed, bits, codes, True, res, centred, factor)
+                     point_gap, point_low, point_inv, seed, bits, codes, fused, res, centred, factor)
 
 
 @kernel(inline="always")
@@ -104,7 +100,7 @@ def _rows_inverse(work, n, count, first, key, s, one, out, streamed):  # pragma:
 def _compress(x, numel, partition, size, tail, scale, tail_scale, key, one, work, pre, origin, qscale, top,
               point_gap, point_low, point_inv, seed, bits, codes, fused, res, centred_values,
               factor):  # pragma: no cover - compiled
-    """:func:`_thc_compress`, and with ``fused`` :func:`_thc_compress_residual`'s residual into ``res``:
+    """:func:`_thc_compress`, and with ``fused`` the residual into ``res``:
     block by block, the scalar way for fewer than 16 values (:func:`_compress_tiny`), else pass A (the
     signs and the stages within a row) then pass B, over one row (:func:`_quantize_row`) or panel by panel
     (:func:`_quantize_panels`), then the residual's last pass (:func:`_rows_inverse`). Returns the largest
@@ -317,22 +313,18 @@ def _decode(source, packed, out, numel, partition, size, tail, scale, tail_scale
 
 
 @jit
-def _thc_decode_packed(packed, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-                       centre, factor):  # pragma: no cover - compiled
+def _thc_decode(packed, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values, centre,
+                factor, minuend, subtract):  # pragma: no cover - compiled
+    """:func:`_decode` of one packet's codes into ``out``; with ``subtract``, out = minuend − the decoding
+    (the residual memory's update; ``out`` may be ``minuend``). ``subtract`` is a run-time flag: one
+    compiled kernel serves both."""
     _decode(packed, True, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-            centre, factor, out, False)
-
-
-@jit
-def _thc_residual_packed(packed, x, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits,
-                         values, centre, factor):  # pragma: no cover - compiled
-    """out = x − the decoding of one packet's codes (``out`` may be ``x``): the residual memory's update."""
-    _decode(packed, True, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
-            centre, factor, x, True)
+            centre, factor, minuend, subtract)
 
 
 @jit
 def _thc_decode_sums(total, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
                      centre, factor):  # pragma: no cover - compiled
+    """:func:`_decode` of the workers' summed codes (one kernel per dtype of the sums)."""
     _decode(total, False, out, numel, partition, size, tail, scale, tail_scale, key, one, work, bits, values,
             centre, factor, out, False)
