@@ -59,8 +59,9 @@ def _copy(tmp_path: Path) -> Path:
 def _decode_in_a_process(root: Path, *argv: str, **env: str) -> dict:
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("NUMBA_CACHE_DIR", "GRADPRESS_CACHE", "XDG_CACHE_HOME")}
+    # (no Python bytecode either: a __pycache__ folder is what these tests make or block for numba's files)
     environment.update({"PYTHONPATH": str(root), "GRADPRESS_NUMBA": "1", "XDG_CACHE_HOME": str(root / "xdg"),
-                        **env})
+                        "PYTHONDONTWRITEBYTECODE": "1", **env})
     done = subprocess.run([sys.executable, "-c", _CHILD, *argv], cwd=root, env=environment, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
