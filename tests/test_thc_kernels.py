@@ -200,7 +200,13 @@ def test_the_runtime_forms_thc_residuals_during_compression(monkeypatch):
     sim = gradpress.Simulator("thc", 2, seed=3)  # (its warm-up's own calls are not counted)
     calls = []
     kernel = thc._thc_compress
-    monkeypatch.setattr(thc, "_thc_compress", lambda *args: calls.extend([1] if args[20] else []) or kernel(*args))
+
+    def counted(*args):
+        fused = args[20]  # (the kernel's run-time flag: the residual formed as it compresses)
+        calls.extend([1] if fused else [])
+        return kernel(*args)
+
+    monkeypatch.setattr(thc, "_thc_compress", counted)
     for step in range(3):
         sim.step([torch.randn(3000, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(2)])
     assert len(calls) == 2 * 2
