@@ -232,8 +232,16 @@ def _ddp_worker(rank: int, world_size: int) -> dict:
     continued = again.stats()["auto"]
     _train(resumed, optimizer, generator, 3)  # step 7: re-checks (on gradients rank 0 kept at step 6)
     rechecked = again.stats()["auto"]
+    # the defaults: steps 0 and 1 measured uncompressed, the decision at step 2's first bucket; rank 0 reads
+    # ρ from its gradient of step 1 and the exact average of the ranks', and from its gradients of steps 0
+    # and 1 (a fresh model: far from its minimum)
+    torch.manual_seed(0)
+    fresh = DDP(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)))
+    default = gradpress.register(fresh, "auto", candidates=["topk:ratio=0.1"], seed=0)
+    _train(fresh, torch.optim.SGD(fresh.parameters(), lr=0.05), generator, 3)
     return {"measuring": measuring, "decided": decided, "loaded": loaded, "continued": continued,
-            "rechecked": rechecked, "signal": signal, "params": [p.detach().clone() for p in resumed_model.parameters()]}
+            "rechecked": rechecked, "signal": signal, "params": [p.detach().clone() for p in resumed_model.parameters()],
+            "default": default.stats()["auto"], "default signal": default._pipeline._signal}
 
 
 def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice() -> None:
@@ -254,9 +262,12 @@ def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice
             assert result[view]["buckets"] == decided["buckets"] and result[view]["decided_at"] == 3
             assert result[view]["next_check"] == 7
         assert result["rechecked"]["decided_at"] == 7 and result["rechecked"]["decided"]
+        assert result["default"]["decided_at"] == 2 and result["default"]["decided"], result["default"]
     first, second = results
-    # the quality model's signal fraction, read on rank 0 from two consecutive steps of the same model
+    # the quality model's signal fraction, read on rank 0 (from its gradient and the exact average of the
+    # last measured step)
     assert 0 < first["signal"] < 1 and second["signal"] == 0
+    assert 0 < first["default signal"] < 1 and second["default signal"] == 0
     assert first["decided"]["auto"]["buckets"] == second["decided"]["auto"]["buckets"]
     assert first["rechecked"]["buckets"] == second["rechecked"]["buckets"]
     for mine, theirs in zip(first["params"], second["params"], strict=True):
@@ -271,7 +282,7 @@ def _aggressive(profile: ComputeProfile, ratio: float, spec: str) -> MethodCost:
 
 
 def test_the_quality_model_prefers_the_gentler_method_when_the_aggressive_one_is_slower_to_the_target() -> None:
-    from gradpress.costmodel import CompressionError, signal_fraction, steps_factor
+    from gradpress.costmodel import CompressionError, signal_fraction, signal_fraction_of_mean, steps_factor
 
     profile = _profile()
     none = _costs(profile)[0]
@@ -305,6 +316,13 @@ def test_the_quality_model_prefers_the_gentler_method_when_the_aggressive_one_is
     assert rho == pytest.approx(0.1, abs=0.01)
     assert signal_fraction({"w": mean}, {"w": -mean}) == 0.0 and signal_fraction({"w": mean}, {"v": mean}) == 0.0
     assert signal_fraction({"w": mean}, {"w": mean}) == pytest.approx(1 - 1e-3)
+    # ρ from one worker's gradient and the exact average of n = 4 (the same ρ = 1/10)
+    workers = [mean + 3 * torch.randn(200_000, generator=generator) for _ in range(4)]
+    average = torch.stack(workers).mean(0)
+    squares = [float(t.double().square().sum()) for t in (workers[0], average)]
+    assert signal_fraction_of_mean(*squares, 4) == pytest.approx(0.1, abs=0.02)
+    assert signal_fraction_of_mean(squares[0], squares[0], 1) == 0.0  # one worker: no second batch size
+    assert signal_fraction_of_mean(1.0, 0.1, 4) == 0.0 and signal_fraction_of_mean(1.0, 5.0, 4) == pytest.approx(1 - 1e-3)
     assert AutoOptions().rank_by == "quality" and AutoOptions(rank_by="step").rank_by == "step"
     with pytest.raises(ValueError, match="rank_by"):
         AutoOptions(rank_by="loss")

@@ -6,7 +6,7 @@ a run, on this machine; ``gradpress.register(model, "auto")`` (or ``ddp_comm_hoo
 ``Communicator("auto")``) answers it inside the run, with the run's own link, compute and gradients:
 
 1. **Measure** (``settle_steps`` steps, then ``measure_steps`` steps, exchanged uncompressed with
-   ``none``). Each bucket's layout (keys, size), when it reached the hook (seconds after the step's first
+   ``none``; by default steps 0 and 1). Each bucket's layout (keys, size), when it reached the hook (seconds after the step's first
    bucket, less the hook's own time on the buckets before it), the compute between the end of a step's
    exchange and the next step's first bucket (the optimizer, the forward pass and the backward pass up to
    the first bucket), and every round of collectives: from its issue, or the end of the round before it
@@ -21,8 +21,9 @@ a run, on this machine; ``gradpress.register(model, "auto")`` (or ``ddp_comm_hoo
    candidate's relative compression error ‖g − C(g)‖²/‖g‖² on each bucket's same gradients
    (:mod:`gradpress.costmodel.quality`: 1/δ, δ = 1 − error, for biased or error-feedback methods,
    Stich & Karimireddy 2019 and Karimireddy et al. 2019; 1 + ω/(1 − ρ) for unbiased methods without
-   memory, Alistarh et al. 2017, ρ the gradient's signal fraction read from rank 0's gradients of the
-   two steps before the decision; worst-case factors, so it errs towards gentler methods); ``rank_by="step"``
+   memory, Alistarh et al. 2017, ρ the gradient's signal fraction read on rank 0 from its gradient of the
+   last measured step and the exact average of the ranks', and from two consecutive steps' gradients
+   where two were measured; worst-case factors, so it errs towards gentler methods); ``rank_by="step"``
    ranks by the step alone. :func:`choose` starts from the best single method and improves bucket by
    bucket; a change must be predicted to shorten the objective by more than ``margin``. Rank 0 broadcasts
    the choice (one small collective at decision points only; a steady-state step pays none) and every

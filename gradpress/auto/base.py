@@ -57,6 +57,8 @@ class AutoBase:
         self._costs_layout: tuple | None = None
         self._captured: dict[str, torch.Tensor] | None = None
         self._earlier: tuple[int, dict[str, torch.Tensor]] | None = None  # rank 0: (step, gradients) before
+        #: rank 0: (step, [‖mean‖²]) of the captured step's exact averages (None: a step not uncompressed)
+        self._mean: tuple[int, list[float] | None] | None = None
         self._signal = 0.0  # rank 0: the signal fraction of the last measurement
         self.skipped: dict[str, str] = {}  # rank 0: candidates that failed to measure, with why
         self.error: str | None = None  # rank 0: why the last decision kept the methods as they were

@@ -48,7 +48,7 @@ class Decider(Recorder):
     def _measure(self, profile: ComputeProfile) -> tuple[dict[str, Any], dict[str, str]]:
         """Each candidate's cost on the captured gradients (rank 0), as ``advise`` measures it, and
         (``rank_by="quality"``) its compression error on each bucket (kept in ``_errors``)."""
-        from gradpress.costmodel import compression_errors, measure_method, signal_fraction
+        from gradpress.costmodel import compression_errors, measure_method
 
         grads = self._captured or {}
         buckets = [{key: grads[key] for key in bucket.keys if key in grads} for bucket in profile.buckets]
@@ -56,7 +56,7 @@ class Decider(Recorder):
         for spec in self.auto.candidates:
             try:
                 self.pipeline(spec)  # a method these options cannot run (a mode it lacks) is left out
-                costs[spec] = measure_method(spec, profile, [grads, grads], repeats=2, seed=self.options.seed)
+                costs[spec] = measure_method(spec, profile, [grads, grads], repeats=1, seed=self.options.seed)
                 if self.auto.rank_by == "quality":
                     errors[spec] = compression_errors(spec, buckets, seed=self.options.seed,
                                                       feedback=self.options.feedback)
@@ -64,9 +64,25 @@ class Decider(Recorder):
                 costs.pop(spec, None)
                 skipped[spec] = f"{type(error).__name__}: {error}"[:200]
         self._errors = errors if self.auto.rank_by == "quality" else None
-        self._signal = signal_fraction(self._earlier[1], grads) if self._earlier is not None else 0.0
-        self._earlier = None
+        self._signal = self._signal_fraction(grads)
+        self._earlier, self._mean = None, None
         return costs, skipped
+
+    def _signal_fraction(self, grads: dict[str, torch.Tensor]) -> float:
+        """ρ of the quality model (rank 0): the mean of its estimates from the captured step's gradient and
+        the exact average of the ranks' (:func:`~gradpress.costmodel.signal_fraction_of_mean`) and from
+        the captured step's and the step before's gradients (:func:`~gradpress.costmodel.signal_fraction`),
+        where they were kept; 0 without either."""
+        from gradpress.costmodel import signal_fraction, signal_fraction_of_mean
+
+        estimates = []
+        mean = self._mean[1] if self._mean is not None else None
+        if mean is not None and self.world_size > 1:
+            own = sum(float(t.double().square().sum()) for t in grads.values())
+            estimates.append(signal_fraction_of_mean(own, mean[0], self.world_size))
+        if self._earlier is not None:
+            estimates.append(signal_fraction(self._earlier[1], grads))
+        return sum(estimates) / len(estimates) if estimates else 0.0
 
     def _payload(self, layout: tuple[tuple[str, ...], ...], status: float, decision: Decision | None = None,
                  link: tuple[float, float] = (0.0, 0.0), compute: float = 0.0, intra: float = 0.0) -> torch.Tensor:

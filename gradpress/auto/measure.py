@@ -109,6 +109,11 @@ class _StepRecord:
         return out
 
 
+def _add_squares(tally: list[float] | None, averages: list[torch.Tensor]) -> None:
+    if tally is not None:
+        tally[0] += sum(float(t.detach().double().square().sum()) for t in averages)
+
+
 class Recorder(AutoBase):
     """The recording side of :class:`~gradpress.auto.AutoPipeline`: when each bucket reaches the hook
     and is decoded, each round's time on the link, and the profile and link a decision reads."""
@@ -121,13 +126,15 @@ class Recorder(AutoBase):
         self._current_step = step
         self._records.append(_StepRecord(step, now))
 
-    def _timed(self, protocol: Protocol, record: _BucketRecord) -> Protocol:
+    def _timed(self, protocol: Protocol, record: _BucketRecord, tally: list[float] | None = None) -> Protocol:
         """``protocol``, recording when its compression ends (its first round is issued), each round's
-        time on the link, and when it has decoded."""
+        time on the link, and when it has decoded; the squared norm of the averages it returns is added
+        to ``tally[0]`` when one is given."""
         try:
             round_ = next(protocol)
         except StopIteration as stop:
             record.hook_end = record.done = time.perf_counter()
+            _add_squares(tally, stop.value)
             return stop.value
         record.hook_end = max(record.hook_end, time.perf_counter())
         while True:
@@ -140,6 +147,7 @@ class Recorder(AutoBase):
                 round_ = protocol.send(results)
             except StopIteration as stop:
                 record.done = max(record.done, time.perf_counter())
+                _add_squares(tally, stop.value)
                 return stop.value
 
     def _observe(self, round_: Round, issued: float, arrived: float) -> None:

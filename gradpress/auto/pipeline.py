@@ -9,10 +9,13 @@ import torch
 
 from gradpress.auto.decision import Decider
 from gradpress.auto.measure import _BucketRecord
-from gradpress.auto.options import AUTO, UNCOMPRESSED
+from gradpress.auto.options import AUTO, NODE, UNCOMPRESSED
 from gradpress.auto.state import AutoState
 from gradpress.exchange.pipeline import Group
 from gradpress.exchange.protocol import Protocol
+
+#: what exchanges the exact average: the measurement's methods
+EXACT = (UNCOMPRESSED, UNCOMPRESSED + NODE)
 
 
 class AutoPipeline(Decider, AutoState):
@@ -45,10 +48,12 @@ class AutoPipeline(Decider, AutoState):
                 protocols.append(group.protocol)
         return Group([], _chain(protocols), step) if protocols else None
 
-    def _capture(self, step: int, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def _capture(self, step: int, items: Sequence[tuple[str, torch.Tensor]], exact: bool) -> list[float] | None:
         """Rank 0, before a decision that measures: this worker's gradients of the step before it (the
-        candidates are measured on them) and of the step before that (the signal fraction of the quality
-        model, :func:`gradpress.costmodel.signal_fraction`)."""
+        candidates are measured on them) and of the step before that, and the squared norm of the first's
+        exact average over the ranks (``exact``: these items are exchanged uncompressed): the signal
+        fraction of the quality model is read from them (:meth:`_signal_fraction`). Returns the tally of
+        ‖average‖² that these items' exchange adds to, or None."""
         measuring = self._costs is None or self._captured is not None
         if step == self.next_decision - 2 and self._costs is None:
             earlier = self._earlier if self._earlier is not None and self._earlier[0] == step else (step, {})
@@ -60,6 +65,12 @@ class AutoPipeline(Decider, AutoState):
                 captured[key] = tensor.detach().clone()
             if self._earlier is not None and self._earlier[0] != step - 1:
                 self._earlier = None  # (not the step just before: no pair to read the signal from)
+            if self._mean is None or self._mean[0] != step:
+                self._mean = (step, [0.0])
+            if not exact:
+                self._mean = (step, None)
+            return self._mean[1]
+        return None
 
     def groups(self, items: Sequence[tuple[str, torch.Tensor]], bucket: torch.Tensor | None = None,
                writable: bool = False) -> list[Group]:
@@ -71,8 +82,10 @@ class AutoPipeline(Decider, AutoState):
                 raise ValueError(f"{key!r} has shape {tuple(tensor.shape)}; the loaded gradpress state was "
                                  f"saved for {expected}")
         step = max((self.steps.get(key, 0) for key, _ in items), default=0)
+        split = self._split(items)
+        tally = None
         if self.rank == 0:
-            self._capture(step, items)
+            tally = self._capture(step, items, all(spec in EXACT for spec, _ in split))
         writable = writable or bucket is not None
         items = list(items)
         for i, (key, tensor) in enumerate(items):
@@ -87,14 +100,13 @@ class AutoPipeline(Decider, AutoState):
                                start)
         if self._records and self._records[-1].step == self._current_step:
             self._records[-1].buckets.append(record)
-        split = self._split(items)
         out = []
         for spec, positions in split:
             chosen = [items[i] for i in positions]
             for group in self.pipeline(spec).groups(chosen, bucket=bucket if len(split) == 1 else None,
                                                     writable=writable):
-                out.append(Group([positions[i] for i in group.members], self._timed(group.protocol, record),
-                                 group.step, group.flat))
+                out.append(Group([positions[i] for i in group.members],
+                                 self._timed(group.protocol, record, tally), group.step, group.flat))
         return out
 
     def report(self) -> dict[str, Any]:

@@ -111,7 +111,7 @@ class AutoState(AutoBase):
         self._arrivals.clear()
         self._current_step = -1
         self._costs, self._costs_layout, self._captured, self._errors = None, None, None, None
-        self._earlier = None
+        self._earlier, self._mean = None, None
 
     def _checked_section(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
         """``state``'s ``"auto"`` section and its shapes, once its header, step counters, choice, residuals

@@ -67,6 +67,7 @@ from gradpress.costmodel.quality import (
     compression_errors,
     runs_unbiased,
     signal_fraction,
+    signal_fraction_of_mean,
     steps_factor,
     variance_factor,
 )
@@ -80,7 +81,7 @@ __all__ = [
     "flat_cost", "level_costs", "link_phases", "measure_method", "node_exchange", "node_link_bytes",
     "node_transfer_seconds", "predict", "predict_bucketed_step", "predict_step_time", "rate_bits_per_second",
     "refill", "shard_phases", "steady_tokens", "transfer_seconds", "transfers_of",
-    "MIN_DELTA", "CompressionError", "compression_errors", "runs_unbiased", "signal_fraction", "steps_factor",
-    "variance_factor",
+    "MIN_DELTA", "CompressionError", "compression_errors", "runs_unbiased", "signal_fraction",
+    "signal_fraction_of_mean", "steps_factor", "variance_factor",
     "level_steps", "predict_levels", "priced_steps",
 ]

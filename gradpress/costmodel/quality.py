@@ -15,8 +15,10 @@ errors add: ε = Σ_b ‖g_b − C_b(g_b)‖² / Σ_b ‖g_b‖² (:class:`Compr
   grow with the variance bound (Alistarh et al., "QSGD", NeurIPS 2017, Theorem 3.4 and its corollaries),
   grow by **1 + ω·E‖g‖²/σ² = 1 + ω/(1 − ρ)**, ρ = ‖∇f‖²/E‖g‖² the gradient's signal fraction (the
   inverse of the "noise scale" of McCandlish et al., "An empirical model of large-batch training",
-  2018). ω is estimated by the measured ε, ρ by two consecutive steps' gradients of one worker
-  (:func:`signal_fraction`: ⟨g₁, g₂⟩ estimates ‖∇f‖² where their noises are independent). In two levels
+  2018). ω is estimated by the measured ε, ρ from one worker's gradient and the exact average of the n
+  workers' of the same step (:func:`signal_fraction_of_mean`: the two batch sizes' estimate of ‖∇f‖²),
+  or from two consecutive steps' gradients of one worker (:func:`signal_fraction`: ⟨g₁, g₂⟩ estimates
+  ‖∇f‖² where their noises are independent). In two levels
   a node compresses the sum of its k ranks' gradients, whose noise is k times smaller:
   **1 + ω·(1 + k·ρ/(1 − ρ))**. Unknown ρ is taken as 0 (noise only: the smallest factor, 1 + ω).
 * A **biased** method (top-k, PowerSGD, THC, fp16), or any method run with error feedback, is read as
@@ -104,6 +106,19 @@ def signal_fraction(first: Mapping[str, torch.Tensor], second: Mapping[str, torc
     if not keys or not squares > 0 or not math.isfinite(dot / squares):
         return 0.0
     return min(max(dot / squares, 0.0), 1.0 - MIN_DELTA)
+
+
+def signal_fraction_of_mean(own_squares: float, mean_squares: float, n: int) -> float:
+    """ρ = ‖∇f‖²/E‖g‖² from one step: ``own_squares`` = ‖g‖² of one worker's minibatch gradient and
+    ``mean_squares`` = ‖ḡ‖² of the exact average of the ``n`` workers' (a batch n times larger). Their
+    expectations are ‖∇f‖² + tr Σ/b and ‖∇f‖² + tr Σ/(n·b), so ‖∇f‖² ≈ (n‖ḡ‖² − ‖g‖²)/(n − 1): the
+    unbiased estimate from two batch sizes of McCandlish et al., "An empirical model of large-batch
+    training", 2018, Appendix A.1, over ‖g‖²; clamped to [0, 1 − :data:`MIN_DELTA`]; 0 for one worker
+    or a zero gradient."""
+    if n < 2 or not own_squares > 0 or not math.isfinite(own_squares) or not math.isfinite(mean_squares):
+        return 0.0
+    signal = (n * mean_squares - own_squares) / ((n - 1) * own_squares)
+    return min(max(signal, 0.0), 1.0 - MIN_DELTA)
 
 
 def variance_factor(signal: float, local_size: int = 1) -> float:

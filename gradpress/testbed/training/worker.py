@@ -87,18 +87,28 @@ def warm_up(config: TrainConfig) -> None:
     of its workers and options, two steps: its error feedback's path too), so that numba compiles its
     kernels — or loads them from its on-disk cache — before the training clock starts. On a fresh
     machine the compilation takes up to a minute or two per method (THC's kernels), which would otherwise be
-    charged to the first steps and to the method's time to target. The global random state is left as
-    it was; PyTorch's own hooks and ``auto`` (whose methods are chosen later) have nothing to warm."""
-    if config.compressor in REFERENCES or is_auto(config.compressor):
+    charged to the first steps and to the method's time to target. ``auto`` warms each of its candidates
+    alike (it measures them at its decision). The global random state is left as it was; PyTorch's own
+    hooks have nothing to warm."""
+    if config.compressor in REFERENCES:
         return
     import gradpress
+    from gradpress.auto import AutoOptions
 
+    options = simulated_options(config)
+    specs = [config.compressor]
+    if is_auto(config.compressor):
+        specs = list(AutoOptions.pop_from(options).candidates)
     with torch.random.fork_rng():
-        sim = gradpress.Simulator(config.compressor, config.world_size, **simulated_options(config))
-        generator = torch.Generator().manual_seed(config.seed)
-        for _ in range(2):
-            sim.step([{"warm-up": torch.randn(70_000, generator=generator)}
-                      for _ in range(config.world_size)])
+        for spec in specs:
+            try:
+                sim = gradpress.Simulator(spec, config.world_size, **options)
+            except ValueError:  # a candidate these options cannot run: auto leaves it out, saying why
+                continue
+            generator = torch.Generator().manual_seed(config.seed)
+            for _ in range(2):
+                sim.step([{"warm-up": torch.randn(70_000, generator=generator)}
+                          for _ in range(config.world_size)])
 
 
 class _Training:
