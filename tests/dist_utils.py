@@ -49,10 +49,21 @@ def _entry(fn: Callable, rank: int, world_size: int, store: str, out: str, args:
         pass
 
 
+def _method_modules() -> list[str]:
+    """The modules of gradpress's methods and feedback memories (imported when one of theirs is first made:
+    ~2 s of a worker's CPU, their kernels' decoration included; their kernels are compiled or loaded
+    from the disk cache in the worker still, as a fresh process does it)."""
+    from gradpress.compressors import declared
+
+    methods, feedbacks = declared()
+    return sorted({*methods.values(), *feedbacks.values()})
+
+
 #: what every worker imports before its test's function runs: the forkserver imports them once and forks
 #: each worker from itself (a fresh process of its own, without the ~5 s of imports each spawn pays);
-#: ``torch._dynamo`` is what DistributedDataParallel's constructor imports
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numba", "gradpress"]
+#: ``torch._dynamo`` is what DistributedDataParallel's constructor imports. (Names the forkserver can
+#: import: it does not take the parent's ``sys.path``, and skips a name it cannot import.)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numba", "gradpress", *_method_modules()]
 
 
 def _context() -> Any:

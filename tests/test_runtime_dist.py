@@ -4,14 +4,16 @@ Few spawns, many checks each (spawning costs seconds on a loaded machine): one 3
 small model under every registered compressor and the runtime's modes (parameter server, switch,
 partial aggregation, bidirectional compression), and the parent checks that all ranks hold
 bit-identical gradients and parameters, that they equal ``simulate`` on the same local gradients, and
-that the loss falls. Others: PyTorch's PowerSGD-hook failure case, save/restore into
-fresh processes, a NaN gradient and a dying worker.
+that the loss falls. One 2-process run holds the others, in turn: PyTorch's PowerSGD-hook failure case
+and the checkpoints, the planned exchange of an uncompressed bucket beside the general one, a NaN
+gradient and, last, a dying worker; a second pair of fresh processes restores the checkpoints.
 """
 from __future__ import annotations
 
 import copy
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +24,9 @@ import gradpress
 from dist_utils import run_workers
 from test_runtime_compressors import LeaderTopK, PowerIteration, UniformInt, WideInt
 
-STEPS = 6
+#: DDP rebuilds its buckets after step 0; "options" compresses from step 2 (warmup_steps=2): 4 steps
+#: still carry a feedback memory (and PowerSGD's warm start) from one compressed step into the next
+STEPS = 4
 
 
 class Net(nn.Module):
@@ -192,7 +196,9 @@ PLANNED_STEPS, FAULT_AT = 6, 4  # DDP rebuilds its buckets after step 0; the pla
 def _planned(rank: int, world_size: int, label: str) -> dict:
     """DDP training with the buckets' plans (``label`` "planned") or with every bucket through the
     general exchange ("general": the plans are never kept); rank 1's gradient holds a NaN at step 4.
-    (One process group per variant: after a failed exchange the ranks may be out of step.)"""
+    (A process group of its own for each variant: after a failed exchange the ranks may be out of step.)"""
+    import torch.distributed as dist
+
     from gradpress.exchange.pipeline import FlatAllReduce
 
     started = FlatAllReduce.start
@@ -202,10 +208,19 @@ def _planned(rank: int, world_size: int, label: str) -> dict:
         used[0] += 1
         return started(plan, *args)
 
-    FlatAllReduce.start = counted  # (this process's class: the worker exits after)
+    FlatAllReduce.start = counted  # (this process's class, until this variant is done)
+    try:
+        return _planned_steps(rank, label, dist.new_group(), used)
+    finally:
+        FlatAllReduce.start = started
+
+
+def _planned_steps(rank: int, label: str, group: Any, used: list[int]) -> dict:
+    from gradpress.exchange.pipeline import FlatAllReduce
+
     torch.manual_seed(0)
     model = _mlp()
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01, process_group=group)
     state = gradpress.register(ddp, "none")
     if label == "general":
         state._plans = _Refusing()
@@ -233,10 +248,9 @@ class _Refusing(dict):
         pass
 
 
-def test_a_planned_bucket_exchange_is_the_general_one_bit_for_bit():
-    runs = {label: run_workers(_planned, 2, label, timeout=180) for label in ("planned", "general")}
+def test_a_planned_bucket_exchange_is_the_general_one_bit_for_bit(two_ranks):
     for rank in range(2):
-        planned, general = runs["planned"][rank], runs["general"][rank]
+        planned, general = two_ranks["runs"][rank]["planned"], two_ranks["runs"][rank]["general"]
         assert planned["planned"] >= 2 and general["planned"] == 0, (planned["planned"], general["planned"])
         # steps 2 and 3 through the plans, every bucket of them, and step 4 up to its failure
         assert planned["used"] >= 2 * planned["planned"] and general["used"] == 0, (planned["used"], general["used"])
@@ -313,12 +327,12 @@ def _restored(rank: int, world_size: int, path: str) -> dict:
     return out
 
 
-def test_powersgd_case_and_bit_identical_resume(tmp_path):
-    first = run_workers(_uninterrupted, 2, str(tmp_path / "ckpt"), timeout=180)
+def test_powersgd_case_and_bit_identical_resume(two_ranks):
+    first = [ranks["uninterrupted"] for ranks in two_ranks["runs"]]
     for name in gradpress.compressor_names():
         for a, b in zip(first[0]["plain"][name], first[1]["plain"][name], strict=True):
             assert torch.equal(a, b), name
-    second = run_workers(_restored, 2, str(tmp_path / "ckpt"), timeout=120)
+    second = two_ranks["restored"]
     for spec in RESUME_SPECS:
         for rank in range(2):
             for a, b in zip(first[rank]["resumed"][spec], second[rank][spec], strict=True):
@@ -326,7 +340,9 @@ def test_powersgd_case_and_bit_identical_resume(tmp_path):
 
 
 # -- failures: a NaN gradient, a dying worker -------------------------------------------------------
-def _failures(rank: int, world_size: int) -> dict:
+def _failures(rank: int, world_size: int, before: dict, folder: str) -> dict:
+    """Last in its processes: rank 1 dies between steps, ``before`` (its results of the scenarios
+    before) and its results here saved first, to ``folder``/rank1.pt."""
     out: dict[str, Any] = {}
     plain = gradpress.Communicator("none", timeout=3)  # checks the aggregate: every rank raises at once
     start = time.monotonic()
@@ -349,6 +365,7 @@ def _failures(rank: int, world_size: int) -> dict:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     _mlp_steps(rank, ddp, optimizer, range(2))
     if rank == 1:
+        torch.save({**before, "failures": out}, str(Path(folder) / "rank1.pt"))
         os._exit(1)  # dies between steps: rank 0's next exchange must fail, not hang
     start = time.monotonic()
     try:
@@ -358,9 +375,29 @@ def _failures(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_nan_and_dead_worker_raise_within_timeout():
-    results = run_workers(_failures, 2, timeout=120, may_exit=frozenset({1}))
-    survivor = results[0]
+def _two_ranks(rank: int, world_size: int, folder: str) -> dict:
+    """The 2-process scenarios, each on a DDP or a Communicator of its own (the planned exchanges on
+    groups of their own), the one that ends rank 1 last."""
+    out = {"uninterrupted": _uninterrupted(rank, world_size, str(Path(folder) / "ckpt"))}
+    for label in ("planned", "general"):
+        out[label] = _planned(rank, world_size, label)
+    out["failures"] = _failures(rank, world_size, out, folder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    """``{"runs": each rank's results of _two_ranks, "restored": each rank's of _restored}``: the
+    checkpoints restored into a second pair of fresh processes."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    runs = run_workers(_two_ranks, 2, str(folder), timeout=420, may_exit=frozenset({1}))
+    runs[1] = torch.load(str(folder / "rank1.pt"), weights_only=False)
+    restored = run_workers(_restored, 2, str(folder / "ckpt"), timeout=120)
+    return {"runs": runs, "restored": restored}
+
+
+def test_nan_and_dead_worker_raise_within_timeout(two_ranks):
+    survivor = two_ranks["runs"][0]["failures"]
     assert survivor["nan_sum"][0] == "NonFiniteError"  # rank 1's NaN, seen in the sum
     assert survivor["nan_sum"][1] < 3  # at once, not at the timeout
     name, waited = survivor["nan"]
