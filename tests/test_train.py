@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ needs_data = pytest.mark.skipif(not data.FASHION_MNIST_DIR.exists(),
                                 reason="Fashion-MNIST is not installed (gradpress data fashion-mnist, as root)")
 MLP = "mlp:hidden=32,depth=1"
 PARAMETERS = (784 * 32 + 32) + (32 * 10 + 10)
+ROOT = os.geteuid() == 0
 
 
 def config(**changes) -> TrainConfig:
@@ -46,15 +49,44 @@ def test_the_methods_kernels_are_warmed_before_the_clock_and_the_random_state_ke
     assert stepped == [3, 3] * runs
 
 
+#: the runs of one ``compare`` that several tests read (each run starts 2 worker processes): gradpress's
+#: hook (qsgd) and two reference rows, 12 steps with an evaluation every 5 and a time budget that the
+#: steps end long before
+COMPARED = ["qsgd", "noop", "torch-allreduce"]
+
+
+@dataclass
+class _Compared:
+    """What ``compare`` returned, and the folder it wrote into."""
+
+    out: Path
+    report: Path
+    runs: list[Run]
+    failures: dict[str, str]
+
+    def run(self, compressor: str) -> Run:
+        return next(r for r in self.runs if r.compressor == compressor)
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory) -> _Compared:
+    if not data.FASHION_MNIST_DIR.exists():
+        pytest.skip("Fashion-MNIST is not installed (gradpress data fashion-mnist, as root)")
+    out = tmp_path_factory.mktemp("compare")
+    report, runs, failures = compare(config(steps=12, eval_every=5, seconds=3600), COMPARED, out,
+                                     progress=False, say=lambda _: None)
+    return _Compared(out, report, runs, failures)
+
+
 @needs_data
-def test_gradpress_hook_trains_and_records_every_step(tmp_path):
-    run = train(config(compressor="qsgd"), tmp_path / "run.json", progress=False)
-    assert (tmp_path / "run.json").exists()
+def test_gradpress_hook_trains_and_records_every_step(compared):
+    run = compared.run("qsgd")
+    assert (compared.out / "run-qsgd.json").exists()
     assert [s.step for s in run.steps] == list(range(1, 13))
     assert all(s.samples == 64 and s.bytes_sent > 0 and s.compute_s >= 0 for s in run.steps)
     # the first steps also pay for connecting and loading compiled kernels, booked as compression
     assert all(s.compute_s > 0 for s in run.steady_steps)
-    assert [e.step for e in run.evals] == [0, 6, 12]
+    assert [e.step for e in run.evals] == [0, 5, 10, 12]
     assert run.metric == "accuracy" and run.evals[-1].value > run.evals[0].value
     # qsgd: 6 bits per value + 4 bytes per bucket of 512, for each parameter tensor
     assert run.steps[-1].bytes_sent < PARAMETERS * 4 / 4
@@ -88,32 +120,46 @@ def test_gradient_copy_is_timed_on_a_tensor_of_the_gradients_size(monkeypatch):
 @needs_data
 @pytest.mark.parametrize("name, expected", [("noop", 0), ("torch-allreduce", PARAMETERS * 4),
                                             ("torch-fp16", PARAMETERS * 2)])
-def test_reference_rows_count_what_their_hooks_send(name, expected):
-    run = train(config(compressor=name, steps=3, eval_every=3), progress=False)
+def test_reference_rows_count_what_their_hooks_send(name, expected, compared, on_a_budget):
+    run = on_a_budget if name == on_a_budget.compressor else compared.run(name)
     assert {s.bytes_sent for s in run.steps} == {expected}
 
 
+#: one run of the third reference row that a time budget ends after 3 steps, over the emulated network
+#: as root (loopback otherwise): the reference rows' test, the time budget's and the emulated network's
+#: read it
+ON_A_BUDGET = config(compressor="torch-fp16", steps=None, seconds=1e-3, eval_every=3,
+                     bandwidth="1gbit" if ROOT else None)
+
+
+@pytest.fixture(scope="module")
+def on_a_budget() -> Run:
+    if not data.FASHION_MNIST_DIR.exists():
+        pytest.skip("Fashion-MNIST is not installed (gradpress data fashion-mnist, as root)")
+    return train(ON_A_BUDGET, progress=False)
+
+
 @needs_data
-def test_a_time_budget_ends_at_the_first_evaluation_past_it():
-    run = train(config(compressor="none", steps=None, seconds=1e-3, eval_every=3), progress=False)
-    assert [s.step for s in run.steps] == [1, 2, 3] and [e.step for e in run.evals] == [0, 3]
-    capped = train(config(compressor="none", steps=4, seconds=3600, eval_every=3), progress=False)
-    assert [e.step for e in capped.evals] == [0, 3, 4]  # --steps ends it first
+def test_a_time_budget_ends_at_the_first_evaluation_past_it(on_a_budget, compared):
+    assert [s.step for s in on_a_budget.steps] == [1, 2, 3] and [e.step for e in on_a_budget.evals] == [0, 3]
+    capped = compared.run("torch-allreduce")  # 12 steps of a 3600 s budget: --steps ends it first
+    assert [e.step for e in capped.evals] == [0, 5, 10, 12]
 
 
 @needs_data
 def test_a_failing_worker_stops_the_run_with_its_error():
+    # one worker: every rank fails alike on the option, and the launcher's way from a failed worker to
+    # TrainFailed is the same for one process as for each of several
     with pytest.raises(TrainFailed, match="worker . exited with status"):
-        train(config(compressor="topk", options={"min_numel": -1}), progress=False)
+        train(config(compressor="topk", workers=1, options={"min_numel": -1}), progress=False)
 
 
 @needs_data
-@pytest.mark.skipif(os.geteuid() != 0, reason="the emulated network needs root")
-def test_training_over_the_emulated_network_cleans_up():
+@pytest.mark.skipif(not ROOT, reason="the emulated network needs root")
+def test_training_over_the_emulated_network_cleans_up(on_a_budget):
     from gradpress.testbed import netem
 
-    run = train(config(compressor="topk:ratio=0.1", steps=4, eval_every=4, bandwidth="1gbit"), progress=False)
-    assert run.bandwidth == "1gbit" and len(run.steps) == 4
+    assert on_a_budget.bandwidth == "1gbit" and len(on_a_budget.steps) == 3
     assert netem.namespaces_of(os.getpid()) == []
 
 
@@ -174,13 +220,11 @@ def test_evaluations_are_stamped_with_the_training_time_before_them(tmp_path, mo
 
 
 @needs_data
-def test_compare_writes_the_report(tmp_path):
-    report, runs, failures = compare(config(steps=4, eval_every=2), ["torch-allreduce", "randomk:ratio=0.1"],
-                                     tmp_path, progress=False, say=lambda _: None)
-    assert failures == {} and [r.compressor for r in runs] == ["torch-allreduce", "randomk:ratio=0.1"]
-    text = report.read_text()
-    assert "`randomk:ratio=0.1`" in text and (tmp_path / "results.json").exists()
-    assert (tmp_path / "throughput.png").stat().st_size > 0
+def test_compare_writes_the_report(compared):
+    assert compared.failures == {} and [r.compressor for r in compared.runs] == COMPARED
+    text = compared.report.read_text()
+    assert "`qsgd`" in text and (compared.out / "results.json").exists()
+    assert (compared.out / "throughput.png").stat().st_size > 0
 
 
 def test_config_and_options_are_checked():
@@ -224,9 +268,6 @@ def _check_two_levels(run: Run) -> None:
     assert run.label == "none@node" and run.hierarchy == "node"
     assert all(s.samples == 4 * 32 for s in run.steps)  # 4 ranks' batches
     assert {(s.bytes_sent, s.intra_node_bytes) for s in run.steps} == {(HALF, INSIDE)}
-
-
-ROOT = os.geteuid() == 0
 
 
 @needs_data
