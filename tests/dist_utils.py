@@ -72,6 +72,17 @@ def _context() -> Any:
     return ctx
 
 
+def without_warm_up() -> None:
+    """The front ends' kernel warm-up off in this worker, for its scenarios that follow: it runs a method
+    in a Simulator for each new setting and float dtype before its first exchange; each kernel is then
+    loaded from the disk cache where first used, in the exchange. For a worker whose subject is not the
+    warm-up (tests/test_warmup.py has its tests; tests/test_runtime_dist.py trains every method with it)
+    and whose timeouts do not wait on a kernel's loading."""
+    from gradpress import warmup
+
+    warmup.for_training = lambda *args, **kwargs: None  # (this process's module: the worker exits after)
+
+
 def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 90.0, group_timeout: float = 60.0,
                 may_exit: frozenset[int] = frozenset(), backend: str = "gloo") -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; the list of their return values.

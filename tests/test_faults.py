@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import gradpress
-from dist_utils import run_workers
+from dist_utils import run_workers, without_warm_up
 from gradpress.core.compressor import NonFiniteError
 from gradpress.exchange.state import gathered
 from specs import COMPOSITIONS
@@ -74,7 +74,7 @@ def _same(a: Any, b: Any) -> bool:
 def test_a_faulty_rank_is_named_by_every_rank_and_no_memory_takes_the_step(spec, strategy):
     n = 3
     for faulty in ([0], [2], [0, 2]):
-        sim = gradpress.Simulator(spec, n, seed=1, **STRATEGIES[strategy])
+        sim = gradpress.Simulator(spec, n, seed=1, warm_up=False, **STRATEGIES[strategy])  # (kernels: on first use)
         sim.step(_gradients(n, seed=1))
         before = _memory(sim)
         bad = _gradients(n, seed=2)
@@ -92,7 +92,7 @@ def test_the_fault_flag_rides_in_buffers_the_exchange_sends_anyway():
     sums its bitmap and its counters apart: two dtypes)."""
     for spec, collectives in [("none", 1), ("topk:ratio=0.1", 1), ("qsgd", 1), ("randomk", 1), ("thc", 2),
                               ("powersgd", 2), ("cltk", 2), ("sketch", 2)]:
-        sim = gradpress.Simulator(spec, 2)
+        sim = gradpress.Simulator(spec, 2, warm_up=False)
         sim.step(_gradients(2))
         assert sim.stats()[0]["last"]["collectives"] == collectives, spec
 
@@ -111,16 +111,6 @@ def _outcome(call) -> tuple[str, str, Any]:
     except Exception as error:  # noqa: BLE001 - the test compares them across ranks
         return type(error).__name__, str(error), getattr(error, "ranks", None)
     return "ok", "", None
-
-
-def _without_warm_up() -> None:
-    """The front ends' warm-up off in this worker: it runs a method in a Simulator for each new setting
-    and float dtype (most of this run's CPU over its ~100 Communicators); each kernel is then loaded
-    from the disk cache where first used, in the exchange. The warm-up does not take part in an
-    exchange (tests/test_warmup.py has its tests), and a fault here is the same with it."""
-    from gradpress import warmup
-
-    warmup.for_training = lambda *args, **kwargs: None  # (in this worker, for its scenarios that follow)
 
 
 def _faults(rank: int, world_size: int) -> dict:
@@ -160,7 +150,7 @@ def _scenarios(rank: int, world_size: int, folder: str) -> dict:
     """Every multi-process scenario of this module in one pair of processes, each on a Communicator or a
     DDP of its own: the faults and disagreements, then the one that kills rank 1 (its results of the
     others saved first, to ``folder``/rank1.pt)."""
-    _without_warm_up()
+    without_warm_up()  # (a Simulator's run for each of ~100 Communicators' settings and dtypes)
     out = _faults(rank, world_size)
     out["killed"] = _killed(rank, world_size, out, folder)
     return out

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import gradpress
-from dist_utils import run_workers
+from dist_utils import run_workers, without_warm_up
 from gradpress.exchange.hierarchy import Split
 from numerics import gamma
 
@@ -198,6 +198,7 @@ def _dead(rank: int, folder: str, results: dict) -> dict:
 
 
 def _scenarios(rank: int, world_size: int, folder: str) -> dict:
+    without_warm_up()  # (a Simulator's run of 4 workers for each method and setting: a third of the CPU)
     _torchrun_env(rank)
     out: dict[str, Any] = {}
     for spec in METHODS:
@@ -240,7 +241,7 @@ def test_every_rank_ends_bit_identical_and_equal_to_simulate(four_ranks, spec):
     runs = [ranks[("two", spec)] for ranks in four_ranks]
     assert min(runs[0]["buckets"][1:]) >= 3, runs[0]["buckets"]  # several buckets (DDP's, from step 1 on)
     _assert_identical(runs, spec)
-    simulator = gradpress.Simulator(spec, N, seed=5, hierarchy="node", local_size=K)
+    simulator = gradpress.Simulator(spec, N, seed=5, hierarchy="node", local_size=K, warm_up=False)
     for step in range(STEPS):
         expected = simulator.step([run["local"][step] for run in runs])
         for name, value in runs[0]["averaged"][step].items():
@@ -297,7 +298,7 @@ def test_explicit_local_size_is_torchruns_layout_and_one_node_is_one_level(four_
 def test_the_communicator_is_bit_identical_and_equals_simulate(four_ranks):
     for spec, options in COMMUNICATED.items():
         runs = [ranks["communicator"][spec] for ranks in four_ranks]
-        simulator = gradpress.Simulator(spec, N, seed=2, hierarchy="node", local_size=K, **options)
+        simulator = gradpress.Simulator(spec, N, seed=2, hierarchy="node", local_size=K, warm_up=False, **options)
         for step in range(2):
             expected = simulator.step([_tensors(rank, step) for rank in range(N)])
             for run in runs:
@@ -367,9 +368,9 @@ def test_simulated_bytes_between_nodes_for_every_method():
     n = k * nodes
     g = torch.Generator().manual_seed(0)
     grads = [{"w": torch.randn(48, 16, generator=g), "v": torch.randn(200, generator=g)} for _ in range(n)]
-    for spec in gradpress.compressor_names():
-        flat = gradpress.Simulator(spec, n)
-        two = gradpress.Simulator(spec, n, hierarchy="node", local_size=k)
+    for spec in gradpress.compressor_names():  # (no warm-up: a run of 6 workers for each method, the bytes alike)
+        flat = gradpress.Simulator(spec, n, warm_up=False)
+        two = gradpress.Simulator(spec, n, hierarchy="node", local_size=k, warm_up=False)
         flat.step(grads)
         result = two.step(grads)
         for node in range(nodes):
@@ -402,10 +403,10 @@ def test_simulated_modes_resume_bit_for_bit_and_name_the_faulty_rank(spec, optio
     bidirectional compression, a leader's broadcast; compressed and plain tensors side by side): a saved
     state resumes bit for bit, and a NaN on any rank raises the NonFiniteError naming that rank."""
     n = 6
-    sim = gradpress.Simulator(spec, n, hierarchy="node", local_size=2, seed=3, **options)
+    sim = gradpress.Simulator(spec, n, hierarchy="node", local_size=2, seed=3, warm_up=False, **options)
     for step in range(3):
         sim.step(_worker_grads(step, n))
-    again = gradpress.Simulator(spec, n, hierarchy="node", local_size=2, seed=3, **options)
+    again = gradpress.Simulator(spec, n, hierarchy="node", local_size=2, seed=3, warm_up=False, **options)
     again.load_state_dict(sim.state_dict())
     mine, theirs = sim.step(_worker_grads(5, n)), again.step(_worker_grads(5, n))
     assert all(torch.equal(mine[name], theirs[name]) for name in mine)
