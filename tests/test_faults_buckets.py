@@ -36,8 +36,8 @@ WHERE = ("input", "one bucket")  # Inf in the input (every bucket), or NaN in th
 ROW = torch.tensor([3])
 # each case several times: a bucket's two exchanges (weight, bias) complete in either order on a rank
 # (about one trial in three the bias first, on this machine), and the error must not depend on it;
-# 3 trials of each faulty rank are 6 runs of each spec and fault on 2 ranks: the bias first on some
-# rank in all but (2/3)^12 < 1 % of them
+# 3 trials of each faulty rank are 6 runs of each spec and fault, on 2 ranks each: the bias completes
+# first on some rank of one of them but for a chance of (2/3)^12 < 1 %
 TRIALS = 3
 CLOSED = "ExchangeFailed: gradpress: an earlier exchange failed (NonFiniteError: gradients "
 
