@@ -197,7 +197,9 @@ class Recorder(AutoBase):
     def profile(self, layout: tuple[tuple[str, ...], ...]) -> ComputeProfile:
         """The compute and buckets of the recorded steps of ``layout`` (medians), as ``advise`` profiles
         them: ``forward_s`` is the time from the end of a step's exchange to the next step's first bucket
-        (optimizer, forward, backward up to the first bucket), ``ready_s`` counts from the first bucket."""
+        (optimizer, forward, backward up to the first bucket), the least of the recorded steps' (of any
+        layout: an evaluation or a checkpoint between two steps only lengthens one), ``ready_s`` counts
+        from the first bucket."""
         from gradpress.costmodel import Bucket, ComputeProfile
 
         same = [r for r in self._records if r.gap is not None and r.layout == layout]
@@ -206,6 +208,6 @@ class Recorder(AutoBase):
         last = same[-1]
         buckets = tuple(Bucket(b, keys, rec.numel, rec.nbytes, ready[b])
                         for b, (keys, rec) in enumerate(zip(layout, last.buckets, strict=True)))
-        forward = statistics.median(r.gap for r in same if r.gap is not None)  # (all of them)
+        forward = min(r.gap for r in self._records if r.gap is not None)  # (same[-1]'s at least)
         return ComputeProfile(forward, ready[-1] if ready else 0.0, 0.0, buckets, "measured", 0,
                               torch.get_num_threads(), sum(b.numel for b in buckets))
