@@ -57,6 +57,20 @@ RUNNERS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fashion_mnist_fetched_and_loaded_once():
+    """The commands checked here fetch Fashion-MNIST (which checks its files' sha256) and load it before
+    anything runs; the same files give the same dataset: it is fetched and loaded once for the module
+    (seconds of gunzipping and scaling in each test otherwise; no command checked here changes it)."""
+    import functools
+
+    source = data.DATASETS["fashion-mnist"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(data.DATASETS, "fashion-mnist",
+                      data.Source(fetch=functools.cache(source.fetch), load=functools.cache(source.load)))
+        yield
+
+
 @pytest.fixture
 def nothing_runs(tmp_path, monkeypatch):
     """Run in an empty directory with every runner replaced by one raising :class:`Started`."""
@@ -355,46 +369,20 @@ sys.exit(cli.interrupted())
 """
 
 
-def _interrupted(tmp_path, where: str, trigger: str) -> None:
-    """Run ``where`` (definitions), then ``trigger`` (which sends this process SIGINT from inside it) under
-    the CLI's Ctrl-C handling in a fresh interpreter: the interrupt must reach the code that follows, and
-    no "Exception ignored" report be printed."""
-    script = "\n".join([
-        "import ctypes, ctypes.util, os, signal, sys, time",
-        "from gradpress import cli",
-        where,
-        "with cli._ctrl_c_outside_finalizers():",
-        "    try:",
-        textwrap.indent(trigger, "        "),
-        "        deadline = time.monotonic() + 30",
-        "        while time.monotonic() < deadline:",
-        "            time.sleep(0.01)",
-        "        print('not interrupted')",
-        "    except KeyboardInterrupt:",
-        "        print('interrupted')",
-    ])
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
-    assert done.stdout == "interrupted\n", (done.stdout, done.stderr)
-    assert "Exception ignored" not in done.stderr, done.stderr
-
-
-def test_ctrl_c_during_a_finalizer_still_interrupts(tmp_path):
-    """Python drops a KeyboardInterrupt raised inside ``__del__`` ("Exception ignored"): the command
-    would run on after Ctrl-C. The CLI delivers it again outside the finalizer."""
-    _interrupted(tmp_path, textwrap.dedent("""
+#: places where Python drops a KeyboardInterrupt: by name, definitions and a trigger that sends the process
+#: SIGINT from inside such a place
+DROPPED = {
+    # Python drops a KeyboardInterrupt raised inside ``__del__`` ("Exception ignored")
+    "finalizer": (textwrap.dedent("""
         class Finalized:
             def __del__(self):  # Ctrl-C arrives while the garbage collector runs this
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(0.01)
-        """), "Finalized()")
-
-
-def test_ctrl_c_during_a_ctypes_callback_of_the_compiler_still_interrupts(tmp_path):
-    """ctypes drops an exception raised in a callback ("Exception ignored on calling ctypes callback
-    function"): a Ctrl-C while LLVM calls back into llvmlite would be lost. The CLI delivers it again."""
-    _interrupted(tmp_path, textwrap.dedent("""
-        # a function of llvmlite's that LLVM calls back through ctypes, as numba compiles a kernel
+        """), "Finalized()"),
+    # ctypes drops an exception raised in a callback ("Exception ignored on calling ctypes callback
+    # function"): here a function of llvmlite's that LLVM calls back through ctypes, as numba compiles a
+    # kernel
+    "ctypes callback": (textwrap.dedent("""
         source = "def notify(a, b):\\n    os.kill(os.getpid(), signal.SIGINT)\\n    time.sleep(0.01)\\n    return 0\\n"
         space = {"os": os, "signal": signal, "time": time}
         exec(compile(source, os.path.join("site-packages", "llvmlite", "binding", "executionengine.py"),
@@ -402,17 +390,86 @@ def test_ctrl_c_during_a_ctypes_callback_of_the_compiler_still_interrupts(tmp_pa
         compare = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(space["notify"])
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         values = (ctypes.c_int * 2)(2, 1)
-        """), "libc.qsort(values, 2, ctypes.sizeof(ctypes.c_int), compare)")
+        """), "libc.qsort(values, 2, ctypes.sizeof(ctypes.c_int), compare)"),
+}
 
 
-def test_ctrl_c_is_one_line_even_when_it_left_an_object_half_built(tmp_path):
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> tuple[int, dict[str, str], dict[str, str]]:
+    """One fresh interpreter for the three tests below (one start-up): each case of :data:`DROPPED` in
+    turn under the CLI's Ctrl-C handling (its definitions, then its trigger), then :data:`HALF_BUILT`,
+    which ends the process. Between cases, a moment outside the handling: an interrupt left over from
+    one would end the process there, and the next would print nothing. Returns the exit status and what
+    came on stdout and on stderr by part (``start``, each case's name, ``half built``: :func:`_parts`); a
+    case prints ``interrupted`` if the interrupt reached the code that follows."""
+    def start(part: str) -> str:
+        return f"print('== ' + {part!r}); print('== ' + {part!r}, file=sys.stderr, flush=True)"
+
+    lines = ["import sys", start("start"), "import ctypes, ctypes.util, os, signal, time",
+             "from gradpress import cli"]
+    for name, (where, trigger) in DROPPED.items():
+        lines += [
+            start(name),
+            where,
+            "with cli._ctrl_c_outside_finalizers():",
+            "    try:",
+            textwrap.indent(trigger, "        "),
+            "        deadline = time.monotonic() + 30",
+            "        while time.monotonic() < deadline:",
+            "            time.sleep(0.01)",
+            "        print('not interrupted')",
+            "    except KeyboardInterrupt:",
+            "        print('interrupted')",
+            "time.sleep(0.5)",
+        ]
+    lines += [start("half built"), HALF_BUILT]
+    done = subprocess.run([sys.executable, "-c", "\n".join(lines)], cwd=tmp_path_factory.mktemp("ctrl-c"),
+                          capture_output=True, text=True, timeout=180)
+    return done.returncode, _parts(done.stdout), _parts(done.stderr)
+
+
+def _parts(text: str) -> dict[str, str]:
+    """``text`` cut at the lines ``== PART`` that start each part: by part, its lines up to the next one
+    (the last part's up to the process's end)."""
+    parts: dict[str, str] = {}
+    part = None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("== "):
+            part = line[3:].rstrip("\n")
+            parts[part] = ""
+        elif part is not None:
+            parts[part] += line
+    return parts
+
+
+def _still_interrupted(interrupted: tuple[int, dict[str, str], dict[str, str]], case: str) -> None:
+    """The interrupt of ``case`` reached the code that follows, and no "Exception ignored" report was
+    printed."""
+    _, out, err = interrupted
+    assert out.get(case) == "interrupted\n", (out, err)
+    assert "Exception ignored" not in err[case], err
+
+
+def test_ctrl_c_during_a_finalizer_still_interrupts(interrupted):
+    """Python drops a KeyboardInterrupt raised inside ``__del__`` ("Exception ignored"): the command
+    would run on after Ctrl-C. The CLI delivers it again outside the finalizer."""
+    _still_interrupted(interrupted, "finalizer")
+
+
+def test_ctrl_c_during_a_ctypes_callback_of_the_compiler_still_interrupts(interrupted):
+    """ctypes drops an exception raised in a callback ("Exception ignored on calling ctypes callback
+    function"): a Ctrl-C while LLVM calls back into llvmlite would be lost. The CLI delivers it again."""
+    _still_interrupted(interrupted, "ctypes callback")
+
+
+def test_ctrl_c_is_one_line_even_when_it_left_an_object_half_built(interrupted):
     """An interrupt that lands inside a constructor (numba compiling at set-up) leaves an object whose
     finalizer fails at exit; the user still sees the one line ``interrupted``, no "Exception ignored"
-    traceback, and status 130."""
-    done = subprocess.run([sys.executable, "-c", HALF_BUILT], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 130, done.stderr
-    assert done.stderr == "interrupted\n" and done.stdout == ""
+    traceback, and status 130 (what the process printed before the cases counted in)."""
+    code, out, err = interrupted
+    assert code == 130, err
+    assert err["start"] + err.get("half built", "") == "interrupted\n", err
+    assert out["start"] + out.get("half built", "") == ""
 
 
 def test_missing_data_says_how_to_get_it(nothing_runs, monkeypatch, capsys):

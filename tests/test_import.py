@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import gradpress
 import gradpress.compressors
 from gradpress.core.compressor import registry
@@ -36,31 +38,37 @@ def _heavy(modules: list[str]) -> list[str]:
                                             for h in HEAVY))
 
 
-def test_importing_gradpress_loads_nothing_heavy():
-    got = _fresh("""
+@pytest.fixture(scope="module")
+def first_imports() -> dict:
+    """What a new interpreter loads: importing gradpress after torch, then making a method (its module
+    loads), then THC's table and ``gradpress.pack_bits`` (loaded on first access). One process for
+    both tests below: each step's modules are told apart by ``sys.modules`` before and after it."""
+    return _fresh("""
         import json, sys
         import torch
         before = set(sys.modules)
         import gradpress
-        print(json.dumps({"new": sorted(set(sys.modules) - before), "names": gradpress.compressor_names()}))
+        after_import = set(sys.modules)
+        names = gradpress.compressor_names()
+        topk = gradpress.make("topk:ratio=0.5")
+        after_make = set(sys.modules)
+        table = gradpress.thc_table(2, 3, 0.5)
+        print(json.dumps({"new": sorted(after_import - before), "names": names,
+                          "make": sorted(after_make - after_import), "spec": topk.spec,
+                          "thc_table": sorted(set(sys.modules) - after_make), "table": table,
+                          "pack_bits": gradpress.pack_bits.__module__}))
     """)
+
+
+def test_importing_gradpress_loads_nothing_heavy(first_imports):
+    got = first_imports
     assert _heavy(got["new"]) == []
     assert "gradpress.communicator" in got["new"] and "gradpress.ddp" in got["new"]  # the API is there
     assert got["names"] == sorted(gradpress.compressors.declared()[0])
 
 
-def test_a_method_loads_its_module_when_first_made():
-    got = _fresh("""
-        import json, sys
-        import gradpress
-        before = set(sys.modules)
-        topk = gradpress.make("topk:ratio=0.5")
-        after_make = set(sys.modules)
-        table = gradpress.thc_table(2, 3, 0.5)
-        print(json.dumps({"make": sorted(after_make - before), "spec": topk.spec,
-                          "thc_table": sorted(set(sys.modules) - after_make), "table": table,
-                          "pack_bits": gradpress.pack_bits.__module__}))
-    """)
+def test_a_method_loads_its_module_when_first_made(first_imports):
+    got = first_imports  # ("make": all that is loaded after import gradpress, up to the method made)
     assert "gradpress.compressors.sparsify" in got["make"] and "numba" in got["make"]
     assert "gradpress.compressors.thc" not in got["make"] and "scipy.stats" not in got["make"]
     assert "gradpress.compressors.thc_table" in got["thc_table"]

@@ -3,14 +3,13 @@ while the sources a kernel depends on stay the same — its module and every mod
 imports, directly or not, whose intrinsics or helpers the cached machine code contains —, compiled again
 when one of them changes and not when another module does; written beside the modules, else where
 ``GRADPRESS_CACHE`` or the user's cache folder says. Real processes, a real copy of the package, real
-cache files."""
+cache files: each run is a new process that imports numba and the copy of gradpress for the first time
+(forked from one that imported torch and numpy only: :mod:`forked`)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import gradpress
+from forked import fork_server
 from gradpress.compressors.sign import _decode_signs
 from gradpress.kernels.jit import dependencies, sources_digest
 
@@ -50,22 +50,36 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module")
+def new_process():
+    """``run(code, *argv, cwd, path, env)`` (:func:`forked.fork_server`): a new process that imports
+    numba and gradpress for the first time, in an environment that names no cache folder."""
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("NUMBA_CACHE_DIR", "GRADPRESS_CACHE", "XDG_CACHE_HOME", "PYTHONPATH")}
+    # (no Python bytecode either: a __pycache__ folder is what these tests make or block for numba's files)
+    environment.update({"GRADPRESS_NUMBA": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    with fork_server(["numpy", "torch"], environment, unloaded=["gradpress", "numba", "llvmlite"]) as run:
+        yield run
+
+
+@pytest.fixture
+def decode(new_process):
+    """``decode(root, *argv, **env)``: the report of :data:`_CHILD` run in a new process against the copy
+    of the package in ``root`` (its working folder, on its ``PYTHONPATH``), the user's cache folder
+    ``root/xdg`` unless ``env`` says otherwise."""
+    def decode_in_a_process(root: Path, *argv: str, **env: str) -> dict:
+        done = new_process(_CHILD, *argv, cwd=root, path=[str(root)],
+                           env={"PYTHONPATH": str(root), "XDG_CACHE_HOME": str(root / "xdg"), **env})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return decode_in_a_process
+
+
 def _copy(tmp_path: Path) -> Path:
     copy = tmp_path / "gradpress"
     shutil.copytree(Path(gradpress.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
     return copy
-
-
-def _decode_in_a_process(root: Path, *argv: str, **env: str) -> dict:
-    environment = {key: value for key, value in os.environ.items()
-                   if key not in ("NUMBA_CACHE_DIR", "GRADPRESS_CACHE", "XDG_CACHE_HOME")}
-    # (no Python bytecode either: a __pycache__ folder is what these tests make or block for numba's files)
-    environment.update({"PYTHONPATH": str(root), "GRADPRESS_NUMBA": "1", "XDG_CACHE_HOME": str(root / "xdg"),
-                        "PYTHONDONTWRITEBYTECODE": "1", **env})
-    done = subprocess.run([sys.executable, "-c", _CHILD, *argv], cwd=root, env=environment, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _touch(path: Path) -> None:
@@ -75,22 +89,27 @@ def _touch(path: Path) -> None:
 MISS, HIT = {"hits": 0, "misses": 1, "right": True}, {"hits": 1, "misses": 0, "right": True}
 
 
-def test_a_change_to_a_module_the_kernel_depends_on_compiles_it_again(tmp_path):
+def test_a_change_to_a_module_the_kernel_depends_on_compiles_it_again(tmp_path, decode):
     copy = _copy(tmp_path)
-    assert _decode_in_a_process(tmp_path, "closure") == {**MISS, "closure": MISS}
-    assert list((copy / "compressors" / "__pycache__").glob("sign._decode_signs-*.nbc")), "nothing cached"
-    # a kernel made by a factory is kept too (numba keyed it by a process-random id of the kernel it
-    # closes over: compiled in every process, one more entry on disk each time)
-    assert _decode_in_a_process(tmp_path, "closure") == {**HIT, "closure": HIT}
-    assert len(list((copy / "compressors" / "__pycache__").glob("identity._blocked_cast*.nbc"))) == 1
-    # modules the kernel's module does not import: no effect
+    beside = copy / "compressors" / "__pycache__"
+    assert decode(tmp_path, "closure") == {**MISS, "closure": MISS}
+    assert list(beside.glob("sign._decode_signs-*.nbc")), "nothing cached beside the module"
+    # modules neither kernel's module imports: no effect (both are kept through these changes, so kept
+    # without them too)
     for other in ("cli.py", "testbed/report.py", "ddp.py", "exchange/pipeline.py"):
         _touch(copy / other)
-    assert _decode_in_a_process(tmp_path) == HIT
+    # a kernel made by a factory is kept too (numba keyed it by a process-random id of the kernel it
+    # closes over: compiled in every process, one more entry on disk each time)
+    assert decode(tmp_path, "closure") == {**HIT, "closure": HIT}
+    assert len(list(beside.glob("identity._blocked_cast*.nbc"))) == 1
     # a module the kernel does not live in, whose intrinsics it inlines: numba's own key misses this
     _touch(copy / "kernels" / "simd.py")
-    assert _decode_in_a_process(tmp_path) == MISS
-    assert _decode_in_a_process(tmp_path) == HIT
+    assert decode(tmp_path) == MISS
+    # compiled again, kept again beside the module; read from there also when GRADPRESS_CACHE names a
+    # folder, where nothing is written then
+    chosen = tmp_path / "chosen"
+    assert decode(tmp_path, GRADPRESS_CACHE=str(chosen)) == HIT
+    assert not list(chosen.rglob("*.nbc")) and not list((tmp_path / "xdg").rglob("*.nbc"))
 
 
 def test_the_digest_follows_the_kernels_dependencies_and_nothing_else(tmp_path):
@@ -125,33 +144,28 @@ def test_the_digest_follows_the_kernels_dependencies_and_nothing_else(tmp_path):
         before = digest()
 
 
-def test_where_kernels_are_kept(tmp_path):
-    """Beside the module when that is writable; in ``$GRADPRESS_CACHE/numba`` when set (a kernel
-    compiled beside the module before is still read from there), shared by copies of the same sources at
-    other places; in ``$XDG_CACHE_HOME/gradpress/numba``
-    when the module's folder cannot hold a ``__pycache__``."""
+def test_where_kernels_are_kept(tmp_path, decode):
+    """Beside the module when that is writable (and read from there when ``GRADPRESS_CACHE`` is set: the
+    test above); in ``$GRADPRESS_CACHE/numba`` when set, shared by copies of the same sources at other
+    places; in ``$XDG_CACHE_HOME/gradpress/numba`` when the module's folder cannot hold a
+    ``__pycache__``."""
     copy = _copy(tmp_path)
     beside = copy / "compressors" / "__pycache__"
     chosen, xdg = tmp_path / "chosen", tmp_path / "xdg"
-    assert _decode_in_a_process(tmp_path) == MISS
-    assert list(beside.glob("sign._decode_signs-*.nbc"))
-    assert _decode_in_a_process(tmp_path, GRADPRESS_CACHE=str(chosen)) == HIT  # read from beside the module
-    assert not list(chosen.rglob("*.nbc")) and not list(xdg.rglob("*.nbc"))
-    shutil.rmtree(beside)
-    assert _decode_in_a_process(tmp_path, GRADPRESS_CACHE=str(chosen)) == MISS
+    assert decode(tmp_path, GRADPRESS_CACHE=str(chosen)) == MISS
     assert list((chosen / "numba").glob(f"gradpress-{gradpress.__version__}/compressors/sign._decode_signs-*.nbc"))
     assert not list(beside.glob("*.nbc"))
     elsewhere = tmp_path / "elsewhere"  # the same sources at another place (a virtualenv, say): shared
     _copy(elsewhere)
-    assert _decode_in_a_process(elsewhere, GRADPRESS_CACHE=str(chosen)) == HIT
+    assert decode(elsewhere, GRADPRESS_CACHE=str(chosen)) == HIT
     beside.write_bytes(b"")  # a file where the folder would be: nothing can be written beside the module
-    assert _decode_in_a_process(tmp_path) == MISS
+    assert decode(tmp_path) == MISS
     assert list((xdg / "gradpress" / "numba").glob(f"gradpress-{gradpress.__version__}/compressors/"
                                                    "sign._decode_signs-*.nbc"))
-    assert _decode_in_a_process(tmp_path) == HIT
+    assert decode(tmp_path) == HIT
 
 
-def test_kernels_run_where_no_cache_folder_can_be_written(tmp_path):
+def test_kernels_run_where_no_cache_folder_can_be_written(tmp_path, decode):
     """A checkout (or an installed package) where no folder can hold a kernel — beside the module, the
     user's cache (``XDG_CACHE_HOME``), ``GRADPRESS_CACHE`` —: the kernel is compiled in each process, gives
     the right result, and nothing fails nor is written. A file stands where each folder would be (what
@@ -162,7 +176,7 @@ def test_kernels_run_where_no_cache_folder_can_be_written(tmp_path):
     blocked.write_bytes(b"")
     for env in ({"XDG_CACHE_HOME": str(blocked / "xdg")},
                 {"XDG_CACHE_HOME": str(blocked / "xdg"), "GRADPRESS_CACHE": str(blocked / "chosen")}):
-        assert _decode_in_a_process(tmp_path, **env) == MISS
+        assert decode(tmp_path, **env) == MISS
     assert not list(tmp_path.rglob("*.nbc")) and not list(tmp_path.rglob("*.nbi"))  # (the next one compiles)
 
 
