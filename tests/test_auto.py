@@ -232,13 +232,13 @@ def _ddp_worker(rank: int, world_size: int) -> dict:
     continued = again.stats()["auto"]
     _train(resumed, optimizer, generator, 3)  # step 7: re-checks (on gradients rank 0 kept at step 6)
     rechecked = again.stats()["auto"]
-    # the defaults: steps 0 and 1 measured uncompressed, the decision at step 2's first bucket; rank 0 reads
-    # ρ from its gradient of step 1 and the exact average of the ranks', and from its gradients of steps 0
-    # and 1 (a fresh model: far from its minimum)
+    # the defaults: steps 2 to 6 measured uncompressed, the decision at step 7's first bucket; rank 0 reads
+    # ρ from its gradient of step 6 and the exact average of the ranks', and from its gradients of steps 5
+    # and 6 (a fresh model: far from its minimum)
     torch.manual_seed(0)
     fresh = DDP(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)))
     default = gradpress.register(fresh, "auto", candidates=["topk:ratio=0.1"], seed=0)
-    _train(fresh, torch.optim.SGD(fresh.parameters(), lr=0.05), generator, 3)
+    _train(fresh, torch.optim.SGD(fresh.parameters(), lr=0.05), generator, 8)
     return {"measuring": measuring, "decided": decided, "loaded": loaded, "continued": continued,
             "rechecked": rechecked, "signal": signal, "params": [p.detach().clone() for p in resumed_model.parameters()],
             "default": default.stats()["auto"], "default signal": default._pipeline._signal}
@@ -262,7 +262,7 @@ def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice
             assert result[view]["buckets"] == decided["buckets"] and result[view]["decided_at"] == 3
             assert result[view]["next_check"] == 7
         assert result["rechecked"]["decided_at"] == 7 and result["rechecked"]["decided"]
-        assert result["default"]["decided_at"] == 2 and result["default"]["decided"], result["default"]
+        assert result["default"]["decided_at"] == 7 and result["default"]["decided"], result["default"]
     first, second = results
     # the quality model's signal fraction, read on rank 0 (from its gradient and the exact average of the
     # last measured step)

@@ -44,10 +44,11 @@ class AutoOptions:
     """``auto``'s own options (keyword arguments beside :class:`gradpress.exchange.pipeline.Options`).
 
     * ``candidates``: the specs it chooses among (``none`` is always one: it measures with it).
-    * ``settle_steps``: steps before measuring (run uncompressed, not measured).
-    * ``measure_steps``: steps measured (uncompressed) before the first decision: the compute is read
-      from the last (DDP rebuilds its buckets after the first step), on several nodes the second runs
-      in two levels (the rate inside a node).
+    * ``settle_steps``: steps before measuring (run uncompressed, not measured: DDP rebuilds its buckets
+      after the first step, and the first steps' gradients, of a model far from any minimum, are
+      unlike the later ones: PowerSGD's rank 1, say, loses far less of them).
+    * ``measure_steps``: steps measured (uncompressed) before the first decision; on several nodes
+      every other one runs in two levels (the rate inside a node).
     * ``recheck_every``: steps between decisions after the first (0: never re-check).
     * ``margin``: a change of methods must be predicted to shorten the objective by more than this fraction.
     * ``rank_by``: ``"quality"`` (the predicted time to a quality target: the step times the steps factor
@@ -59,8 +60,8 @@ class AutoOptions:
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    settle_steps: int = 0
-    measure_steps: int = 2
+    settle_steps: int = 2
+    measure_steps: int = 5
     recheck_every: int = 500
     margin: float = 0.05
     rank_by: str = "quality"
