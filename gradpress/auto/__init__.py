@@ -6,8 +6,8 @@ a run, on this machine; ``gradpress.register(model, "auto")`` (or ``ddp_comm_hoo
 ``Communicator("auto")``) answers it inside the run, with the run's own link, compute and gradients:
 
 1. **Measure** (``settle_steps`` steps, then ``measure_steps`` steps, exchanged uncompressed with
-   ``none``; by default steps 2 to 6). Each bucket's layout (keys, size), when it reached the hook (seconds after the step's first
-   bucket, less the hook's own time on the buckets before it), the compute between the end of a step's
+   ``none``; by default steps 2 to 6). Each bucket's layout (keys, size), when it reached the hook
+   (seconds after the step's first bucket, less the hook's own time on the buckets before it), the compute between the end of a step's
    exchange and the next step's first bucket (the optimizer, the forward pass and the backward pass up to
    the first bucket), and every round of collectives: from its issue, or the end of the round before it
    (one link: rounds queue), to its arrival. The link's α (seconds per message) and β (bits/s) are fitted

@@ -43,9 +43,10 @@ NON_FINITE = U(0x7F800000)  # |x| bit patterns from here up are Inf and NaN
 
 STANDARD, NATURAL, BELOW = 0, 1, 2  # how _level rounds (BELOW: natural, every value below the first level)
 
-# the helpers are compiled functions of their own, which LLVM inlines into the kernels where it pays:
-# numba's own IR inlining (inline="always") of them cost a third more compile time and no speed
-# (compress and decompress at 2^20 alike, 2026-11-30)
+# the helpers are compiled functions of their own: LLVM inlines the per-element ones (_term, _level,
+# _pow2, ...) and calls the others once per chunk of CHUNK values or per block at the finest; numba's own
+# IR inlining (inline="always") of them all cost a third more compile time for no speed (compress and
+# decompress at 2^20 alike)
 
 
 @jit

@@ -17,8 +17,8 @@ errors add: ε = Σ_b ‖g_b − C_b(g_b)‖² / Σ_b ‖g_b‖² (:class:`Compr
   inverse of the "noise scale" of McCandlish et al., "An empirical model of large-batch training",
   2018). ω is estimated by the measured ε, ρ from one worker's gradient and the exact average of the n
   workers' of the same step (:func:`signal_fraction_of_mean`: the two batch sizes' estimate of ‖∇f‖²),
-  or from two consecutive steps' gradients of one worker (:func:`signal_fraction`: ⟨g₁, g₂⟩ estimates
-  ‖∇f‖² where their noises are independent). In two levels
+  and from two consecutive steps' gradients of one worker (:func:`signal_fraction`: ⟨g₁, g₂⟩ estimates
+  ‖∇f‖² where their noises are independent); ``auto`` takes the mean of those it has. In two levels
   a node compresses the sum of its k ranks' gradients, whose noise is k times smaller:
   **1 + ω·(1 + k·ρ/(1 − ρ))**. Unknown ρ is taken as 0 (noise only: the smallest factor, 1 + ω).
 * A **biased** method (top-k, PowerSGD, THC, fp16), or any method run with error feedback, is read as
