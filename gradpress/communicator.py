@@ -57,7 +57,8 @@ class Communicator:
     * ``local_size`` (int): with ``hierarchy="node"``, the ranks of a node (default: torchrun's
       ``LOCAL_WORLD_SIZE``).
     * with spec ``"auto"`` (:mod:`gradpress.auto`: a method per key, chosen by measuring the job):
-      ``candidates`` (the specs it chooses among), ``settle_steps`` (2), ``measure_steps`` (5),
+      ``candidates`` (the specs it chooses among), ``measure_with`` (``"powersgd:rank=4"``: what the
+      steps before the first decision run), ``settle_steps`` (2), ``measure_steps`` (5),
       ``recheck_every`` (500; 0: never), ``margin`` (0.05: the predicted gain a change of methods
       needs), ``rank_by`` (``"quality"``: time to a quality target; ``"step"``: step time alone) and
       ``intra_bandwidth`` (several nodes: the rate inside a node; default measured).

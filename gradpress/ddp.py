@@ -492,6 +492,7 @@ def ddp_comm_hook(spec: str | Compressor, **options: Any) -> tuple[GradpressStat
     * ``local_size`` (int): with ``hierarchy="node"``, the ranks of a node (default: torchrun's
       ``LOCAL_WORLD_SIZE``).
     * with spec ``"auto"`` (:mod:`gradpress.auto`): ``candidates`` (the specs it chooses among),
+      ``measure_with`` (``"powersgd:rank=4"``: what the steps before the first decision run),
       ``settle_steps`` (2), ``measure_steps`` (5), ``recheck_every`` (500; 0: never) and ``margin``
       (0.05: the predicted gain a change of methods needs), ``rank_by`` (``"quality"``: time to a
       quality target; ``"step"``: step time alone) and ``intra_bandwidth`` (several nodes: the rate
@@ -542,6 +543,7 @@ def register(ddp_model: Any, spec: str | Compressor, **options: Any) -> Gradpres
     * ``local_size`` (int): with ``hierarchy="node"``, the ranks of a node (default: torchrun's
       ``LOCAL_WORLD_SIZE``).
     * with spec ``"auto"`` (:mod:`gradpress.auto`): ``candidates`` (the specs it chooses among),
+      ``measure_with`` (``"powersgd:rank=4"``: what the steps before the first decision run),
       ``settle_steps`` (2), ``measure_steps`` (5), ``recheck_every`` (500; 0: never) and ``margin``
       (0.05: the predicted gain a change of methods needs), ``rank_by`` (``"quality"``: time to a
       quality target; ``"step"``: step time alone) and ``intra_bandwidth`` (several nodes: the rate

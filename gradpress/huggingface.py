@@ -51,7 +51,7 @@ class GradpressCallback(TrainerCallback):
     Options: those of :func:`gradpress.register` (``feedback``, ``min_numel``, ``exclude`` — matching
     the model's parameter names —, ``warmup_steps``, ``seed``, ``timeout``, ``mode``, ``master``,
     ``root``, ``overflow``, ``partial``, ``deterministic``; with ``"auto"`` also ``candidates``,
-    ``settle_steps``, ``measure_steps``, ``recheck_every``, ``margin``), checked here. ``log_stats``:
+    ``measure_with``, ``settle_steps``, ``measure_steps``, ``recheck_every``, ``margin``), checked here. ``log_stats``:
     add :func:`gradpress.flat_stats` of this rank's figures to the Trainer's logs at its logging steps.
 
     After ``train()`` starts, :attr:`state` is this rank's :class:`~gradpress.ddp.GradpressState`

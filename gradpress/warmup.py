@@ -27,7 +27,8 @@ def warm_up(*specs: str | Compressor, dtypes: Sequence[torch.dtype] | None = Non
             **options: Any) -> None:
     """Compile the CPU kernels that ``specs`` need — or load them from the disk cache — now, for
     gradients of ``dtypes`` (default: float32, float16 and bfloat16) exchanged by ``workers`` ranks with
-    ``options`` (those of :class:`gradpress.Communicator`; ``"auto"``: every one of its ``candidates``).
+    ``options`` (those of :class:`gradpress.Communicator`; ``"auto"``: every one of its ``candidates``
+    and its ``measure_with``).
     Each spec runs a few steps in a :class:`gradpress.Simulator` on small tensors, through every path of
     an exchange; one INFO line on the ``gradpress`` logger says what was compiled and how long it took.
     Settings warmed before in this process are skipped. A bad spec or option raises ``ValueError``."""
@@ -41,12 +42,17 @@ def warm_up(*specs: str | Compressor, dtypes: Sequence[torch.dtype] | None = Non
 def for_training(spec: str | Compressor | None, options: Options, auto: AutoOptions | None = None, *,
                  model: torch.nn.Module | None = None, group: Any = None) -> None:
     """What a front end calls when it is set up (see the module docstring): ``spec``'s kernels (``auto``'s
-    candidates' with ``auto``) for the float dtypes of ``model``'s CPU parameters that need gradients
-    (every float dtype without a ``model``), exchanged in ``group`` (its size where torch.distributed is
-    initialized, else 2 workers, or enough for ``options.root``). Nothing where the gradients are not on
-    the CPU."""
+    candidates' and ``measure_with`` with ``auto``, and what its decision imports:
+    :func:`gradpress.auto.measure.preload`) for the float dtypes of ``model``'s CPU parameters that need
+    gradients (every float dtype without a ``model``), exchanged in ``group`` (its size where
+    torch.distributed is initialized, else 2 workers, or enough for ``options.root``). Nothing where the
+    gradients are not on the CPU."""
     import torch.distributed as dist
 
+    if auto is not None:
+        from gradpress.auto.measure import preload
+
+        preload()
     initialized = dist.is_available() and dist.is_initialized()
     if initialized and dist.get_backend(group) == "nccl":
         return  # CUDA tensors: the torch implementations, nothing to compile
@@ -58,7 +64,7 @@ def for_training(spec: str | Compressor | None, options: Options, auto: AutoOpti
         if not dtypes:
             return
     if auto is not None:
-        specs: Iterable[str | Compressor] = auto.candidates
+        specs: Iterable[str | Compressor] = auto.methods
     else:
         assert spec is not None  # (a spec, or auto's options with the candidates)
         specs = [spec]
@@ -68,14 +74,15 @@ def for_training(spec: str | Compressor | None, options: Options, auto: AutoOpti
 
 
 def _compressors(specs: Sequence[str | Compressor], options: dict[str, Any]) -> tuple[list[Compressor], dict]:
-    """The compressors ``specs`` name (``auto``: its candidates, its own options taken from ``options``)."""
+    """The compressors ``specs`` name (``auto``: its candidates and ``measure_with``, its own options
+    taken from ``options``)."""
     if not specs:
         raise ValueError("warm_up needs at least one spec")
     options = dict(options)
     auto = AutoOptions.pop_from(options) if any(is_auto(s) for s in specs) else None
     compressors: list[Compressor] = []
     for spec in specs:
-        for one in (auto.candidates if is_auto(spec) and auto is not None else [spec]):
+        for one in (auto.methods if is_auto(spec) and auto is not None else [spec]):
             compressor = build(one)
             if all(c.spec != compressor.spec for c in compressors):
                 compressors.append(compressor)

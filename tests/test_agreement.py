@@ -14,6 +14,7 @@ from torch import nn
 
 import gradpress
 from dist_utils import run_workers
+from gradpress.auto import MEASURE_WITH
 
 FIXED = ("none", "topk:ratio=0.1", "qsgd", "thc")
 #: (spec, options): methods whose shared random streams (randomk, thc) or schedule (warm-up) follow the steps
@@ -133,7 +134,7 @@ def test_auto_against_a_fixed_method_raises_the_same_error_on_every_rank(two_ran
         # (DDP hands the hook's error on from backward(), as a RuntimeError quoting it where it is async)
         assert kind in ("ValueError", "RuntimeError") and "the ranks disagree" in message, (key, message)
         fixed_rank = 1 - auto_rank
-        assert f"rank {auto_rank} has 'auto' (now 'none')" in message, message
+        assert f"rank {auto_rank} has 'auto' (now {MEASURE_WITH!r})" in message, message  # (measuring)
         assert f"rank {fixed_rank} has {fixed!r}" in message, message
         assert "; auto: rank " in message and f"rank {auto_rank} has candidates=" in message, message
         assert f"rank {fixed_rank} has nothing" in message, message

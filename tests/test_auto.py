@@ -16,7 +16,7 @@ from torch import nn
 
 import gradpress
 from dist_utils import run_workers
-from gradpress.auto import AUTO, DECIDED, AutoOptions, AutoPipeline, Decision, choose
+from gradpress.auto import AUTO, DECIDED, MEASURE_WITH, AutoOptions, AutoPipeline, Decision, choose
 from gradpress.exchange.pipeline import Options, Pipeline
 from gradpress.testbed.advise import Bucket, BucketCost, ComputeProfile, MethodCost, Transfer
 
@@ -149,7 +149,8 @@ def _run_plan(rank: int, plan: dict, left) -> dict:  # noqa: ANN001
         for k in SHAPES:
             averaged[k] += out[k].double()
             given[k] += grads[k].double()
-        rows.append({"spec": auto.choice.get("w", "none"), "averaged": {k: v.clone() for k, v in averaged.items()},
+        rows.append({"spec": auto.choice.get("w") or auto._default(),
+                     "averaged": {k: v.clone() for k, v in averaged.items()},
                      "given": {k: v.clone() for k, v in given.items()},
                      "left": {k: left(auto, k) for k in SHAPES}})
     report = comm.stats()["auto"]
@@ -165,15 +166,38 @@ def _run_plan(rank: int, plan: dict, left) -> dict:  # noqa: ANN001
 
 
 def _forced_worker(rank: int, world_size: int) -> dict:
-    return _run_plan(rank, PLAN, _left)
+    return {**_run_plan(rank, PLAN, _left), "kept": _keeps_measure_with(rank)}
+
+
+def _keeps_measure_with(rank: int) -> list[tuple[float, float]]:
+    """Each step's (raw, packet) bytes and collectives when rank 0 chooses the method the measurement ran."""
+    comm = gradpress.Communicator("auto", candidates=["topk:ratio=0.1"], measure_with="topk:ratio=0.1",
+                                  settle_steps=1, measure_steps=2, recheck_every=0, seed=0)
+    auto = comm._pipeline
+    if rank == 0:
+        auto._rank0_payload = lambda layout: auto._payload(  # noqa: ARG005
+            layout, DECIDED, Decision(("topk:ratio=0.1",), 1.0, 2.0, 2.0, (2.0,)))
+    generator = torch.Generator().manual_seed(rank)
+    sizes = []
+    for _ in range(6):
+        comm.reduce_many({k: torch.randn(s, generator=generator) for k, s in SHAPES.items()})
+        last = comm.stats()["last"]
+        sizes.append((last["raw_bytes"], last["packet_bytes"], last["collectives"]))
+    return sizes
 
 
 def test_forced_switches_carry_or_flush_the_residual_exactly_on_every_rank() -> None:
     results = run_workers(_forced_worker, 2, timeout=120)
-    expected = ["none", *[PLAN[max(s for s in PLAN if s <= step)] for step in range(1, 11)]]
+    expected = [MEASURE_WITH, *[PLAN[max(s for s in PLAN if s <= step)] for step in range(1, 11)]]
     for result in results:
         assert [row["spec"] for row in result["rows"]] == expected
         assert result["raised"] == [1] and result["spec11"] == PLAN[11]
+        # measured with top-k 10 % (and at step 2, the last measured, a probe: one collective more),
+        # decided at step 3 for top-k 10 %, kept after it
+        raw = 4 * (600 + 20)
+        assert all(size == raw and 0 < packet < raw / 4 for size, packet, _ in result["kept"])
+        collectives = [count for _, _, count in result["kept"]]
+        assert collectives[2] == collectives[1] + 1 and collectives[3:] == collectives[:1] * 3
         report = result["report"]
         assert report["phase"] == "decided" and report["decided_at"] == 9 and report["next_check"] == 11
         assert [b["spec"] for b in report["buckets"]] == ["none"]
@@ -195,7 +219,7 @@ def test_forced_switches_carry_or_flush_the_residual_exactly_on_every_rank() -> 
 
 
 # -- 2 ranks: DDP measures, decides, saves and resumes ----------------------------------------------------
-OPTIONS = {"settle_steps": 1, "measure_steps": 2, "recheck_every": 4, "seed": 0}
+OPTIONS = {"settle_steps": 1, "measure_steps": 2, "recheck_every": 4, "seed": 0, "measure_with": "none"}
 
 
 def _train(ddp: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator, steps: int) -> None:
@@ -232,16 +256,22 @@ def _ddp_worker(rank: int, world_size: int) -> dict:
     continued = again.stats()["auto"]
     _train(resumed, optimizer, generator, 3)  # step 7: re-checks (on gradients rank 0 kept at step 6)
     rechecked = again.stats()["auto"]
-    # the defaults: steps 2 to 6 measured uncompressed, the decision at step 7's first bucket; rank 0 reads
-    # ρ from its gradient of step 6 and the exact average of the ranks', and from its gradients of steps 5
-    # and 6 (a fresh model: far from its minimum)
+    # the defaults: steps 0 to 6 run PowerSGD at rank 4 (steps 2 to 6 measured; step 6 also probes the
+    # link), the decision at step 7's first bucket; rank 0 reads ρ from its gradients of steps 5 and 6
+    # and from its gradient of step 6 against the ranks' average of the probed eighth
     torch.manual_seed(0)
     fresh = DDP(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)))
     default = gradpress.register(fresh, "auto", candidates=["topk:ratio=0.1"], seed=0)
-    _train(fresh, torch.optim.SGD(fresh.parameters(), lr=0.05), generator, 8)
+    optimizer = torch.optim.SGD(fresh.parameters(), lr=0.05)
+    _train(fresh, optimizer, generator, 6)
+    measured = default.stats()
+    _train(fresh, optimizer, generator, 1)
+    captured = default.stats()
+    _train(fresh, optimizer, generator, 1)
     return {"measuring": measuring, "decided": decided, "loaded": loaded, "continued": continued,
             "rechecked": rechecked, "signal": signal, "params": [p.detach().clone() for p in resumed_model.parameters()],
-            "default": default.stats()["auto"], "default signal": default._pipeline._signal}
+            "default measuring": measured, "default captured": captured, "default": default.stats()["auto"],
+            "default signal": default._pipeline._signal}
 
 
 def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice() -> None:
@@ -263,9 +293,20 @@ def test_ddp_measures_decides_the_same_on_every_rank_and_resumes_with_its_choice
             assert result[view]["next_check"] == 7
         assert result["rechecked"]["decided_at"] == 7 and result["rechecked"]["decided"]
         assert result["default"]["decided_at"] == 7 and result["default"]["decided"], result["default"]
+        assert result["measuring"]["reason"].startswith("measuring with none until step 3")
+        measuring = result["default measuring"]
+        assert measuring["auto"]["reason"].startswith("measuring with powersgd:rank=4 until step 7")
+        # PowerSGD at rank 4: the 64 × 20 weight as 64 × 4 and 20 × 4 factors, the rest as it is (the
+        # 4 × 64 weight has rank 4 already): 1,344 + 4 × (64 + 256 + 4) bytes, not the 6.4 kB of the gradient
+        assert measuring["last"]["raw_bytes"] == 4 * 1604
+        assert 0 < measuring["last"]["packet_bytes"] <= 4 * (64 * 4 + 20 * 4) + 4 * (64 + 256 + 4)
+        # the last measured step: PowerSGD again, and the probe of an eighth of the gradient, uncompressed
+        captured = result["default captured"]["last"]
+        assert captured["packet_bytes"] == measuring["last"]["packet_bytes"]
+        assert captured["collectives"] == measuring["last"]["collectives"] + 1
     first, second = results
-    # the quality model's signal fraction, read on rank 0 (from its gradient and the exact average of the
-    # last measured step)
+    # the quality model's signal fraction, read on rank 0 (measured with none: also from its gradient and
+    # the exact average of the last measured step)
     assert 0 < first["signal"] < 1 and second["signal"] == 0
     assert 0 < first["default signal"] < 1 and second["default signal"] == 0
     assert first["decided"]["auto"]["buckets"] == second["decided"]["auto"]["buckets"]
@@ -279,6 +320,30 @@ def _aggressive(profile: ComputeProfile, ratio: float, spec: str) -> MethodCost:
     return MethodCost(spec, "allgather", "residual", tuple(
         BucketCost(2e-3, 2e-4, b.nbytes * ratio, (Transfer("allgather", 16.0), Transfer("allgather", b.nbytes * ratio)))
         for b in profile.buckets), decode_grows=True)
+
+
+def test_the_decisions_one_pass_measures_what_the_separate_measurements_do() -> None:
+    """``measure_with_errors`` (one simulated worker, two steps a bucket) gives each bucket the error of
+    ``compression_errors`` and the bytes and collectives of ``measure_method``; the errors' float32
+    sums agree with float64 ones to float32's rounding over the summed values."""
+    from gradpress.costmodel import compression_errors, measure_method, measure_with_errors
+
+    generator = torch.Generator().manual_seed(0)
+    grads = {"w": torch.randn(64, 48, generator=generator), "b": torch.randn(48, generator=generator) * 1e-3,
+             "v": torch.randn(300, generator=generator)}
+    buckets = (Bucket(0, ("w", "b"), 64 * 48 + 48, 4 * (64 * 48 + 48), 0.0), Bucket(1, ("v",), 300, 1200, 0.001))
+    profile = ComputeProfile(0.004, 0.006, 0.0, buckets, "measured", 0, 1, 64 * 48 + 48 + 300)
+    for spec in ("topk:ratio=0.1", "qsgd", "powersgd:rank=2", "thc", "none"):
+        cost, errors = measure_with_errors(spec, profile, grads, seed=0)
+        assert errors == compression_errors(spec, [{k: grads[k] for k in b.keys} for b in buckets], seed=0)
+        separate = measure_method(spec, profile, [grads, grads], repeats=1, seed=0)
+        assert [(b.packet_bytes, b.transfers) for b in cost.buckets] == \
+            [(b.packet_bytes, b.transfers) for b in separate.buckets], spec
+        assert all(b.compress_s > 0 for b in cost.buckets) and cost.measured_workers == 1
+        received = gradpress.Simulator(spec, 1, seed=0, warm_up=False).step([{k: grads[k] for k in ("w", "b")}])
+        exact = sum(float((grads[k].double() - received[k].double()).square().sum()) for k in ("w", "b"))
+        bound = 64 * 48 * torch.finfo(torch.float32).eps * max(exact, 1e-30)
+        assert errors[0].squared_error == pytest.approx(exact, rel=0, abs=bound), spec
 
 
 def test_the_quality_model_prefers_the_gentler_method_when_the_aggressive_one_is_slower_to_the_target() -> None:
@@ -372,12 +437,15 @@ def _levels_plan(rank: int) -> dict:
 
 
 def _levels_decided(rank: int, **options: object) -> dict:
-    comm = gradpress.Communicator("auto", candidates=["topk:ratio=0.1"], settle_steps=0, measure_steps=2,
+    comm = gradpress.Communicator("auto", candidates=["topk:ratio=0.1"], settle_steps=0, measure_steps=3,
                                   recheck_every=0, seed=0, **options)
     generator = torch.Generator().manual_seed(7 + rank)
     outs = [comm.reduce_many({k: torch.randn(s, generator=generator) for k, s in SHAPES.items()})
-            for _ in range(4)]
-    return {"report": comm.stats()["auto"], "outs": outs}
+            for _ in range(5)]
+    auto = comm._pipeline
+    held = {name for name, pipeline in auto._pipelines.items() for key in SHAPES
+            if key in getattr(pipeline.feedback, "_memory", {})}
+    return {"report": comm.stats()["auto"], "outs": outs, "held": held, "chosen": set(auto.choice.values())}
 
 
 def _levels_worker(rank: int, world_size: int) -> dict:
@@ -391,7 +459,7 @@ def _levels_worker(rank: int, world_size: int) -> dict:
 def test_two_level_auto_on_two_nodes_decides_alike_switches_levels_exactly_and_stays_bit_identical() -> None:
     results = run_workers(_levels_worker, 4, timeout=180)
     plans = [r["plan"] for r in results]
-    expected = ["none", *[LEVEL_PLAN[max(s for s in LEVEL_PLAN if s <= step)] for step in range(1, 11)]]
+    expected = [MEASURE_WITH, *[LEVEL_PLAN[max(s for s in LEVEL_PLAN if s <= step)] for step in range(1, 11)]]
     for plan in plans:
         assert [row["spec"] for row in plan["rows"]] == expected
         assert plan["raised"] == [1]
@@ -411,6 +479,8 @@ def test_two_level_auto_on_two_nodes_decides_alike_switches_levels_exactly_and_s
         for bucket in reports[0]["buckets"]:
             assert bucket["level"] in ("flat", "two levels") and set(bucket["levels_s"]) == {"flat", "two levels"}
         assert reports[0]["link"]["intra_bits_per_second"] > 0 and "steps to a quality target" in reports[0]["reason"]
+        # the measured steps ran top-k flat, in two levels, flat: both residuals went to the chosen method
+        assert all(r[run]["held"] <= r[run]["chosen"] for r in results)
         for outs in zip(*(r[run]["outs"] for r in results), strict=True):
             assert all(torch.equal(outs[0][k], out[k]) for out in outs for k in SHAPES)
     assert all(b["spec"].endswith("@node") for b in results[0]["node"]["report"]["buckets"])
@@ -426,7 +496,8 @@ def test_a_two_level_memory_is_saved_loaded_and_moves_to_one_level_as_its_share_
         return AutoPipeline(AutoOptions(candidates=("topk:ratio=0.1",)), Options(), rank, world, layout)
 
     auto = fresh()
-    assert auto.names == ("none", "none@node", "topk:ratio=0.1", "topk:ratio=0.1@node")
+    measure = MEASURE_WITH
+    assert auto.names == ("none", measure, f"{measure}@node", "topk:ratio=0.1", "none@node", "topk:ratio=0.1@node")
     auto.shapes["w"] = (30, 20)
     auto.pipeline("topk:ratio=0.1@node").inner.feedback.give("w", torch.ones(15, 20))  # local rank 1's shard
     auto.choice["w"] = "topk:ratio=0.1@node"

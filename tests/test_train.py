@@ -32,7 +32,7 @@ def config(**changes) -> TrainConfig:
 def test_the_methods_kernels_are_warmed_before_the_clock_and_the_random_state_kept(compressor, monkeypatch):
     """``warm_up`` runs the method (numba compiles or loads its kernels) on a synthetic gradient before a
     worker starts its training clock, leaving torch's global random state as it was; ``auto`` each of its
-    candidates; PyTorch's hooks are left alone."""
+    candidates and its ``measure_with``; PyTorch's hooks are left alone."""
     import torch
 
     import gradpress
@@ -43,9 +43,10 @@ def test_the_methods_kernels_are_warmed_before_the_clock_and_the_random_state_ke
     monkeypatch.setattr(gradpress.Simulator, "step", lambda self, grads: stepped.append(len(grads)) or
                         real_step(self, grads))
     state = torch.get_rng_state()
-    train_module.warm_up(config(compressor=compressor, workers=3))
+    options = {"measure_with": "topk:ratio=0.1"} if compressor == "auto" else {}  # (not a candidate)
+    train_module.warm_up(config(compressor=compressor, workers=3, options=options))
     assert torch.equal(torch.get_rng_state(), state)
-    runs = {"torch-allreduce": 0, "auto": len(DEFAULT_CANDIDATES)}.get(compressor, 1)
+    runs = {"torch-allreduce": 0, "auto": len(DEFAULT_CANDIDATES) + 1}.get(compressor, 1)
     assert stepped == [3, 3] * runs
 
 
@@ -307,3 +308,14 @@ def test_compare_runs_a_spec_flat_and_in_two_levels():
     assert (two_levels.compressor, two_levels.options) == ("qsgd:levels=16,bucket=512",
                                                            {"min_numel": 16, "hierarchy": "node"})
     assert "torch-allreduce" in run_list("demo") and run_list("demo").expanded == set(run_list("demo"))
+
+
+def test_autos_options_go_to_the_auto_run_alone() -> None:
+    """``compare --option measure_with=none``: the ``auto`` run takes it, the fixed methods' runs do not
+    (``train`` with a fixed method refuses it: tests/test_cli_errors.py)."""
+    from gradpress.testbed.compare import compared_config
+
+    base = config(options={"measure_with": "none", "min_numel": 16})
+    assert compared_config(base, "auto").options == {"measure_with": "none", "min_numel": 16}
+    assert compared_config(base, "topk:ratio=0.01").options == {"min_numel": 16}
+    assert compared_config(base, "torch-allreduce").options == {"min_numel": 16}

@@ -102,13 +102,20 @@ def test_gradpress_compile_shares_the_specs_among_processes(tmp_path):
 
 @pytest.mark.parametrize("argv", [["compile"], ["compile", "nosuch"], ["compile", "none", "--dtypes", "int8"],
                                   ["compile", "none", "--workers", "0"], ["compile", "all", "--jobs", "0"],
-                                  ["compile", "auto", "--dtypes", "bfloat16", "--option", "candidates=[]"]])
+                                  ["compile", "auto", "--dtypes", "bfloat16", "--option", "candidates=[3]"],
+                                  ["compile", "none", "--option", "bogus=1"]])
 def test_gradpress_compile_refuses_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main(argv)
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("gradpress: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_gradpress_compile_takes_autos_options_for_auto_alone(capsys):
+    assert cli.main(["compile", "none", "--option", "measure_with=none"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradpress: error: unknown option(s) measure_with") and len(err.strip().splitlines()) == 1
 
 
 def test_warm_up_checks_its_arguments():

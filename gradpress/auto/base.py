@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from gradpress.auto.options import NODE, UNCOMPRESSED, AutoOptions, level_of, method_of
+from gradpress.auto.options import MEASURE_WITH, NODE, UNCOMPRESSED, AutoOptions, level_of, method_of
 from gradpress.core.compressor import make
 from gradpress.exchange.hierarchy import HierarchicalPipeline, Layout, Split
 from gradpress.exchange.pipeline import Options, Pipeline, Stats
@@ -34,13 +34,15 @@ class AutoBase:
         else:
             self.levels = (True,) if options.hierarchy is not None else (False, True)
         #: every name a bucket can run: a candidate's spec (flat), or with ``@node`` (two levels); and the
-        #: measurement's (``none``, on several nodes ``none@node`` too)
+        #: measurement's (``measure_with``, on several nodes with ``@node`` too)
         names = [spec + (NODE if two else "") for two in self.levels for spec in auto.candidates]
-        measured = [UNCOMPRESSED] + ([UNCOMPRESSED + NODE] if self.layout is not None else [])
-        self.names = tuple(dict.fromkeys([*measured, *names]))
         self.stats = Stats()
         self.steps: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        measure = self._measure_with(auto.measure_with)
+        #: what the steps before the first decision run (on several nodes, one level and two)
+        self.measuring = (measure,) + ((measure + NODE,) if self.layout is not None else ())
+        self.names = tuple(dict.fromkeys([UNCOMPRESSED, *self.measuring, *names]))
         self._expected_shapes: dict[str, tuple[int, ...]] = {}
         self._pipelines: dict[str, Pipeline] = {}
         self.choice: dict[str, str] = {}  # key -> spec (absent: none)
@@ -63,6 +65,17 @@ class AutoBase:
         self.skipped: dict[str, str] = {}  # rank 0: candidates that failed to measure, with why
         self.error: str | None = None  # rank 0: why the last decision kept the methods as they were
         self.pipeline(UNCOMPRESSED)
+
+    def _measure_with(self, given: str | None) -> str:
+        """``measure_with``: ``given`` (``ValueError`` when these options cannot run it), or by default
+        :data:`~gradpress.auto.options.MEASURE_WITH` where they can, else ``none``."""
+        try:
+            self._fresh(given or MEASURE_WITH)
+        except ValueError as error:
+            if given is not None:
+                raise ValueError(f"option measure_with={given!r}: {error}") from None
+            return UNCOMPRESSED
+        return given or MEASURE_WITH
 
     # -- the pipelines -----------------------------------------------------------------------------
     def pipeline(self, spec: str) -> Pipeline:
@@ -95,11 +108,12 @@ class AutoBase:
                 "auto's schedule": f"{decided}, next decision at {next_check}", "auto's levels": levels}
 
     def _default(self) -> str:
-        """What a key without a choice runs: ``none``; on several nodes, while measuring, every other
-        step in two levels (``none@node``: the all-gathers inside the node time the rate there)."""
-        measuring = self.decided_at is None and self._current_step >= self.auto.settle_steps
-        if self.layout is not None and measuring and (self._current_step - self.auto.settle_steps) % 2:
-            return UNCOMPRESSED + NODE
+        """What a key without a choice runs: before the first decision ``measure_with``, on several
+        nodes every other measured step in two levels (its all-gathers inside the node time the rate
+        there); after it, ``none`` (in two levels where only two-level candidates are chosen)."""
+        if self.decided_at is None:
+            measured = self._current_step - self.auto.settle_steps
+            return self.measuring[-1] if measured >= 0 and measured % 2 else self.measuring[0]
         return UNCOMPRESSED if self.levels[0] is False or not self.choice else UNCOMPRESSED + NODE
 
     def _split(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, list[int]]]:
@@ -118,9 +132,10 @@ class AutoBase:
         on shard j and zero elsewhere (the node's reduce-scatter divides by k), which a one-level memory
         takes over or the next exchange sends once. A one-level residual entering two levels is sent
         once (a shard's memory holds the node's sum, which no rank has alone)."""
+        self._gather_measured(key, old)
+        self.choice[key] = new
         if old == new:
             return
-        self.choice[key] = new
         residual = self._pipelines[old].feedback.take(key) if old in self._pipelines else None
         pending = self._flush.pop(key, None)
         if residual is None and pending is None:
@@ -134,6 +149,21 @@ class AutoBase:
         total = parts[0] if len(parts) == 1 else parts[0] + parts[1]
         if level_of(new) or not self._carried(key, new, total):
             self._flush[key] = total
+
+    def _gather_measured(self, key: str, old: str) -> None:
+        """The measurement's residuals of ``key`` into ``old``'s memory, or to be sent once: on several
+        nodes the measured steps alternate one level and two, each with a memory of its own."""
+        for name in self.measuring:
+            if name != old and name in self._pipelines:
+                residual = self._pipelines[name].feedback.take(key)
+                if residual is not None:
+                    self._pending(key, old, self._whole(key, residual) if level_of(name) else residual)
+
+    def _pending(self, key: str, name: str, residual: torch.Tensor) -> None:
+        """``residual`` into ``name``'s memory of ``key`` (on one level), else added to what is sent once."""
+        if level_of(name) or not self._carried(key, name, residual):
+            pending = self._flush.get(key)
+            self._flush[key] = residual if pending is None else pending + residual
 
     def _carried(self, key: str, name: str, residual: torch.Tensor) -> bool:
         """Whether ``name``'s memory took ``residual`` over (it compresses ``key`` and keeps a residual)."""

@@ -48,20 +48,18 @@ class Decider(Recorder):
     def _measure(self, profile: ComputeProfile) -> tuple[dict[str, Any], dict[str, str]]:
         """Each candidate's cost on the captured gradients (rank 0), as ``advise`` measures it, and
         (``rank_by="quality"``) its compression error on each bucket (kept in ``_errors``)."""
-        from gradpress.costmodel import compression_errors, measure_method
+        from gradpress.costmodel import measure_with_errors
 
         grads = self._captured or {}
-        buckets = [{key: grads[key] for key in bucket.keys if key in grads} for bucket in profile.buckets]
         costs, skipped, errors = {}, {}, {}
         for spec in self.auto.candidates:
             try:
                 self.pipeline(spec)  # a method these options cannot run (a mode it lacks) is left out
-                costs[spec] = measure_method(spec, profile, [grads, grads], repeats=1, seed=self.options.seed)
-                if self.auto.rank_by == "quality":
-                    errors[spec] = compression_errors(spec, buckets, seed=self.options.seed,
-                                                      feedback=self.options.feedback)
+                costs[spec], errors[spec] = measure_with_errors(spec, profile, grads, workers=self.world_size,
+                                                                seed=self.options.seed, feedback=self.options.feedback)
             except Exception as error:  # noqa: BLE001 - one method that fails is left out, with its reason
                 costs.pop(spec, None)
+                errors.pop(spec, None)
                 skipped[spec] = f"{type(error).__name__}: {error}"[:200]
         self._errors = errors if self.auto.rank_by == "quality" else None
         self._signal = self._signal_fraction(grads)
@@ -74,11 +72,12 @@ class Decider(Recorder):
         the captured step's and the step before's gradients (:func:`~gradpress.costmodel.signal_fraction`),
         where they were kept; 0 without either."""
         from gradpress.costmodel import signal_fraction, signal_fraction_of_mean
+        from gradpress.costmodel.quality import squares
 
         estimates = []
         mean = self._mean[1] if self._mean is not None else None
         if mean is not None and self.world_size > 1:
-            own = sum(float(t.double().square().sum()) for t in grads.values())
+            own = sum(squares(t) for t in grads.values())
             estimates.append(signal_fraction_of_mean(own, mean[0], self.world_size))
         if self._earlier is not None:
             estimates.append(signal_fraction(self._earlier[1], grads))

@@ -75,6 +75,13 @@ def fit_link(arrivals: Mapping[tuple, float], n: int,
     return alpha, min(8.0 * cost.nbytes / remaining, 1e13)
 
 
+def preload() -> None:
+    """Import what a decision needs that the training does not: scipy's optimizers (:func:`fit_link`'s
+    non-negative least squares), a third of a second on a fresh interpreter, which the front ends'
+    warm-up pays at set-up instead of the first decision."""
+    import scipy.optimize  # noqa: F401
+
+
 # -- what the running job records -------------------------------------------------------------------
 @dataclass
 class _BucketRecord:
@@ -111,7 +118,9 @@ class _StepRecord:
 
 def _add_squares(tally: list[float] | None, averages: list[torch.Tensor]) -> None:
     if tally is not None:
-        tally[0] += sum(float(t.detach().double().square().sum()) for t in averages)
+        from gradpress.costmodel.quality import squares
+
+        tally[0] += sum(squares(t.detach()) for t in averages)
 
 
 class Recorder(AutoBase):

@@ -8,11 +8,19 @@ from gradpress.core.compressor import make
 
 #: the spec that selects this module
 AUTO = "auto"
-#: the uncompressed method: what the measurement steps run, and the reference of every prediction
+#: the uncompressed method: the reference of every prediction (always a candidate)
 UNCOMPRESSED = "none"
-#: methods that pay in different regimes (GRACE Section 6; the README's demo set and sparser top-k)
+#: what the steps before the first decision run by default: PowerSGD at rank 4 sends a few rows and
+#: columns of each matrix, so a slow link pays the measurement little, and loses little of the gradient
+#: (a fifth on the testbed's ``mlp-wide``, where top-k 1 % loses four fifths), so the measured steps
+#: train well; its memory carries what it held back
+MEASURE_WITH = "powersgd:rank=4"
+#: methods that pay in different regimes (GRACE Section 6; the README's demo set and sparser top-k).
+#: PowerSGD at rank 4, not its default 1: rank 1 never reaches the testbed's target on ``mlp-wide``
+#: (docs/choosing.md), though its one-step compression error, which the quality model reads, looks no
+#: worse than top-k's; rank 4 loses a quarter of it and reached the target first there
 DEFAULT_CANDIDATES = ("none", "fp16", "natural", "qsgd", "thc", "topk:ratio=0.01", "topk:ratio=0.001",
-                      "powersgd")
+                      "powersgd:rank=4")
 #: seconds per message when the observed sizes cannot separate it from the bandwidth
 FALLBACK_LATENCY = 1e-4
 #: arrivals kept per size of round (the fastest of them is the link's time for that size)
@@ -43,12 +51,17 @@ def is_auto(spec: Any) -> bool:
 class AutoOptions:
     """``auto``'s own options (keyword arguments beside :class:`gradpress.exchange.pipeline.Options`).
 
-    * ``candidates``: the specs it chooses among (``none`` is always one: it measures with it).
-    * ``settle_steps``: steps before measuring (run uncompressed, not measured: DDP rebuilds its buckets
-      after the first step, and the first steps' gradients, of a model far from any minimum, are
-      unlike the later ones: PowerSGD's rank 1, say, loses far less of them).
-    * ``measure_steps``: steps measured (uncompressed) before the first decision; on several nodes
-      every other one runs in two levels (the rate inside a node).
+    * ``candidates``: the specs it chooses among (``none``, the reference of every prediction, is always one).
+    * ``measure_with``: the method the steps before the first decision run; what it held back is
+      carried into the chosen method's memory or sent once. None (the default): :data:`MEASURE_WITH`,
+      or ``none`` where the runtime's options cannot run it. Unless it is ``none``, the last measured
+      step also all-reduces an eighth of the gradient uncompressed (the link's sustained rate and the
+      exact average's estimate, :mod:`gradpress.auto`).
+    * ``settle_steps``: steps before measuring (not measured: DDP rebuilds its buckets after the first
+      step, and the first steps' gradients, of a model far from any minimum, are unlike the later ones:
+      PowerSGD's rank 1, say, loses far less of them).
+    * ``measure_steps``: steps measured before the first decision; on several nodes every other one
+      runs in two levels (the rate inside a node).
     * ``recheck_every``: steps between decisions after the first (0: never re-check).
     * ``margin``: a change of methods must be predicted to shorten the objective by more than this fraction.
     * ``rank_by``: ``"quality"`` (the predicted time to a quality target: the step times the steps factor
@@ -60,6 +73,7 @@ class AutoOptions:
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    measure_with: str | None = None
     settle_steps: int = 2
     measure_steps: int = 5
     recheck_every: int = 500
@@ -79,6 +93,11 @@ class AutoOptions:
             if spec not in specs:
                 specs.append(spec)
         object.__setattr__(self, "candidates", tuple(specs))
+        if self.measure_with is not None:
+            if not isinstance(self.measure_with, str) or is_auto(self.measure_with):
+                raise ValueError(f"option measure_with must be a method's spec (not 'auto'), got "
+                                 f"{self.measure_with!r}")
+            object.__setattr__(self, "measure_with", make(self.measure_with).spec)  # (unknown: ValueError)
         for name, low in (("settle_steps", 0), ("measure_steps", 1), ("recheck_every", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -94,6 +113,11 @@ class AutoOptions:
                 _bits_per_second(self.intra_bandwidth)
             except (ValueError, TypeError) as error:
                 raise ValueError(f"option intra_bandwidth: {error}") from None
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """Every method a run may use: the candidates and ``measure_with``."""
+        return tuple(dict.fromkeys([*self.candidates, self.measure_with or MEASURE_WITH]))
 
     @classmethod
     def pop_from(cls, options: dict[str, Any]) -> AutoOptions:

@@ -12,10 +12,12 @@ from gradpress.auto.measure import _BucketRecord
 from gradpress.auto.options import AUTO, NODE, UNCOMPRESSED
 from gradpress.auto.state import AutoState
 from gradpress.exchange.pipeline import Group
-from gradpress.exchange.protocol import Protocol
+from gradpress.exchange.protocol import AllReduce, Protocol, Round
 
-#: what exchanges the exact average: the measurement's methods
+#: what exchanges the exact average (the signal fraction reads it where the last measured step ran one)
 EXACT = (UNCOMPRESSED, UNCOMPRESSED + NODE)
+#: the probe of the last measured step: every this many values of each gradient, summed uncompressed
+PROBE_STRIDE = 8
 
 
 class AutoPipeline(Decider, AutoState):
@@ -83,9 +85,10 @@ class AutoPipeline(Decider, AutoState):
                                  f"saved for {expected}")
         step = max((self.steps.get(key, 0) for key, _ in items), default=0)
         split = self._split(items)
+        sample = self._sample(items, step)
         tally = None
         if self.rank == 0:
-            tally = self._capture(step, items, all(spec in EXACT for spec, _ in split))
+            tally = self._capture(step, items, sample is not None or all(spec in EXACT for spec, _ in split))
         writable = writable or bucket is not None
         items = list(items)
         for i, (key, tensor) in enumerate(items):
@@ -106,8 +109,35 @@ class AutoPipeline(Decider, AutoState):
             for group in self.pipeline(spec).groups(chosen, bucket=bucket if len(split) == 1 else None,
                                                     writable=writable):
                 out.append(Group([positions[i] for i in group.members],
-                                 self._timed(group.protocol, record, tally), group.step, group.flat))
+                                 self._timed(group.protocol, record, tally if sample is None else None),
+                                 group.step, group.flat))
+        if sample is not None:
+            numel = sum(t.numel() for _, t in items)
+            out.append(Group([], self._timed(self._probe(sample, numel, tally), record), step))
         return out
+
+    def _sample(self, items: Sequence[tuple[str, torch.Tensor]], step: int) -> torch.Tensor | None:
+        """At the last measured step before the first decision, when the measured steps are compressed:
+        every :data:`PROBE_STRIDE`-th value of these gradients (from position ``step`` mod the stride:
+        the same on every rank), float32, taken before the exchange may overwrite them; else None."""
+        if self.decided_at is not None or step != self.next_decision - 1 or self.measuring[0] in EXACT:
+            return None
+        offset = step % PROBE_STRIDE
+        parts = [t.detach().reshape(-1)[offset::PROBE_STRIDE].float() for _, t in items]
+        return torch.cat(parts) if parts and sum(p.numel() for p in parts) else None
+
+    def _probe(self, sample: torch.Tensor, numel: int, tally: list[float] | None) -> Protocol:
+        """One uncompressed all-reduce of ``sample`` (of a bucket of ``numel`` values), which the link's
+        fit times: transfers within a token bucket's burst (the measured steps' compressed packets) do
+        not tell the sustained rate, an eighth of the gradient beyond it does. ``tally``: rank 0 adds
+        ‖average‖² of the whole bucket, estimated as numel / len(sample) times the sample's (the signal
+        fraction's estimate from the exact average, :meth:`_signal_fraction`). Returns no averages."""
+        from gradpress.costmodel.quality import squares
+
+        (summed,) = yield Round([AllReduce(sample)], final=True)
+        if tally is not None:
+            tally[0] += squares(summed / self.world_size) * numel / sample.numel()
+        return []
 
     def report(self) -> dict[str, Any]:
         """The statistics of :class:`gradpress.exchange.pipeline.Stats`, and ``"auto"``: what was chosen and why."""
@@ -131,7 +161,7 @@ class AutoPipeline(Decider, AutoState):
 
     def _reason(self, explained: dict[str, Any]) -> str:
         if explained["phase"] == "measuring":
-            return (f"measuring with {UNCOMPRESSED} until step {explained['next_check']} "
+            return (f"measuring with {self.measuring[0]} until step {explained['next_check']} "
                     f"(from step {self.auto.settle_steps}, {self.auto.measure_steps} steps)")
         buckets = explained.get("buckets") or []
         link = explained.get("link") or {}

@@ -20,6 +20,7 @@ from gradpress.costmodel.method import (
     baseline_cost,
     link_phases,
     measure_method,
+    measure_with_errors,
     transfers_of,
 )
 from gradpress.costmodel.network import (
@@ -78,7 +79,8 @@ __all__ = [
     "LocalStep", "MethodCost", "NodeExchange", "Observation", "Phase", "Topology", "Transfer",
     "assign_buckets", "bandwidth_crossing", "baseline_cost", "calibrated", "communication_cost",
     "communication_time", "crossover_bandwidth", "fit_alpha_beta", "fit_efficiency", "fit_latency", "fit_link",
-    "flat_cost", "level_costs", "link_phases", "measure_method", "node_exchange", "node_link_bytes",
+    "flat_cost", "level_costs", "link_phases", "measure_method", "measure_with_errors", "node_exchange",
+    "node_link_bytes",
     "node_transfer_seconds", "predict", "predict_bucketed_step", "predict_step_time", "rate_bits_per_second",
     "refill", "shard_phases", "steady_tokens", "transfer_seconds", "transfers_of",
     "MIN_DELTA", "CompressionError", "compression_errors", "runs_unbiased", "signal_fraction",

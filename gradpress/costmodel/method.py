@@ -18,6 +18,7 @@ from gradpress.simulation import Simulator
 
 if TYPE_CHECKING:
     from gradpress.costmodel.nodes import Topology
+    from gradpress.costmodel.quality import CompressionError
 
 #: the row every speed-up is relative to: DDP's built-in all-reduce of the fp32 buckets
 BASELINE = "torch-allreduce"
@@ -257,6 +258,44 @@ def link_phases(spec: str, packet_bytes: float, n: int) -> list[Phase]:
     packets and sizes, a preliminary exchange), in proportion to ``Packet.nbytes``: what ``sim cost``
     prices a measured run's bytes per step with."""
     return [Phase(strategy, ratio * packet_bytes) for strategy, ratio in _link_ratios(spec, n)]
+
+
+def measure_with_errors(spec: str, profile: ComputeProfile, grads: Mapping[str, torch.Tensor], *,
+                        workers: int = 2, seed: int = 0,
+                        feedback: str | None = None) -> tuple[MethodCost, tuple[CompressionError, ...]]:
+    """``spec``'s costs and its :class:`~gradpress.costmodel.quality.CompressionError` on each of the
+    profile's buckets of one worker's gradients ``grads``, in one pass (``auto``'s decision): one worker of
+    :class:`gradpress.Simulator` with the runtime's ``feedback``; its first step on each bucket, memory
+    empty, gives the bucket's error (as :func:`~gradpress.costmodel.quality.compression_errors`), its
+    second step the compress and decompress times and ``Packet.nbytes`` (as :func:`measure_method`,
+    with one packet decoded: an all-gather's decoding scales with n); the collectives are those among
+    ``workers`` (:func:`transfers_of`)."""
+    from gradpress.costmodel.quality import error_of, runs_unbiased
+
+    compressor = make(spec)
+    options = {} if feedback is None else {"feedback": feedback}
+    simulator = Simulator(spec, 1, seed=seed, warm_up=False, **options)
+    unbiased = runs_unbiased(spec, feedback)
+    present = [{key: grads[key].detach() for key in bucket.keys if key in grads} for bucket in profile.buckets]
+    errors = []
+    for bucket in present:
+        received = simulator.step([bucket]) if bucket else {}
+        errors.append(error_of(bucket, received, unbiased))
+    buckets, sent = [], 0.0
+    for bucket in present:
+        if not bucket:
+            buckets.append(BucketCost(0.0, 0.0, 0.0, ()))
+            continue
+        before = simulator.stats()[0]["total"]
+        simulator.step([bucket])
+        after = simulator.stats()[0]["total"]
+        compress, decompress, nbytes = (after[k] - before[k] for k in ("compress_s", "decompress_s", "packet_bytes"))
+        sent += after["sent_bytes"] - before["sent_bytes"]
+        buckets.append(BucketCost(compress, decompress, nbytes,
+                                  transfers_of(compressor, list(bucket.items()), workers, seed, packet_bytes=nbytes)))
+    cost = MethodCost(spec, compressor.exchange, compressor.default_feedback if feedback is None else feedback,
+                      tuple(buckets), 1, decode_grows=compressor.exchange == "allgather", sent_bytes=sent)
+    return cost, tuple(errors)
 
 
 def measure_method(spec: str, profile: ComputeProfile, grads: Sequence[Mapping[str, torch.Tensor]], *,

@@ -16,7 +16,8 @@ errors add: ε = Σ_b ‖g_b − C_b(g_b)‖² / Σ_b ‖g_b‖² (:class:`Compr
   grow by **1 + ω·E‖g‖²/σ² = 1 + ω/(1 − ρ)**, ρ = ‖∇f‖²/E‖g‖² the gradient's signal fraction (the
   inverse of the "noise scale" of McCandlish et al., "An empirical model of large-batch training",
   2018). ω is estimated by the measured ε, ρ from one worker's gradient and the exact average of the n
-  workers' of the same step (:func:`signal_fraction_of_mean`: the two batch sizes' estimate of ‖∇f‖²),
+  workers' of the same step (:func:`signal_fraction_of_mean`: the two batch sizes' estimate of ‖∇f‖²;
+  ``auto`` reads ‖average‖² on an eighth of the values, scaled),
   and from two consecutive steps' gradients of one worker (:func:`signal_fraction`: ⟨g₁, g₂⟩ estimates
   ‖∇f‖² where their noises are independent); ``auto`` takes the mean of those it has. In two levels
   a node compresses the sum of its k ranks' gradients, whose noise is k times smaller:
@@ -85,15 +86,38 @@ def compression_errors(spec: str, buckets: Sequence[Mapping[str, torch.Tensor]],
     unbiased = runs_unbiased(spec, feedback)
     out = []
     for grads in buckets:
-        if not grads:
-            out.append(CompressionError(0.0, 0.0, unbiased))
-            continue
-        exact = {key: g.detach().double() for key, g in grads.items()}
-        received = simulator.step([{key: g.detach().clone() for key, g in grads.items()}])
-        error = sum(float((exact[key] - received[key].double()).pow(2).sum()) for key in grads)
-        norm = sum(float(g.pow(2).sum()) for g in exact.values())
-        out.append(CompressionError(error if math.isfinite(error) else math.inf, norm, unbiased))
+        received = simulator.step([{key: g.detach() for key, g in grads.items()}]) if grads else {}
+        out.append(error_of(grads, received, unbiased))
     return tuple(out)
+
+
+def error_of(grads: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],
+             unbiased: bool) -> CompressionError:
+    """The :class:`CompressionError` of ``received`` (what one worker's exchange returned) against the
+    gradients ``grads`` it was given (key -> tensor)."""
+    error = sum(squares(g.detach() - received[key].to(g.dtype)) for key, g in grads.items())
+    norm = sum(squares(g.detach()) for g in grads.values())
+    return CompressionError(error if math.isfinite(error) else math.inf, norm, unbiased)
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32 or float64 (a narrower float, or an integer, as float32)."""
+    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """⟨a, b⟩, accumulated as :func:`squares`."""
+    wide = _wide(a).flatten()
+    dot = float(torch.dot(wide, _wide(b).flatten().to(wide.dtype)))
+    return dot if math.isfinite(dot) else float(torch.dot(a.double().flatten(), b.double().flatten()))
+
+
+def squares(tensor: torch.Tensor) -> float:
+    """‖tensor‖², accumulated in float32 or float64 (float64 where float32 overflows)."""
+    norm = float(torch.linalg.vector_norm(_wide(tensor)))
+    if math.isinf(norm):
+        norm = float(torch.linalg.vector_norm(tensor.double()))
+    return norm * norm
 
 
 def signal_fraction(first: Mapping[str, torch.Tensor], second: Mapping[str, torch.Tensor]) -> float:
@@ -101,11 +125,11 @@ def signal_fraction(first: Mapping[str, torch.Tensor], second: Mapping[str, torc
     both hold): ⟨g₁, g₂⟩ over the mean of ‖g₁‖² and ‖g₂‖², clamped to [0, 1 − :data:`MIN_DELTA`]; 0 when
     they share no key or both are zero (module doc)."""
     keys = [key for key in first if key in second]
-    dot = sum(float((first[k].double() * second[k].double()).sum()) for k in keys)
-    squares = sum(float(first[k].double().pow(2).sum() + second[k].double().pow(2).sum()) for k in keys) / 2
-    if not keys or not squares > 0 or not math.isfinite(dot / squares):
+    dot = sum(_dot(first[k], second[k]) for k in keys)
+    total = sum(squares(first[k]) + squares(second[k]) for k in keys) / 2
+    if not keys or not total > 0 or not math.isfinite(dot / total):
         return 0.0
-    return min(max(dot / squares, 0.0), 1.0 - MIN_DELTA)
+    return min(max(dot / total, 0.0), 1.0 - MIN_DELTA)
 
 
 def signal_fraction_of_mean(own_squares: float, mean_squares: float, n: int) -> float:

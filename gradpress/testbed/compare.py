@@ -106,7 +106,7 @@ def compare(base: TrainConfig, specs: list[str], out_dir: str | Path, progress: 
     for spec in specs:
         say(f"== {spec}")
         try:
-            config = run_config(base, spec)
+            config = compared_config(base, spec)
             check_exchange(config)
         except ValueError as error:
             failures[spec] = arguments.one_line(error)
@@ -153,6 +153,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_main)
 
 
+def compared_config(base: TrainConfig, item: str) -> TrainConfig:
+    """:func:`run_config` for one run of ``--compressors``: ``auto``'s own options (``--option
+    measure_with=...``) go to the ``auto`` run alone."""
+    from dataclasses import replace
+
+    from gradpress.auto import is_auto
+    from gradpress.testbed.training.options import auto_option_names
+
+    config = run_config(base, item)
+    if is_auto(config.compressor):
+        return config
+    return replace(config, options={k: v for k, v in config.options.items() if k not in auto_option_names()})
+
+
 def _main(args: argparse.Namespace) -> int:
     try:
         check_out(args.out, args.overwrite)
@@ -162,7 +176,7 @@ def _main(args: argparse.Namespace) -> int:
     specs, skipped = [], {}
     for spec in args.compressors:
         try:
-            check_exchange(run_config(base, spec))
+            check_exchange(compared_config(base, spec))
             specs.append(spec)
         except ValueError as error:
             if spec not in args.compressors.expanded:  # the user's own: every run must be able to start

@@ -18,7 +18,7 @@ import signal
 import sys
 
 from gradpress.testbed import arguments
-from gradpress.testbed.train import runtime_option
+from gradpress.testbed.training.options import option
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -48,8 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="ranks of the exchange (integer sums are widened by the rank count; default 2)")
     parser.add_argument("--jobs", type=arguments.integer(1), default=1,
                         help="processes that compile at once, each a share of the specs (default 1)")
-    parser.add_argument("--option", type=runtime_option, action="append", default=[], metavar="KEY=VALUE",
-                        help="a runtime option of the training (mode=ps, master=natural, ...), repeatable")
+    parser.add_argument("--option", type=option, action="append", default=[], metavar="KEY=VALUE",
+                        help="a runtime option of the training (mode=ps, master=natural, ...), or auto's "
+                             "(candidates=[...], measure_with=...), repeatable")
     parser.set_defaults(func=_main)
 
 
@@ -73,7 +74,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         gradpress.warm_up(*specs, dtypes=[getattr(torch, name) for name in args.dtypes],
                           workers=args.workers, **parse_options(args.option))
-    except ValueError as error:
+    except (ValueError, TypeError) as error:  # (TypeError: an option of auto's without "auto" among the specs)
         raise arguments.UsageError(arguments.one_line(error)) from None
     finally:
         logger.removeHandler(handler)

@@ -37,21 +37,32 @@ def parse_options(items: list[str], dedicated: dict[str, str] | None = None) -> 
     return options
 
 
-def check_options(options: dict[str, Any]) -> None:
-    """Raise ValueError unless every key is a runtime option (a field of :class:`gradpress.exchange.pipeline.Options`)
+def check_options(options: dict[str, Any], auto: bool = True) -> None:
+    """Raise ValueError unless every key is a runtime option (a field of :class:`gradpress.exchange.pipeline.Options`),
+    or with ``auto`` one of ``auto``'s (:class:`gradpress.auto.AutoOptions`, for the ``auto`` run alone),
     and its value has the option's type; ranges and combinations are :func:`check_exchange`'s."""
     import dataclasses
     import typing
 
+    from gradpress.auto import AutoOptions
     from gradpress.exchange.pipeline import Options
 
-    hints = typing.get_type_hints(Options)
-    known = [f.name for f in dataclasses.fields(Options) if f.init]
+    hints = {**typing.get_type_hints(Options), **typing.get_type_hints(AutoOptions)}
+    known = [f.name for f in dataclasses.fields(Options) if f.init] + (auto_option_names() if auto else [])
     for key, value in options.items():
         if key not in known:
             raise ValueError(f"unknown option {key!r}; the options are: {', '.join(known)}")
         if not _fits(value, hints[key]):
             raise ValueError(f"option {key}={value!r}: expected {_type_words(hints[key])}")
+
+
+def auto_option_names() -> list[str]:
+    """The options of ``auto`` (:class:`gradpress.auto.AutoOptions`): given to the ``auto`` run alone."""
+    import dataclasses
+
+    from gradpress.auto import AutoOptions
+
+    return [f.name for f in dataclasses.fields(AutoOptions)]
 
 
 def _fits(value: Any, annotation: Any) -> bool:
@@ -91,16 +102,23 @@ def _type_words(annotation: Any) -> str:
             str: "a string"}.get(annotation, str(annotation))
 
 
-def runtime_option(text: str) -> str:
-    """``KEY=VALUE``: a runtime option (:class:`gradpress.exchange.pipeline.Options`) with a value of its
-    type (:func:`parse_options`, :func:`check_options`)."""
+def runtime_option(text: str, auto: bool = False) -> str:
+    """``KEY=VALUE``: a runtime option (:class:`gradpress.exchange.pipeline.Options`; with ``auto`` also
+    one of :class:`gradpress.auto.AutoOptions`) with a value of its type (:func:`parse_options`,
+    :func:`check_options`)."""
     if "=" not in text or not text.partition("=")[0].strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
-        check_options(parse_options([text]))
+        check_options(parse_options([text]), auto)
     except ValueError as error:
         raise argparse.ArgumentTypeError(arguments.one_line(error)) from None
     return text
+
+
+def option(text: str) -> str:
+    """``KEY=VALUE`` of a command that runs ``auto`` too (``train``, ``compare``, ``compile``): a runtime
+    option or one of ``auto``'s (:func:`runtime_option`)."""
+    return runtime_option(text, auto=True)
 
 
 def check_exchange(config: TrainConfig) -> None:
@@ -115,6 +133,9 @@ def check_exchange(config: TrainConfig) -> None:
     from gradpress.testbed.training.sharded import check_sharding, exchange_size
 
     check_options(config.options)
+    given = sorted(set(config.options) & set(auto_option_names()))
+    if given and not is_auto(config.compressor):
+        raise ValueError(f"option {', '.join(given)}: an option of --compressor auto, not of {config.compressor!r}")
     check_sharding(config)
     options = simulated_options(config)
     if config.compressor in REFERENCES:

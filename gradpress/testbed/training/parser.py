@@ -7,13 +7,13 @@ import argparse
 from gradpress.testbed import arguments
 from gradpress.testbed.training.checks import model_spec
 from gradpress.testbed.training.config import TrainConfig
-from gradpress.testbed.training.options import parse_options, runtime_option
+from gradpress.testbed.training.options import option, parse_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``gradpress train`` and ``compare``, each checked as it is parsed
     (:mod:`gradpress.testbed.arguments`, and :func:`~.checks.model_spec`,
-    :func:`~.options.runtime_option`)."""
+    :func:`~.options.option`)."""
     from gradpress.testbed.data import dataset_names
 
     parser.add_argument("--model", type=model_spec, default="mlp",
@@ -41,9 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=arguments.seed, default=0)
     parser.add_argument("--eval-every", type=arguments.positive_int,
                         help="evaluate every this many steps (default: each epoch)")
-    parser.add_argument("--option", type=runtime_option, action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--option", type=option, action="append", default=[], metavar="KEY=VALUE",
                         help="gradpress runtime option (feedback, min_numel, warmup_steps, mode, master, "
-                             "...), each key once; the seed and timeout are --seed and --timeout")
+                             "...), or auto's (candidates, measure_with, settle_steps, ...: the auto run "
+                             "alone), each key once; the seed and timeout are --seed and --timeout")
     parser.add_argument("--timeout", type=arguments.positive_float, default=300.0,
                         help="seconds before a stuck collective raises")
     parser.add_argument("--threads", type=arguments.positive_int, default=1, help="torch threads per worker")

@@ -85,11 +85,11 @@ def _setup(config: TrainConfig, rank: int) -> _Setup:
 def warm_up(config: TrainConfig) -> None:
     """Run ``config``'s method in this process on a small synthetic gradient (a :class:`gradpress.Simulator`
     of its workers and options, two steps: its error feedback's path too), so that numba compiles its
-    kernels — or loads them from its on-disk cache — before the training clock starts. On a fresh
-    machine the compilation takes up to a minute or two per method (THC's kernels), which would otherwise be
-    charged to the first steps and to the method's time to target. ``auto`` warms each of its candidates
-    alike (it measures them at its decision). The global random state is left as it was; PyTorch's own
-    hooks have nothing to warm."""
+    kernels — or loads them from its on-disk cache — before the training clock starts. On a fresh machine
+    the compilation takes up to a minute or two per method (THC's kernels), which would otherwise be charged
+    to the first steps and to the method's time to target. ``auto`` warms each of its candidates and its
+    ``measure_with`` alike (it runs the one and measures the others). The global random state is left as it
+    was; PyTorch's own hooks have nothing to warm."""
     if config.compressor in REFERENCES:
         return
     import gradpress
@@ -98,7 +98,10 @@ def warm_up(config: TrainConfig) -> None:
     options = simulated_options(config)
     specs = [config.compressor]
     if is_auto(config.compressor):
-        specs = list(AutoOptions.pop_from(options).candidates)
+        from gradpress.auto.measure import preload
+
+        preload()
+        specs = list(AutoOptions.pop_from(options).methods)
     with torch.random.fork_rng():
         for spec in specs:
             try:
