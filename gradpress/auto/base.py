@@ -146,9 +146,7 @@ class AutoBase:
         if residual is not None and level_of(old):
             residual = self._whole(key, residual)
         parts = [t for t in (residual, pending) if t is not None]
-        total = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-        if level_of(new) or not self._carried(key, new, total):
-            self._flush[key] = total
+        self._pending(key, new, parts[0] if len(parts) == 1 else parts[0] + parts[1])
 
     def _gather_measured(self, key: str, old: str) -> None:
         """The measurement's residuals of ``key`` into ``old``'s memory, or to be sent once: on several
