@@ -166,7 +166,24 @@ def _run_plan(rank: int, plan: dict, left) -> dict:  # noqa: ANN001
 
 
 def _forced_worker(rank: int, world_size: int) -> dict:
-    return {**_run_plan(rank, PLAN, _left), "kept": _keeps_measure_with(rank)}
+    return {**_run_plan(rank, PLAN, _left), "kept": _keeps_measure_with(rank), "probed nan": _nan_at_probe(rank)}
+
+
+def _nan_at_probe(rank: int) -> list[int] | None:
+    """Rank 1's gradient holds a NaN at the last measured step, the one with the probe's extra collective:
+    the ranks that raise ``NonFiniteError`` say which rank had it (None: nothing raised)."""
+    comm = gradpress.Communicator("auto", candidates=["topk:ratio=0.1"], measure_with="topk:ratio=0.1",
+                                  settle_steps=0, measure_steps=2, recheck_every=0, seed=0)
+    generator = torch.Generator().manual_seed(rank)
+    comm.reduce_many({k: torch.randn(s, generator=generator) for k, s in SHAPES.items()})
+    grads = {k: torch.randn(s, generator=generator) for k, s in SHAPES.items()}
+    if rank == 1:
+        grads["w"][2, 3] = math.nan
+    try:
+        comm.reduce_many(grads)
+    except gradpress.NonFiniteError as error:
+        return error.ranks
+    return None
 
 
 def _keeps_measure_with(rank: int) -> list[tuple[float, float]]:
@@ -198,6 +215,7 @@ def test_forced_switches_carry_or_flush_the_residual_exactly_on_every_rank() -> 
         assert all(size == raw and 0 < packet < raw / 4 for size, packet, _ in result["kept"])
         collectives = [count for _, _, count in result["kept"]]
         assert collectives[2] == collectives[1] + 1 and collectives[3:] == collectives[:1] * 3
+        assert result["probed nan"] == [1]  # (every rank raises, naming rank 1)
         report = result["report"]
         assert report["phase"] == "decided" and report["decided_at"] == 9 and report["next_check"] == 11
         assert [b["spec"] for b in report["buckets"]] == ["none"]

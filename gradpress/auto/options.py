@@ -120,10 +120,14 @@ class AutoOptions:
         return tuple(dict.fromkeys([*self.candidates, self.measure_with or MEASURE_WITH]))
 
     @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The names of ``auto``'s own options (beside the runtime's)."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
     def pop_from(cls, options: dict[str, Any]) -> AutoOptions:
         """The auto options among ``options``, removed from it (the rest are the runtime's)."""
-        names = [f.name for f in fields(cls)]
-        return cls(**{name: options.pop(name) for name in names if name in options})
+        return cls(**{name: options.pop(name) for name in cls.names() if name in options})
 
     def text(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))

@@ -260,6 +260,18 @@ def link_phases(spec: str, packet_bytes: float, n: int) -> list[Phase]:
     return [Phase(strategy, ratio * packet_bytes) for strategy, ratio in _link_ratios(spec, n)]
 
 
+def _step_costs(simulator: Simulator, grads: Sequence[Mapping[str, torch.Tensor]]
+                ) -> tuple[tuple[float, float, float], float]:
+    """One step of ``simulator`` on ``grads`` (a bucket's, per worker): worker 0's (compress seconds,
+    decompress seconds, ``Packet.nbytes``) and the bytes it sent."""
+    before = simulator.stats()[0]["total"]
+    simulator.step(grads)
+    after = simulator.stats()[0]["total"]
+    costs = (after["compress_s"] - before["compress_s"], after["decompress_s"] - before["decompress_s"],
+             after["packet_bytes"] - before["packet_bytes"])
+    return costs, after["sent_bytes"] - before["sent_bytes"]
+
+
 def measure_with_errors(spec: str, profile: ComputeProfile, grads: Mapping[str, torch.Tensor], *,
                         workers: int = 2, seed: int = 0,
                         feedback: str | None = None) -> tuple[MethodCost, tuple[CompressionError, ...]]:
@@ -286,11 +298,8 @@ def measure_with_errors(spec: str, profile: ComputeProfile, grads: Mapping[str, 
         if not bucket:
             buckets.append(BucketCost(0.0, 0.0, 0.0, ()))
             continue
-        before = simulator.stats()[0]["total"]
-        simulator.step([bucket])
-        after = simulator.stats()[0]["total"]
-        compress, decompress, nbytes = (after[k] - before[k] for k in ("compress_s", "decompress_s", "packet_bytes"))
-        sent += after["sent_bytes"] - before["sent_bytes"]
+        (compress, decompress, nbytes), bytes_sent = _step_costs(simulator, [bucket])
+        sent += bytes_sent
         buckets.append(BucketCost(compress, decompress, nbytes,
                                   transfers_of(compressor, list(bucket.items()), workers, seed, packet_bytes=nbytes)))
     cost = MethodCost(spec, compressor.exchange, compressor.default_feedback if feedback is None else feedback,
@@ -312,13 +321,10 @@ def measure_method(spec: str, profile: ComputeProfile, grads: Sequence[Mapping[s
         for b, keys in enumerate(present):
             if not keys:
                 continue
-            before = simulator.stats()[0]["total"]
-            simulator.step([{key: g[key] for key in keys} for g in grads])
-            after = simulator.stats()[0]["total"]
+            costs, bytes_sent = _step_costs(simulator, [{key: g[key] for key in keys} for g in grads])
             if step:
-                samples[b].append(tuple(after[k] - before[k]
-                                        for k in ("compress_s", "decompress_s", "packet_bytes")))
-                sent += after["sent_bytes"] - before["sent_bytes"]
+                samples[b].append(costs)
+                sent += bytes_sent
     buckets = []
     for keys, rows in zip(present, samples, strict=True):
         if not rows:

@@ -158,13 +158,12 @@ def compared_config(base: TrainConfig, item: str) -> TrainConfig:
     measure_with=...``) go to the ``auto`` run alone."""
     from dataclasses import replace
 
-    from gradpress.auto import is_auto
-    from gradpress.testbed.training.options import auto_option_names
+    from gradpress.auto import AutoOptions, is_auto
 
     config = run_config(base, item)
     if is_auto(config.compressor):
         return config
-    return replace(config, options={k: v for k, v in config.options.items() if k not in auto_option_names()})
+    return replace(config, options={k: v for k, v in config.options.items() if k not in AutoOptions.names()})
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -74,14 +74,14 @@ __all__ = [
 
 def checked_config(args: argparse.Namespace, compressor: str) -> TrainConfig:
     """:func:`config_from_args` with :func:`check_launch`'s checks (UsageError)."""
+    from gradpress.auto import AutoOptions
     from gradpress.exchange.pipeline import Options
-    from gradpress.testbed.training.options import auto_option_names
 
     try:
         config = config_from_args(args, compressor)
     except ValueError as error:
         raise arguments.UsageError(str(error)) from None
-    runtime = {key: value for key, value in config.options.items() if key not in auto_option_names()}
+    runtime = {key: value for key, value in config.options.items() if key not in AutoOptions.names()}
     try:  # the options alone (with a compressor: check_exchange)
         Options.of(**{"seed": config.seed, **runtime})
     except ValueError as error:

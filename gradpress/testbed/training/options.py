@@ -48,21 +48,12 @@ def check_options(options: dict[str, Any], auto: bool = True) -> None:
     from gradpress.exchange.pipeline import Options
 
     hints = {**typing.get_type_hints(Options), **typing.get_type_hints(AutoOptions)}
-    known = [f.name for f in dataclasses.fields(Options) if f.init] + (auto_option_names() if auto else [])
+    known = [f.name for f in dataclasses.fields(Options) if f.init] + (list(AutoOptions.names()) if auto else [])
     for key, value in options.items():
         if key not in known:
             raise ValueError(f"unknown option {key!r}; the options are: {', '.join(known)}")
         if not _fits(value, hints[key]):
             raise ValueError(f"option {key}={value!r}: expected {_type_words(hints[key])}")
-
-
-def auto_option_names() -> list[str]:
-    """The options of ``auto`` (:class:`gradpress.auto.AutoOptions`): given to the ``auto`` run alone."""
-    import dataclasses
-
-    from gradpress.auto import AutoOptions
-
-    return [f.name for f in dataclasses.fields(AutoOptions)]
 
 
 def _fits(value: Any, annotation: Any) -> bool:
@@ -133,7 +124,7 @@ def check_exchange(config: TrainConfig) -> None:
     from gradpress.testbed.training.sharded import check_sharding, exchange_size
 
     check_options(config.options)
-    given = sorted(set(config.options) & set(auto_option_names()))
+    given = sorted(set(config.options) & set(AutoOptions.names()))
     if given and not is_auto(config.compressor):
         raise ValueError(f"option {', '.join(given)}: an option of --compressor auto, not of {config.compressor!r}")
     check_sharding(config)
